@@ -1,0 +1,22 @@
+"""Elastic, fault-tolerant PyTorch training on Ray.
+
+Public API::
+
+    from elastic import ElasticTrainer, ScalingConfig, CheckpointConfig, FailureConfig
+
+Everything not exported here is internal (modules prefixed with `_`).
+"""
+from elastic.config import CheckpointConfig, FailureConfig, ScalingConfig
+from elastic.context import TrainContext
+from elastic.errors import (ConfigError, ElasticError, FencedError, InsufficientWorkersError, RendezvousError,
+                            StorageConfigError, TooManyFailuresError, UserCodeError, WorkerLostError)
+from elastic.policies import Failure, FailureDecision, FailurePolicy, ResizeDecision, ScalingPolicy
+from elastic.trainer import ElasticTrainer, Result
+
+__all__ = [
+    "ElasticTrainer", "Result", "TrainContext",
+    "ScalingConfig", "CheckpointConfig", "FailureConfig",
+    "FailurePolicy", "ScalingPolicy", "Failure", "FailureDecision", "ResizeDecision",
+    "ElasticError", "ConfigError", "StorageConfigError", "WorkerLostError", "RendezvousError",
+    "InsufficientWorkersError", "TooManyFailuresError", "UserCodeError", "FencedError",
+]

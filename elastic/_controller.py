@@ -1,0 +1,316 @@
+"""The controller: an explicit state machine that watches the workers and alone acts.
+
+Each `tick()` refreshes the worker group's view, then runs the handler of the current state.
+Workers report; policies decide; only this class kills, re-forms and resumes. Every change of
+state goes through `_transition`, which logs it, notifies callbacks and rewrites status.json.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Protocol
+
+from elastic._protocol import GenerationPlan, RestorePlan, WorkerPhase
+from elastic._ray_group import DEAD, READY, WorkerView
+from elastic._states import (AnyState, Failed, Finished, PendingRecovery, Recovering, Running, RunState,
+                             Scheduling, Starting)
+from elastic.config import FailureConfig, ScalingConfig
+from elastic.errors import InsufficientWorkersError, TooManyFailuresError, WorkerLostError
+from elastic.policies import USER_CAUSE, Failure, FailurePolicy, ScalingPolicy
+
+log = logging.getLogger("elastic.controller")
+
+STARTUP_GRACE_S = 10.0   # how long to wait for max_workers at start before starting with fewer
+
+
+class WorkerGroup(Protocol):
+    def scale_to(self, n: int) -> None: ...
+    def tick(self) -> dict[int, WorkerView]: ...
+    def rendezvous_address(self, wid: int) -> tuple[str, int]: ...
+    def start_generation(self, plans: dict[int, GenerationPlan]) -> None: ...
+    def request_stop(self, wids: list[int], generation: int) -> None: ...
+    def kill(self, wid: int, reason: str) -> None: ...
+    def shutdown(self, graceful: bool = True) -> None: ...
+
+
+class CheckpointView(Protocol):
+    def latest_step(self) -> int | None: ...
+    def committed_steps(self) -> list[int]: ...
+    def fence(self, generation: int) -> None: ...
+
+
+class Controller:
+    def __init__(self, group: WorkerGroup, recorder: Any, checkpoints: CheckpointView, *,
+                 scaling: ScalingConfig, failure: FailureConfig, total_steps: int,
+                 failure_policy: FailurePolicy | None = None, scaling_policy: ScalingPolicy | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 callbacks: tuple[Callable[[RunState, RunState, str], None], ...] = ()):
+        self.group, self.recorder, self.checkpoints = group, recorder, checkpoints
+        self.scaling, self.failure, self.total_steps = scaling, failure, total_steps
+        self.failure_policy = failure_policy or FailurePolicy()
+        self.scaling_policy = scaling_policy or ScalingPolicy()
+        self.clock = clock
+        self.callbacks = callbacks
+        self.state: AnyState = Scheduling(since=clock())
+        self.generation = -1
+        self.step = 0
+        self.infra_failures = 0
+        self.failures: list[Failure] = []
+        self.error: dict[str, Any] | None = None
+        self.model_sha256: str | None = None
+        self.views: dict[int, WorkerView] = {}
+        self.history: list[tuple[str, str, str]] = []
+        self._last_committed: int | None = None
+        self._last_committed_at = -1e9
+
+    @property
+    def done(self) -> bool:
+        return self.state.state in (RunState.FINISHED, RunState.FAILED)
+
+    # ---- loop --------------------------------------------------------------------------
+    def run(self, sleep: Callable[[float], None] = time.sleep) -> None:
+        try:
+            while not self.done:
+                self.tick()
+                if not self.done:
+                    sleep(self.failure.heartbeat_interval_s)
+        finally:
+            self.group.shutdown(graceful=self.state.state == RunState.FINISHED)
+
+    def tick(self) -> None:
+        self.views = self.group.tick()
+        self._absorb_records()
+        handler = {RunState.SCHEDULING: self._on_scheduling, RunState.STARTING: self._on_starting,
+                   RunState.RUNNING: self._on_running, RunState.RECOVERING: self._on_recovering}.get(self.state.state)
+        if handler is not None:
+            handler()
+        self._write_status(force=False)
+
+    def _transition(self, new: AnyState, reason: str) -> None:
+        old = self.state.state
+        self.state = new
+        self.history.append((old.value, new.state.value, reason))
+        log.info("controller: %s -> %s (%s)", old.value, new.state.value, reason)
+        for callback in self.callbacks:
+            callback(old, new.state, reason)
+        self._write_status(force=True)
+
+    # ---- states ------------------------------------------------------------------------
+    def _on_scheduling(self) -> None:
+        st: Scheduling = self.state
+        self.group.scale_to(self.scaling.max_workers)
+        ready = self._ready_ids()
+        pending = [w for w, v in self.views.items() if v.status not in (READY, DEAD)]
+        waited = self.clock() - st.since
+        if len(ready) >= self.scaling.max_workers or (
+                len(ready) >= self.scaling.min_workers and (not pending or waited >= STARTUP_GRACE_S)):
+            latest = self.checkpoints.latest_step()
+            if latest is not None:
+                self.recorder.resumed_from = latest
+                self.recorder.load_previous_metrics(latest)
+                self.step = latest
+            plan = RestorePlan("checkpoint", step=latest) if latest is not None else RestorePlan("fresh")
+            self._transition(Starting(ready[:self.scaling.max_workers], plan), f"{len(ready)} workers ready")
+            self._on_starting()
+        elif waited > self.failure.rendezvous_timeout_s:
+            self._fail(InsufficientWorkersError(
+                f"only {len(ready)} of min_workers={self.scaling.min_workers} workers could be placed in "
+                f"{self.failure.rendezvous_timeout_s:.0f}s; add resources, lower ScalingConfig.min_workers "
+                f"or raise FailureConfig.rendezvous_timeout_s"))
+
+    def _on_starting(self) -> None:
+        st: Starting = self.state
+        self.generation += 1
+        self.checkpoints.fence(self.generation)
+        world = len(st.members)
+        try:
+            addr, port = self.group.rendezvous_address(st.members[0])
+            self.group.start_generation({wid: GenerationPlan(
+                generation=self.generation, rank=rank, world_size=world, master_addr=addr, master_port=port,
+                restore=st.restore, timeout_s=self.failure.collective_timeout_s)
+                for rank, wid in enumerate(st.members)})
+        except WorkerLostError as error:
+            log.warning("generation %d could not start: %s", self.generation, error)
+        if st.recovery is not None:
+            st.recovery.to_world, st.recovery.restored_step = world, st.restore.step
+        self.recorder.on_generation_start(st.restore.step, world)
+        self._transition(Running(self.generation, st.members, self.clock(), st.recovery),
+                         f"generation {self.generation}: world size {world}, restore {st.restore.kind}")
+
+    def _on_running(self) -> None:
+        st: Running = self.state
+        lost, user_ranks, comm_ranks, finished = [], [], [], 0
+        for rank, wid in enumerate(st.members):
+            view, report = self.views[wid], self.views[wid].report
+            if view.status == DEAD:
+                lost.append((wid, "node_lost" if (view.death or "").startswith("node lost") else "worker_died",
+                             view.silent_s))
+            elif view.silent_s > self.failure.heartbeat_timeout_s:
+                lost.append((wid, "hang", view.silent_s))
+            elif report is not None and report.generation == st.generation:
+                if report.phase == WorkerPhase.FAILED:
+                    user_ranks.append(rank)
+                elif report.phase == WorkerPhase.INTERRUPTED:
+                    comm_ranks.append(rank)
+                elif report.phase == WorkerPhase.FINISHED:
+                    finished += 1
+        if user_ranks:
+            self._fail_user_error(st.members, user_ranks)
+        elif lost:
+            self._begin_recovery(st.members, lost[0][1], [w for w, _, _ in lost], max(s for _, _, s in lost))
+        elif comm_ranks:
+            # A broken collective with no lost peer yet: give the lost peer a heartbeat timeout to show.
+            st.suspect_since = st.suspect_since or self.clock()
+            if self.clock() - st.suspect_since > self.failure.heartbeat_timeout_s:
+                self._begin_recovery(st.members, "collective_error", [], 0.0)
+        elif finished == len(st.members):
+            self.model_sha256 = self.views[st.members[0]].report.model_sha256
+            self._transition(Finished(), f"all {finished} ranks finished at step {self.step}")
+        else:
+            self.group.scale_to(self.scaling.max_workers)
+            self._maybe_grow(st)
+
+    def _maybe_grow(self, st: Running) -> None:
+        spares = [w for w in self._ready_ids() if w not in st.members]
+        if not spares or st.recovery is not None:
+            return
+        decision = self.scaling_policy.decide_resize(
+            world_size=len(st.members), ready_spares=len(spares),
+            min_workers=self.scaling.min_workers, max_workers=self.scaling.max_workers)
+        if decision is None or decision.target_world_size <= len(st.members):
+            return
+        self.group.request_stop(st.members, st.generation)
+        recovery = PendingRecovery("scale_up", self.clock(), 0.0, len(st.members), self.step)
+        self._transition(Recovering(st.generation, list(st.members), self._recovery_deadline(), recovery,
+                                    voluntary=True), decision.reason)
+
+    def _begin_recovery(self, members: list[int], cause: str, lost: list[int], detect_s: float) -> None:
+        for wid in lost:
+            self.group.kill(wid, cause)
+        survivors = [w for w in members if w not in lost]
+        self.group.request_stop(survivors, self.generation)
+        ranks = tuple(members.index(w) for w in lost)
+        failure = Failure(cause, ranks, f"lost worker(s) {lost}")
+        self.failures.append(failure)
+        decision = self.failure_policy.decide(failure, infra_failures_so_far=self.infra_failures,
+                                              max_failures=self.failure.max_failures)
+        self.infra_failures += 1
+        if decision.action == "fail":
+            self._fail(TooManyFailuresError(decision.reason + "; causes: " +
+                                            ", ".join(f.cause for f in self.failures)), failure)
+            return
+        self.group.scale_to(self.scaling.max_workers)
+        max_step = max([self.step] + [self.views[w].report.step for w in members if self.views[w].report])
+        recovery = PendingRecovery(cause, self.clock(), round(detect_s, 3), len(members), max_step)
+        self._transition(Recovering(self.generation, survivors, self._recovery_deadline(), recovery),
+                         f"{cause}: ranks {list(ranks)} lost; {decision.reason}")
+
+    def _recovery_deadline(self) -> float:
+        return self.clock() + self.failure.collective_timeout_s + self.failure.heartbeat_timeout_s
+
+    def _on_recovering(self) -> None:
+        st: Recovering = self.state
+        settled, running = [], []
+        for wid in st.survivors:
+            view, report = self.views[wid], self.views[wid].report
+            if view.status == DEAD:
+                continue
+            if view.silent_s > self.failure.heartbeat_timeout_s:
+                self.group.kill(wid, "hang during recovery")
+                st.recovery.rung = "cold"
+            elif report is None or (report.phase == WorkerPhase.RUNNING and report.generation == st.generation):
+                running.append(wid)
+            elif report.phase == WorkerPhase.FAILED:
+                return self._fail_user_error(st.survivors, [st.survivors.index(wid)])
+            elif report.phase == WorkerPhase.FINISHED and report.step >= self.total_steps:
+                self.model_sha256 = report.model_sha256 or self.model_sha256
+                return self._transition(Finished(), "finished while recovering")
+            else:
+                settled.append(wid)
+        if running:
+            if self.clock() < st.deadline:
+                return
+            for wid in running:   # cold rung: cannot leave its collective; replace it
+                self.group.kill(wid, "stuck in a collective past FailureConfig.collective_timeout_s")
+            st.recovery.rung = "cold"
+        self._reform(st, settled)
+
+    def _reform(self, st: Recovering, survivors: list[int]) -> None:
+        survivors.sort(key=lambda w: (-self.views[w].report.step, st.survivors.index(w)))
+        spares = [w for w in self._ready_ids() if w not in survivors and w not in st.survivors]
+        members = (survivors + spares)[:self.scaling.max_workers]
+        if len(members) < self.scaling.min_workers:
+            self.group.scale_to(self.scaling.max_workers)
+            if self.clock() - st.recovery.detected_at > self.failure.rendezvous_timeout_s:
+                self._fail(InsufficientWorkersError(
+                    f"{len(members)} workers left after {st.recovery.cause}, fewer than "
+                    f"min_workers={self.scaling.min_workers}, and no replacement was placed within "
+                    f"FailureConfig.rendezvous_timeout_s={self.failure.rendezvous_timeout_s:.0f}s"))
+            return
+        st.recovery.max_step = max([st.recovery.max_step] + [self.views[w].report.step for w in survivors])
+        warm = [w for w in survivors if self.views[w].report.has_state]
+        if warm:
+            plan = RestorePlan("broadcast", source_rank=members.index(warm[0]),
+                               step=self.views[warm[0]].report.step)
+        else:
+            latest = self.checkpoints.latest_step()
+            plan = RestorePlan("checkpoint", step=latest) if latest is not None else RestorePlan("fresh")
+            if st.recovery.rung != "cold":
+                st.recovery.rung = "checkpoint"
+        self.step = plan.step
+        self._transition(Starting(members, plan, st.recovery),
+                         f"re-forming with {len(survivors)} survivor(s) and {len(members) - len(survivors)} new")
+        self._on_starting()
+
+    # ---- bookkeeping -------------------------------------------------------------------
+    def _absorb_records(self) -> None:
+        for view in self.views.values():
+            for record in view.records:
+                self.recorder.on_step(record)
+                self.step = record.step
+                st = self.state
+                if isinstance(st, Running) and st.recovery is not None and record.step > st.recovery.restored_step:
+                    self._close_recovery(st.recovery)
+                    st.recovery = None
+
+    def _close_recovery(self, recovery: PendingRecovery) -> None:
+        entry = {"cause": recovery.cause, "rung": recovery.rung, "detect_s": recovery.detect_s,
+                 "recover_s": round(self.clock() - recovery.detected_at, 3),
+                 "lost_steps": max(0, recovery.max_step - recovery.restored_step),
+                 "from_world": recovery.from_world, "to_world": recovery.to_world,
+                 "step": recovery.restored_step, "generation": self.generation}
+        log.info("recovery done: %s", entry)
+        self.recorder.on_recovery(entry)
+
+    def _ready_ids(self) -> list[int]:
+        return sorted(w for w, v in self.views.items() if v.status == READY)
+
+    def _fail_user_error(self, members: list[int], ranks: list[int]) -> None:
+        report = self.views[members[ranks[0]]].report
+        failure = Failure(USER_CAUSE, tuple(ranks), f"{report.error_type}: {report.error_message}")
+        self.failures.append(failure)
+        decision = self.failure_policy.decide(failure, infra_failures_so_far=self.infra_failures,
+                                              max_failures=self.failure.max_failures)
+        self.error = {"type": report.error_type, "message": report.error_message,
+                      "traceback": report.error_traceback, "exception": report.error, "ranks": ranks}
+        self._transition(Failed(decision.reason, failure), decision.reason)
+
+    def _fail(self, error: Exception, failure: Failure | None = None) -> None:
+        self.error = {"type": type(error).__name__, "message": str(error), "traceback": None,
+                      "exception": error, "ranks": list(failure.ranks) if failure else []}
+        self._transition(Failed(str(error), failure), str(error))
+
+    def _write_status(self, force: bool) -> None:
+        now = self.clock()
+        if force or now - self._last_committed_at > 2.0:
+            self._last_committed_at = now
+            try:
+                self._last_committed = self.checkpoints.latest_step()
+            except Exception:   # noqa: BLE001 - status is best effort; storage errors surface in saves
+                log.debug("could not read the latest checkpoint", exc_info=True)
+        members = getattr(self.state, "members", None) or getattr(self.state, "survivors", None) or []
+        workers = [{"rank": rank, "pid": v.info.pid, "node_id": v.info.node_id, "actor_id": v.info.actor_id}
+                   for rank, wid in enumerate(members) if (v := self.views.get(wid)) and v.info]
+        self.recorder.write_status(force=force, state=self.state.state.value, generation=self.generation,
+                                   step=self.step, world_size=len(members),
+                                   last_committed_step=self._last_committed, workers=workers)

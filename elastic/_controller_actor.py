@@ -1,0 +1,78 @@
+"""The Ray actor hosting the controller, its worker group and the run's record."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from elastic._controller import Controller
+from elastic._ray_group import RayWorkerGroup
+from elastic._run_record import RunRecorder
+from elastic._states import RunState
+from elastic.config import CheckpointConfig, FailureConfig, ScalingConfig
+from elastic.context import RunSpec
+from elastic.errors import UserCodeError
+
+
+class CheckpointView:
+    """What the controller needs from committed checkpoints; it is not in any process group."""
+
+    def __init__(self, url: str, storage_options: dict | None, keep: int | None):
+        from checkpointing import CheckpointManager
+        self._manager = CheckpointManager(url, keep=keep, storage_options=storage_options, async_save=False)
+
+    def latest_step(self) -> int | None:
+        committed = self._manager.committed()
+        return committed[-1].step if committed else None
+
+    def committed_steps(self) -> list[int]:
+        return [info.step for info in self._manager.committed()]
+
+    def fence(self, generation: int) -> None:
+        self._manager.set_generation(generation)
+
+
+class ControllerActor:
+    def __init__(self, spec: RunSpec, scaling: ScalingConfig, failure: FailureConfig, checkpoint: CheckpointConfig,
+                 total_steps: int, config: dict[str, Any], failure_policy, scaling_policy):
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        options = dict(checkpoint.storage_options) or None
+        self._recorder = RunRecorder(checkpoint.storage, options, total_steps=total_steps, config=config)
+        self._checkpoints = CheckpointView(checkpoint.storage, options, checkpoint.keep)
+        self._controller = Controller(
+            RayWorkerGroup(spec, scaling, failure), self._recorder, self._checkpoints, scaling=scaling,
+            failure=failure, total_steps=total_steps, failure_policy=failure_policy, scaling_policy=scaling_policy)
+        self._started = time.time()
+
+    def run(self) -> dict[str, Any]:
+        controller = self._controller
+        try:
+            controller.run()
+        except BaseException as error:   # noqa: BLE001 - a controller bug must still end in a summary
+            logging.getLogger("elastic.controller").exception("controller crashed")
+            controller.error = {"type": type(error).__name__, "message": str(error), "traceback": None,
+                                "exception": error, "ranks": []}
+        finished = controller.state.state == RunState.FINISHED
+        error = controller.error
+        try:
+            checkpoints = self._checkpoints.committed_steps()
+        except Exception:   # noqa: BLE001 - listing may fail when storage is the thing that broke
+            checkpoints = []
+        summary = self._recorder.write_summary(
+            status="finished" if finished else "failed", final_step=controller.step, checkpoints=checkpoints,
+            model_sha256=controller.model_sha256,
+            error=None if error is None else {k: error[k] for k in ("type", "message", "traceback", "ranks")})
+        self._recorder.write_status(force=True, state=controller.state.state.value)
+        exception = None
+        if error is not None:
+            exception = error.get("exception") or UserCodeError(f"{error['type']}: {error['message']}")
+        return {"status": summary["status"], "final_step": controller.step, "summary": summary,
+                "error": exception, "traceback": error.get("traceback") if error else None}
+
+    def snapshot(self) -> dict[str, Any]:
+        c = self._controller
+        members = getattr(c.state, "members", None) or getattr(c.state, "survivors", None) or []
+        return {"state": c.state.state.value, "step": c.step, "total_steps": c.total_steps,
+                "generation": c.generation, "world_size": len(members),
+                "last_committed_step": c._last_committed, "failures": len(c.failures),
+                "loss": self._recorder.last_loss, "elapsed_s": time.time() - self._started}

@@ -1,0 +1,78 @@
+"""Messages exchanged between the controller and the workers (plain, picklable dataclasses)."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class WorkerPhase(str, enum.Enum):
+    IDLE = "idle"                # process up, in no group
+    RUNNING = "running"          # train_loop runs in generation `generation`
+    INTERRUPTED = "interrupted"  # left the loop (rescale request or broken group); state kept in memory
+    FINISHED = "finished"        # train_loop returned after total_steps
+    FAILED = "failed"            # train_loop raised a user-code error
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One completed step as seen by rank 0 (the source of metrics.jsonl)."""
+
+    step: int
+    loss: float | None
+    world_size: int
+    time: float
+    samples_seen: int
+    global_batch: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WorkerReport:
+    """A worker's answer to a poll."""
+
+    phase: WorkerPhase
+    generation: int
+    rank: int | None
+    step: int                      # steps completed by the state held in memory
+    has_state: bool                # model/optimizer state of `step` is in memory (warm source)
+    records: list[StepRecord]      # steps completed since the previous poll (rank 0 only)
+    error_type: str | None = None
+    error_message: str | None = None
+    error_traceback: str | None = None
+    error_is_user: bool = False
+    error: BaseException | None = None   # the original exception when it pickles
+    committed_steps: list[int] = field(default_factory=list)
+    model_sha256: str | None = None
+    resumed_from: int | None = None
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    """How ranks of a new generation obtain their state in `ctx.restore`."""
+
+    kind: str                      # "fresh" | "broadcast" | "checkpoint"
+    source_rank: int | None = None
+    step: int = 0
+
+
+@dataclass(frozen=True)
+class GenerationPlan:
+    """Everything a worker needs to join generation `generation` as `rank`."""
+
+    generation: int
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    restore: RestorePlan
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    pid: int
+    node_id: str
+    actor_id: str
+    ip: str
+    extra: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,244 @@
+"""The worker group on Ray: one placement group and one TrainWorker actor per worker slot.
+
+Only this module talks to Ray about workers. It is non-blocking: `tick()` advances pending
+placements, collects poll answers and sends new polls, and returns a view the controller decides
+on. A placement group that cannot be placed yet stays pending, so replacements start by
+themselves when capacity returns (a node comes back, resources free up).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from elastic._protocol import GenerationPlan, WorkerInfo, WorkerReport
+from elastic._worker import TrainWorker
+from elastic.config import FailureConfig, ScalingConfig
+from elastic.context import RunSpec
+from elastic.errors import WorkerLostError
+
+log = logging.getLogger("elastic.group")
+
+PENDING, STARTING, READY, DEAD = "pending", "starting", "ready", "dead"
+
+
+@dataclass
+class WorkerView:
+    """What the controller knows of one worker slot."""
+
+    wid: int
+    status: str                                # pending | starting | ready | dead
+    report: WorkerReport | None = None         # newest poll answer
+    info: WorkerInfo | None = None
+    silent_s: float = 0.0                      # time since the last answer (ready workers)
+    death: str | None = None                   # why it is dead
+    records: list = field(default_factory=list)  # step records drained by this tick
+
+
+@dataclass
+class _Slot:
+    wid: int
+    pg: object
+    pg_ready: object
+    created_at: float
+    status: str = PENDING
+    actor: object = None
+    info_ref: object = None
+    info: WorkerInfo | None = None
+    poll_ref: object = None
+    poll_sent_at: float = 0.0
+    last_answer_at: float = 0.0
+    report: WorkerReport | None = None
+    death: str | None = None
+    silent_at_death: float = 0.0
+
+
+class RayWorkerGroup:
+    def __init__(self, spec: RunSpec, scaling: ScalingConfig, failure: FailureConfig):
+        self._spec = spec
+        self._scaling = scaling
+        self._failure = failure
+        self._slots: dict[int, _Slot] = {}
+        self._next_wid = 0
+        resources = dict(scaling.resources_per_worker)
+        if scaling.use_gpu:
+            resources.setdefault("GPU", 1.0)
+        self._bundle = resources
+
+    # ---- capacity ----------------------------------------------------------------------
+    def scale_to(self, n: int) -> None:
+        """Keep `n` worker slots alive or pending; start placements for the missing ones."""
+        live = [s for s in self._slots.values() if s.status != DEAD]
+        for _ in range(n - len(live)):
+            pg = placement_group([dict(self._bundle)], strategy="PACK")
+            wid = self._next_wid
+            self._next_wid += 1
+            self._slots[wid] = _Slot(wid=wid, pg=pg, pg_ready=pg.ready(), created_at=time.monotonic())
+
+    def _launch(self, slot: _Slot) -> None:
+        resources = dict(self._bundle)
+        cpus = resources.pop("CPU", 0.0)
+        gpus = resources.pop("GPU", 0.0)
+        actor_cls = ray.remote(TrainWorker).options(
+            num_cpus=cpus, num_gpus=gpus, resources=resources or None, max_concurrency=8,
+            max_restarts=0, name=None,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(slot.pg, placement_group_bundle_index=0))
+        slot.actor = actor_cls.remote(self._spec)
+        slot.info_ref = slot.actor.info.remote()
+        slot.status = STARTING
+
+    # ---- the tick ----------------------------------------------------------------------
+    def tick(self) -> dict[int, WorkerView]:
+        now = time.monotonic()
+        self._advance_placements(now)
+        self._collect_polls(now)
+        self._send_polls(now)
+        views = {}
+        for slot in self._slots.values():
+            records = []
+            if slot.report is not None and slot.report.records:
+                records = slot.report.records
+                slot.report = _without_records(slot.report)
+            views[slot.wid] = WorkerView(
+                wid=slot.wid, status=slot.status, report=slot.report, info=slot.info,
+                silent_s=_silence(slot, now),
+                death=slot.death, records=records)
+        return views
+
+    def _advance_placements(self, now: float) -> None:
+        pending = [s for s in self._slots.values() if s.status == PENDING]
+        if pending:
+            ready, _ = ray.wait([s.pg_ready for s in pending], num_returns=len(pending), timeout=0)
+            ready = set(ready)
+            for slot in pending:
+                if slot.pg_ready in ready:
+                    self._launch(slot)
+        starting = [s for s in self._slots.values() if s.status == STARTING]
+        if starting:
+            ready, _ = ray.wait([s.info_ref for s in starting], num_returns=len(starting), timeout=0)
+            ready = set(ready)
+            for slot in starting:
+                if slot.info_ref in ready:
+                    try:
+                        slot.info = ray.get(slot.info_ref)
+                        slot.status = READY
+                        slot.last_answer_at = now
+                    except RayActorError as error:
+                        self._mark_dead(slot, f"died while starting: {error}")
+                elif now - slot.created_at > self._failure.rendezvous_timeout_s:
+                    self.kill(slot.wid, "did not start within FailureConfig.rendezvous_timeout_s")
+
+    def _collect_polls(self, now: float) -> None:
+        waiting = [s for s in self._slots.values() if s.status == READY and s.poll_ref is not None]
+        if not waiting:
+            return
+        ready, _ = ray.wait([s.poll_ref for s in waiting], num_returns=len(waiting), timeout=0)
+        ready = set(ready)
+        for slot in waiting:
+            if slot.poll_ref not in ready:
+                continue
+            try:
+                report = ray.get(slot.poll_ref)
+            except RayActorError as error:
+                slot.silent_at_death = now - slot.last_answer_at
+                self._mark_dead(slot, self._death_reason(slot, error))
+                continue
+            if slot.report is not None and slot.report.records:
+                report = _merge_records(slot.report, report)
+            slot.report = report
+            slot.poll_ref = None
+            slot.last_answer_at = now
+
+    def _send_polls(self, now: float) -> None:
+        for slot in self._slots.values():
+            if slot.status == READY and slot.poll_ref is None:
+                slot.poll_ref = slot.actor.poll.remote()
+                slot.poll_sent_at = now
+
+    def _mark_dead(self, slot: _Slot, reason: str) -> None:
+        if slot.status == DEAD:
+            return
+        slot.status = DEAD
+        slot.death = reason
+        slot.poll_ref = None
+        (log.info if reason == "run ended" else log.warning)("worker %d is dead: %s", slot.wid, reason)
+        try:
+            remove_placement_group(slot.pg)
+        except Exception:   # noqa: BLE001 - the placement group may be gone with its node
+            log.debug("removing placement group of worker %d failed", slot.wid, exc_info=True)
+
+    # ---- actions -----------------------------------------------------------------------
+    def rendezvous_address(self, wid: int) -> tuple[str, int]:
+        slot = self._slots[wid]
+        try:
+            return ray.get(slot.actor.rendezvous_address.remote(), timeout=self._failure.heartbeat_timeout_s)
+        except (RayActorError, GetTimeoutError) as error:
+            raise WorkerLostError(f"worker {wid} did not give a rendezvous address: {error}") from error
+
+    def start_generation(self, plans: dict[int, GenerationPlan]) -> None:
+        refs = {wid: self._slots[wid].actor.start_generation.remote(plan) for wid, plan in plans.items()}
+        for wid, ref in refs.items():
+            try:
+                ray.get(ref, timeout=self._failure.heartbeat_timeout_s)
+            except (RayActorError, GetTimeoutError) as error:
+                raise WorkerLostError(f"worker {wid} could not start generation: {error}") from error
+
+    def request_stop(self, wids: list[int], generation: int) -> None:
+        for wid in wids:
+            slot = self._slots[wid]
+            if slot.status == READY:
+                slot.actor.request_stop.remote(generation)
+
+    def kill(self, wid: int, reason: str) -> None:
+        slot = self._slots[wid]
+        if slot.actor is not None:
+            try:
+                ray.kill(slot.actor, no_restart=True)
+            except Exception:   # noqa: BLE001 - already gone
+                pass
+        self._mark_dead(slot, reason)
+
+    def shutdown(self, graceful: bool = True) -> None:
+        live = [s for s in self._slots.values() if s.status in (READY, STARTING)]
+        if graceful and live:
+            refs = [s.actor.shutdown.remote() for s in live if s.status == READY]
+            ray.wait(refs, num_returns=len(refs), timeout=30)
+        for slot in list(self._slots.values()):
+            if slot.status != DEAD:
+                self.kill(slot.wid, "run ended")
+
+
+    @staticmethod
+    def _death_reason(slot: _Slot, error: RayActorError) -> str:
+        """"node lost: ..." when the worker's node is gone from the cluster, else "actor died: ..."."""
+        first_line = (str(error).splitlines() or [type(error).__name__])[0]
+        node_id = slot.info.node_id if slot.info else None
+        if node_id is not None:
+            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            if node_id not in alive:
+                return f"node lost: node {node_id[:12]} left the cluster ({first_line})"
+        return f"actor died: {first_line}"
+
+
+def _silence(slot: _Slot, now: float) -> float:
+    """Seconds since the worker last answered: the upper bound on how long a fault went unseen."""
+    if slot.status == DEAD:
+        return slot.silent_at_death
+    if slot.status == READY and slot.poll_ref is not None:
+        return now - slot.last_answer_at
+    return 0.0
+
+
+def _without_records(report: WorkerReport) -> WorkerReport:
+    from dataclasses import replace
+    return replace(report, records=[])
+
+
+def _merge_records(old: WorkerReport, new: WorkerReport) -> WorkerReport:
+    from dataclasses import replace
+    return replace(new, records=old.records + new.records)

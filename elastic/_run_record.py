@@ -1,0 +1,129 @@
+"""The run's record on storage: status.json (live), metrics.jsonl (per step), summary.json (end).
+
+Owned by the controller. Every file is rewritten whole and atomically (one PUT on S3), so a
+reader never sees a torn file. Rewrites are throttled to `min_interval_s` except on transitions.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from checkpointing.storage import Storage
+from elastic._protocol import StepRecord
+
+log = logging.getLogger("elastic.record")
+
+
+class RunRecorder:
+    def __init__(self, url: str, storage_options: dict | None, *, total_steps: int,
+                 config: dict[str, Any], min_interval_s: float = 1.0):
+        self._storage = Storage(url, storage_options)
+        self._url = url
+        self._total_steps = total_steps
+        self._config = config
+        self._min_interval_s = min_interval_s
+        self._started_at = time.time()
+        self._metrics: dict[int, dict[str, Any]] = {}
+        self._step_seconds: dict[int, float] = {}   # duration of the kept attempt of each step
+        self._last_step_time: float | None = None
+        self._world_size_history: list[list[int]] = []
+        self._recoveries: list[dict[str, Any]] = []
+        self._stragglers: list[dict[str, Any]] = []
+        self._losses: list[float] = []
+        self._status: dict[str, Any] = {}
+        self._last_write = 0.0
+        self._metrics_dirty = False
+        self.resumed_from: int | None = None
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    @property
+    def last_loss(self) -> float | None:
+        return self._losses[-1] if self._losses else None
+
+    def load_previous_metrics(self, up_to_step: int) -> None:
+        """On resume, keep the lines of the previous run up to the step we resume from."""
+        path = self._storage.path("metrics.jsonl")
+        try:
+            text = self._storage.read_bytes(path).decode()
+        except FileNotFoundError:
+            return
+        for line in text.splitlines():
+            if line.strip():
+                row = json.loads(line)
+                if row.get("step", 0) <= up_to_step:
+                    self._metrics[row["step"]] = row
+
+    # ---- events ------------------------------------------------------------------------
+    def on_generation_start(self, step: int, world_size: int) -> None:
+        self._world_size_history.append([step, world_size])
+        self._last_step_time = time.time()
+
+    def on_step(self, record: StepRecord, lr: float | None = None) -> None:
+        previous = self._last_step_time or record.time
+        self._step_seconds[record.step] = max(0.0, record.time - previous)
+        self._last_step_time = record.time
+        # Steps after the restored one are overwritten when re-done: the record keeps the kept attempt.
+        for lost in [s for s in self._step_seconds if s > record.step]:
+            del self._step_seconds[lost]
+        if record.loss is not None:
+            self._losses.append(record.loss)
+        self._metrics[record.step] = {
+            "step": record.step, "loss": record.loss, "world_size": record.world_size,
+            "time": record.time, "lr": record.metrics.get("lr", lr),
+            "global_batch": record.global_batch, "accum_steps": int(record.metrics.get("accum_steps", 1)),
+            "samples_seen": record.samples_seen}
+        for lost in [s for s in self._metrics if s > record.step]:
+            del self._metrics[lost]
+        self._metrics_dirty = True
+
+    def on_recovery(self, recovery: dict[str, Any]) -> None:
+        self._recoveries.append(recovery)
+
+    def on_straggler(self, flag: dict[str, Any]) -> None:
+        self._stragglers.append(flag)
+
+    # ---- files -------------------------------------------------------------------------
+    def write_status(self, *, force: bool = False, **status: Any) -> None:
+        self._status.update(status)
+        now = time.monotonic()
+        if not force and now - self._last_write < self._min_interval_s:
+            return
+        self._last_write = now
+        self._write_json("status.json", {**self._status, "updated_at": time.time()})
+        if self._metrics_dirty:
+            self.flush_metrics()
+
+    def flush_metrics(self) -> None:
+        lines = "".join(json.dumps(self._metrics[s]) + "\n" for s in sorted(self._metrics))
+        self._storage.write_atomic(self._storage.path("metrics.jsonl"), lines.encode())
+        self._metrics_dirty = False
+
+    def _write_json(self, name: str, payload: dict[str, Any]) -> None:
+        try:
+            self._storage.write_atomic(self._storage.path(name), json.dumps(payload, indent=1).encode())
+        except Exception:   # noqa: BLE001 - a status write must not kill the run; the next one retries
+            log.exception("could not write %s under %s", name, self._url)
+
+    def write_summary(self, *, status: str, final_step: int, checkpoints: list[int],
+                      model_sha256: str | None, error: dict[str, Any] | None) -> dict[str, Any]:
+        wall_s = time.time() - self._started_at
+        kept = sum(self._step_seconds.values())
+        summary = {
+            "status": status, "final_step": final_step, "total_steps": self._total_steps,
+            "world_size_history": self._world_size_history, "recoveries": self._recoveries,
+            "checkpoints": checkpoints,
+            "loss_first": self._losses[0] if self._losses else None,
+            "loss_last": self._losses[-1] if self._losses else None,
+            "model_sha256": model_sha256, "wall_s": round(wall_s, 3),
+            "goodput": round(min(1.0, kept / wall_s), 4) if wall_s > 0 else None,
+            "resumed_from": self.resumed_from, "stragglers": self._stragglers,
+            "config": self._config, "error": error,
+        }
+        self.flush_metrics()
+        self._write_json("summary.json", summary)
+        return summary

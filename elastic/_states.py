@@ -1,0 +1,82 @@
+"""The controller's states: one enum, one small payload class per state."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from elastic._protocol import RestorePlan
+from elastic.policies import Failure
+
+
+class RunState(str, enum.Enum):
+    SCHEDULING = "scheduling"   # placing workers until min_workers are ready
+    STARTING = "starting"       # forming a generation's process group
+    RUNNING = "running"
+    RECOVERING = "recovering"   # waiting for survivors to leave the loop, then re-forming
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+@dataclass
+class PendingRecovery:
+    """A recovery in progress, closed when the new generation completes its first step."""
+
+    cause: str
+    detected_at: float
+    detect_s: float
+    from_world: int
+    max_step: int
+    rung: str = "warm"
+    to_world: int = 0
+    restored_step: int = 0
+
+
+@dataclass
+class Scheduling:
+    since: float
+    recovery: PendingRecovery | None = None
+    state: RunState = RunState.SCHEDULING
+
+
+@dataclass
+class Starting:
+    members: list[int]
+    restore: RestorePlan
+    recovery: PendingRecovery | None = None
+    state: RunState = RunState.STARTING
+
+
+@dataclass
+class Running:
+    generation: int
+    members: list[int]                 # worker ids in rank order
+    started_at: float
+    recovery: PendingRecovery | None = None
+    suspect_since: float | None = None   # a rank reported a broken group, no peer is known lost yet
+    state: RunState = RunState.RUNNING
+
+
+@dataclass
+class Recovering:
+    generation: int
+    survivors: list[int]
+    deadline: float
+    recovery: PendingRecovery
+    voluntary: bool = False            # a resize the controller chose, not a failure
+    cold: list[int] = field(default_factory=list)
+    state: RunState = RunState.RECOVERING
+
+
+@dataclass
+class Finished:
+    state: RunState = RunState.FINISHED
+
+
+@dataclass
+class Failed:
+    reason: str
+    failure: Failure | None = None
+    state: RunState = RunState.FAILED
+
+
+AnyState = Scheduling | Starting | Running | Recovering | Finished | Failed

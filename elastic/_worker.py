@@ -1,0 +1,172 @@
+"""TrainWorker: the Ray actor hosting one rank.
+
+The user's loop runs in a thread so the actor keeps answering the controller's polls (its
+heartbeat) while training, and keeps its process and in-memory state across generations.
+The worker never decides anything: it reports what happened and waits for the next plan.
+"""
+from __future__ import annotations
+
+import datetime
+import inspect
+import logging
+import os
+import socket
+import threading
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from elastic._protocol import GenerationPlan, WorkerInfo, WorkerPhase, WorkerReport
+from elastic._state import mix_seed
+from elastic.context import Carry, RescaleInterrupt, RunSpec, TrainContext
+
+log = logging.getLogger("elastic.worker")
+
+# Markers of an error raised by a broken process group rather than by the user's code.
+_COMM_MARKERS = ("gloo", "nccl", "connection reset", "connection closed", "broken pipe",
+                 "timed out", "processgroup", "socket", "peer")
+
+
+def is_communication_error(error: BaseException) -> bool:
+    if isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(error, RuntimeError) and any(m in str(error).lower() for m in _COMM_MARKERS)
+
+
+def _preload() -> None:
+    """Import what the first step of a generation needs while the worker is still a spare, so a
+    replacement joining a running group does not stall everyone on imports."""
+    import torch.distributed.checkpoint.state_dict  # noqa: F401
+    import torch.nn.parallel  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401  (heavy; paid while the worker is still a spare)
+    import torch.distributed.tensor  # noqa: F401
+    import checkpointing  # noqa: F401
+
+
+class TrainWorker:
+    """One rank. Created through `ray.remote(...)` by the worker group."""
+
+    def __init__(self, spec: RunSpec):
+        self._spec = spec
+        self._lock = threading.Lock()
+        self._phase = WorkerPhase.IDLE
+        self._plan: GenerationPlan | None = None
+        self._carry = Carry()
+        self._stop_requested = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: dict | None = None
+        self._model_sha256: str | None = None
+        torch.set_num_threads(max(1, int(spec.cpus_per_worker)))
+        if spec.use_gpu:
+            torch.cuda.set_device(0)   # Ray exposes exactly the GPU it assigned as device 0
+        self._device = torch.device("cuda", 0) if spec.use_gpu else torch.device("cpu")
+        _preload()
+
+    # ---- controller-facing API ---------------------------------------------------------
+    def info(self) -> WorkerInfo:
+        import ray
+        context = ray.get_runtime_context()
+        return WorkerInfo(pid=os.getpid(), node_id=context.get_node_id(), actor_id=context.get_actor_id(),
+                          ip=ray.util.get_node_ip_address())
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """An address and a free port on this node for the group's TCP store."""
+        import ray
+        ip = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((ip, 0))
+            return ip, s.getsockname()[1]
+
+    def start_generation(self, plan: GenerationPlan) -> None:
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                raise RuntimeError(f"worker asked to join generation {plan.generation} while still running "
+                                   f"generation {self._plan.generation if self._plan else '?'}")
+            self._plan = plan
+            self._phase = WorkerPhase.RUNNING
+            self._error = None
+            self._stop_requested.clear()
+            self._thread = threading.Thread(target=self._run_generation, args=(plan,),
+                                            name=f"train-g{plan.generation}", daemon=True)
+            self._thread.start()
+
+    def request_stop(self, generation: int) -> None:
+        """Leave the loop at the next step boundary (every rank leaves at the same step)."""
+        if self._plan is not None and self._plan.generation == generation:
+            self._stop_requested.set()
+
+    def poll(self) -> WorkerReport:
+        with self._lock:
+            records, self._carry.records = self._carry.records, []
+            carry, plan, error = self._carry, self._plan, self._error or {}
+            committed = []
+            return WorkerReport(
+                phase=self._phase, generation=plan.generation if plan else -1,
+                rank=plan.rank if plan else None, step=carry.step,
+                has_state=carry.warm_capable and carry.model is not None, records=records,
+                error_type=error.get("type"), error_message=error.get("message"),
+                error_traceback=error.get("traceback"), error_is_user=error.get("is_user", False),
+                error=error.get("exception"), committed_steps=committed,
+                model_sha256=self._model_sha256, resumed_from=carry.resumed_from)
+
+    def shutdown(self) -> None:
+        if self._carry.checkpoints is not None:
+            try:
+                self._carry.checkpoints.close()
+            except Exception:   # noqa: BLE001 - shutting down; the controller already has the outcome
+                log.exception("checkpoint manager close failed")
+
+    # ---- the training thread -----------------------------------------------------------
+    def _run_generation(self, plan: GenerationPlan) -> None:
+        try:
+            self._join_group(plan)
+            ctx = TrainContext(plan=plan, spec=self._spec, carry=self._carry,
+                               stop_requested=self._stop_requested, device=self._device)
+            # Identical initial weights on every rank and in every run with the same seed.
+            torch.manual_seed(mix_seed(self._spec.seed, "init"))
+            loop = self._spec.train_loop
+            if len(inspect.signature(loop).parameters) >= 2:
+                loop(ctx, self._spec.loop_config)
+            else:
+                loop(ctx)
+            sha = ctx._finish()
+            with self._lock:
+                self._model_sha256 = sha
+                self._phase = WorkerPhase.FINISHED
+        except RescaleInterrupt:
+            self._set_phase(WorkerPhase.INTERRUPTED)
+        except BaseException as error:  # noqa: BLE001 - every outcome is reported, none raised here
+            self._record_error(error)
+
+    def _join_group(self, plan: GenerationPlan) -> None:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:   # noqa: BLE001 - the old group may already be broken; it is discarded either way
+                log.debug("destroying the previous process group failed", exc_info=True)
+        dist.init_process_group(
+            "nccl" if self._spec.use_gpu else "gloo",
+            init_method=f"tcp://{plan.master_addr}:{plan.master_port}",
+            rank=plan.rank, world_size=plan.world_size,
+            timeout=datetime.timedelta(seconds=plan.timeout_s))
+
+    def _set_phase(self, phase: WorkerPhase) -> None:
+        with self._lock:
+            self._phase = phase
+
+    def _record_error(self, error: BaseException) -> None:
+        is_user = not is_communication_error(error)
+        try:
+            import pickle
+            pickle.loads(pickle.dumps(error))
+            portable = error
+        except Exception:   # noqa: BLE001 - an unpicklable user exception travels as text
+            portable = None
+        with self._lock:
+            self._error = {"type": type(error).__name__, "message": str(error),
+                           "traceback": "".join(traceback.format_exception(error)),
+                           "is_user": is_user, "exception": portable}
+            self._phase = WorkerPhase.FAILED if is_user else WorkerPhase.INTERRUPTED
+        log.warning("rank %s left generation %s: %s: %s", self._plan.rank if self._plan else "?",
+                    self._plan.generation if self._plan else "?", type(error).__name__, error)

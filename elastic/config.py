@@ -1,0 +1,126 @@
+"""Configuration of an elastic run: frozen, keyword-only dataclasses checked on construction.
+
+`None` means unlimited. Each check says which field to change and how.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from elastic.errors import ConfigError, StorageConfigError
+
+STRATEGIES = ("ddp", "fsdp")
+STORAGE_SCHEMES = ("file", "memory", "s3", "")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScalingConfig:
+    """How many workers, on what hardware, with which parallel strategy."""
+
+    min_workers: int = 1
+    """Fewest workers the run may continue with; below this it waits for replacements."""
+    max_workers: int | None = None
+    """Most workers the run grows to when capacity exists; None means `min_workers`."""
+    use_gpu: bool = False
+    """One GPU per worker and NCCL; otherwise CPU and gloo."""
+    resources_per_worker: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
+    """Ray resources reserved for each worker (its placement-group bundle)."""
+    strategy: str = "ddp"
+    """"ddp" (replicated; warm recovery from any survivor) or "fsdp" (FSDP2 fully_shard)."""
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.min_workers, int) and self.min_workers >= 1,
+                 f"ScalingConfig.min_workers must be an int >= 1, got {self.min_workers!r}")
+        if self.max_workers is None:
+            object.__setattr__(self, "max_workers", self.min_workers)
+        _require(isinstance(self.max_workers, int) and self.max_workers >= self.min_workers,
+                 f"ScalingConfig.max_workers ({self.max_workers!r}) must be an int >= "
+                 f"min_workers ({self.min_workers}); raise max_workers or lower min_workers")
+        _require(self.strategy in STRATEGIES,
+                 f"ScalingConfig.strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        _require(all(v >= 0 for v in self.resources_per_worker.values()),
+                 f"ScalingConfig.resources_per_worker has a negative amount: {self.resources_per_worker}")
+        object.__setattr__(self, "resources_per_worker", dict(self.resources_per_worker))
+
+    @property
+    def cpus_per_worker(self) -> float:
+        return float(self.resources_per_worker.get("CPU", 1.0))
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Where and how often the run commits sharded checkpoints."""
+
+    storage: str
+    """fsspec URL or local path: the run's home (checkpoints/, status.json, summary.json)."""
+    every_n_steps: int | None = None
+    """Commit a checkpoint every this many steps; None means only at the end."""
+    keep: int | None = 3
+    """How many committed checkpoints to retain; None keeps all."""
+    async_save: bool = True
+    """Stage state in host memory at the step boundary and upload in the background."""
+    max_consecutive_failures: int = 3
+    """Failed saves in a row before the run fails with a CheckpointError."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """Extra fsspec options (for s3: endpoint_url, key, secret); AWS_* variables also work."""
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.storage, str) and self.storage.strip() != "",
+                 "CheckpointConfig.storage must be a non-empty URL or path")
+        scheme = self.storage.split("://", 1)[0] if "://" in self.storage else ""
+        if scheme not in STORAGE_SCHEMES:
+            raise StorageConfigError(
+                f"CheckpointConfig.storage: unsupported URL scheme {scheme!r} in {self.storage!r}; "
+                f"use a local path, file://, memory:// or s3://")
+        _require(self.every_n_steps is None or (isinstance(self.every_n_steps, int) and self.every_n_steps >= 1),
+                 f"CheckpointConfig.every_n_steps must be >= 1 or None, got {self.every_n_steps!r}")
+        _require(self.keep is None or (isinstance(self.keep, int) and self.keep >= 1),
+                 f"CheckpointConfig.keep must be >= 1 or None, got {self.keep!r}")
+        _require(self.max_consecutive_failures >= 1,
+                 "CheckpointConfig.max_consecutive_failures must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailureConfig:
+    """How failures are detected and how many the run tolerates."""
+
+    max_failures: int | None = 20
+    """Infrastructure failures tolerated before the run fails; None is unlimited. User-code errors fail at once."""
+    heartbeat_interval_s: float = 0.2
+    """How often the controller polls each worker."""
+    heartbeat_timeout_s: float = 10.0
+    """A worker that does not answer a poll for this long is declared hung and replaced.
+    On a loaded machine raise it to avoid false alarms; lower it for faster hang detection."""
+    collective_timeout_s: float = 60.0
+    """Process-group timeout: the longest a rank waits in one collective before giving up."""
+    rendezvous_timeout_s: float = 120.0
+    """Longest wait to place `min_workers` and form a process group."""
+
+    def __post_init__(self) -> None:
+        _require(self.max_failures is None or (isinstance(self.max_failures, int) and self.max_failures >= 0),
+                 f"FailureConfig.max_failures must be >= 0 or None, got {self.max_failures!r}")
+        _require(self.heartbeat_interval_s > 0, "FailureConfig.heartbeat_interval_s must be > 0")
+        _require(self.heartbeat_timeout_s > self.heartbeat_interval_s,
+                 f"FailureConfig.heartbeat_timeout_s ({self.heartbeat_timeout_s}) must exceed "
+                 f"heartbeat_interval_s ({self.heartbeat_interval_s})")
+        _require(self.collective_timeout_s > 0, "FailureConfig.collective_timeout_s must be > 0")
+        _require(self.rendezvous_timeout_s > 0, "FailureConfig.rendezvous_timeout_s must be > 0")
+
+
+def to_jsonable(config: Any) -> Any:
+    """The effective configuration as plain JSON (for summary.json)."""
+    if dataclasses.is_dataclass(config):
+        return {f.name: to_jsonable(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    if isinstance(config, dict):
+        return {str(k): to_jsonable(v) for k, v in config.items()}
+    if isinstance(config, (list, tuple)):
+        return [to_jsonable(v) for v in config]
+    if isinstance(config, (str, int, float, bool)) or config is None:
+        return config
+    return repr(config)

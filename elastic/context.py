@@ -1,0 +1,283 @@
+"""TrainContext: what the user's train_loop sees on each rank, for one generation.
+
+A generation is one formation of the process group. When the controller rescales, the loop is
+unwound at a step boundary (`report`) and re-entered with a new context; the state that must
+survive (step counters, the last model and optimizer for warm recovery, the checkpoint manager)
+lives in the worker's `Carry`.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from elastic import _checkpoint_io
+from elastic._data import ElasticLoader
+from elastic._protocol import GenerationPlan, StepRecord
+from elastic._state import broadcast_state, state_sha256
+from elastic.errors import ElasticError
+
+log = logging.getLogger("elastic.context")
+
+
+class RescaleInterrupt(BaseException):
+    """Unwinds the user's loop at a step boundary when the controller re-forms the group.
+
+    A BaseException, so a user's `except Exception` does not swallow it.
+    """
+
+
+@dataclass
+class Carry:
+    """Per-worker state that outlives a generation."""
+
+    step: int = 0
+    samples_seen: int = 0
+    model: nn.Module | None = None            # unwrapped module of the last generation (warm source)
+    optimizer: torch.optim.Optimizer | None = None
+    checkpoints: Any = None                    # checkpointing.CheckpointManager, created lazily
+    last_saved_step: int | None = None
+    resumed_from: int | None = None
+    warm_capable: bool = False                 # carry.model holds the full state (DDP)
+    pending_samples: int = 0
+    records: list[StepRecord] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What every worker needs to know about the run (sent once, at actor creation)."""
+
+    train_loop: Callable[..., Any]
+    loop_config: Any
+    total_steps: int
+    seed: int
+    strategy: str
+    use_gpu: bool
+    storage: str
+    storage_options: dict[str, Any]
+    checkpoint_every: int | None
+    keep: int | None
+    async_save: bool
+    max_consecutive_failures: int
+    cpus_per_worker: float
+
+
+class TrainContext:
+    """Per-rank handle given to `train_loop(ctx)`; re-created after every rescale."""
+
+    def __init__(self, *, plan: GenerationPlan, spec: RunSpec, carry: Carry,
+                 stop_requested: threading.Event, device: torch.device):
+        self._plan = plan
+        self._spec = spec
+        self._carry = carry
+        self._stop_requested = stop_requested
+        self.device = device
+        self._comm_device = device if spec.use_gpu else torch.device("cpu")
+        self._model: nn.Module | None = None       # as returned to the user (wrapped)
+        self._raw_model: nn.Module | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._global_batch = 0
+
+    # ---- identity -------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._plan.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._plan.world_size
+
+    @property
+    def generation(self) -> int:
+        return self._plan.generation
+
+    @property
+    def step(self) -> int:
+        """Steps completed so far (the step about to run, 0-based)."""
+        return self._carry.step
+
+    @property
+    def samples_seen(self) -> int:
+        return self._carry.samples_seen
+
+    @property
+    def total_steps(self) -> int:
+        return self._spec.total_steps
+
+    @property
+    def seed(self) -> int:
+        return self._spec.seed
+
+    @property
+    def config(self) -> Any:
+        """The `train_loop_config` passed to ElasticTrainer."""
+        return self._spec.loop_config
+
+    # ---- preparation ----------------------------------------------------------------
+    def prepare_model(self, model: nn.Module, *, shard_modules: list[nn.Module] | None = None) -> nn.Module:
+        """Move the model to this rank's device and wrap it: DDP, or FSDP2 `fully_shard`.
+
+        With FSDP, each module in `shard_modules` (default: every child of every ModuleList,
+        i.e. the transformer blocks) becomes its own shard unit, then the root.
+        """
+        model = model.to(self.device)
+        self._raw_model = model
+        if self._spec.strategy == "fsdp":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+            mesh = init_device_mesh(self.device.type, (self.world_size,))
+            units = shard_modules if shard_modules is not None else [
+                child for m in model.modules() if isinstance(m, nn.ModuleList) for child in m]
+            for unit in units:
+                fully_shard(unit, mesh=mesh)
+            self._model = fully_shard(model, mesh=mesh)
+        else:
+            from torch.nn.parallel import DistributedDataParallel
+            device_ids = [self.device.index] if self.device.type == "cuda" else None
+            self._model = DistributedDataParallel(model, device_ids=device_ids)
+        return self._model
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Register the optimizer so its state is restored, broadcast and checkpointed."""
+        self._optimizer = optimizer
+        return optimizer
+
+    def prepare_data(self, dataset: Any, batch_size: int, *, shuffle: bool = True,
+                     collate_fn: Callable[[list[Any]], Any] | None = None) -> ElasticLoader:
+        """A loader of this rank's batches from the current step to `total_steps`."""
+        return ElasticLoader(self, dataset, batch_size, shuffle=shuffle, collate_fn=collate_fn)
+
+    # ---- state ----------------------------------------------------------------------
+    def restore(self, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None) -> int:
+        """Load the latest state into `model`/`optimizer` (defaults: the prepared ones).
+
+        Warm: broadcast from the survivor the controller chose. Checkpoint: the newest committed
+        checkpoint, resharded to this world size. Fresh: nothing to load. Returns the step.
+        """
+        model = self._raw_model if model is None or model is self._model else model
+        optimizer = optimizer or self._optimizer
+        plan = self._plan.restore
+        carry = self._carry
+        if plan.kind == "broadcast":
+            self._restore_warm(model, optimizer, plan.source_rank)
+        elif plan.kind == "checkpoint":
+            self._restore_checkpoint(optimizer)
+        carry.model, carry.optimizer = model, optimizer
+        carry.warm_capable = self._spec.strategy == "ddp" and model is not None
+        log.info("rank %d generation %d restored (%s) at step %d",
+                 self.rank, self.generation, plan.kind, carry.step)
+        return carry.step
+
+    def _restore_warm(self, model: nn.Module | None, optimizer: torch.optim.Optimizer | None, src: int | None) -> None:
+        carry = self._carry
+        state = None
+        if self.rank == src:
+            if carry.model is None:
+                raise ElasticError(f"rank {src} was chosen as warm source but holds no state")
+            state = {"model": carry.model.state_dict(),
+                     "optim": carry.optimizer.state_dict() if carry.optimizer is not None else None,
+                     "step": carry.step, "samples_seen": carry.samples_seen}
+        state = broadcast_state(state, src, self._comm_device)
+        if model is not None:
+            model.load_state_dict(state["model"])
+        if optimizer is not None and state["optim"] is not None:
+            optimizer.load_state_dict(state["optim"])
+        carry.step, carry.samples_seen = int(state["step"]), int(state["samples_seen"])
+
+    def _restore_checkpoint(self, optimizer: torch.optim.Optimizer | None) -> None:
+        carry = self._carry
+        state = _checkpoint_io.build_state(self._model, optimizer, {"step": 0, "samples_seen": 0})
+        loaded = self._checkpoints().load_latest(state)
+        if loaded is None:
+            log.warning("rank %d: no committed checkpoint under %s; starting fresh", self.rank, self._spec.storage)
+            carry.step, carry.samples_seen = 0, 0
+            return
+        _checkpoint_io.apply_state(self._model, optimizer, state)
+        carry.step = int(state["extra"]["step"])
+        carry.samples_seen = int(state["extra"]["samples_seen"])
+        carry.last_saved_step = carry.step
+        if self.generation == 0 and carry.resumed_from is None:
+            carry.resumed_from = carry.step
+
+    def _checkpoints(self):
+        if self._carry.checkpoints is None:
+            from checkpointing import CheckpointManager
+            spec = self._spec
+            self._carry.checkpoints = CheckpointManager(
+                spec.storage, keep=spec.keep, storage_options=spec.storage_options or None,
+                async_save=spec.async_save, max_consecutive_failures=spec.max_consecutive_failures)
+        return self._carry.checkpoints
+
+    def save_checkpoint(self, *, wait: bool = False) -> None:
+        """Collective: commit a checkpoint of the current step (async unless `wait`)."""
+        carry = self._carry
+        state = _checkpoint_io.build_state(self._model, self._optimizer,
+                                           {"step": carry.step, "samples_seen": carry.samples_seen,
+                                            "world_size": self.world_size})
+        manager = self._checkpoints()
+        manager.save(carry.step, state, generation=self.generation)
+        carry.last_saved_step = carry.step
+        if wait:
+            manager.wait()
+
+    # ---- step boundary --------------------------------------------------------------
+    def _begin_step(self, global_batch: int) -> None:
+        self._global_batch = global_batch
+        self._carry.pending_samples = global_batch
+
+    def report(self, **metrics: Any) -> None:
+        """End of a step: count it, share the loss, checkpoint when due, unwind on rescale.
+
+        Call it once per batch, after `optimizer.step()`, with no collective in between.
+        """
+        carry = self._carry
+        # The optimizer step has run: the in-memory state is now the state after this step.
+        carry.step += 1
+        carry.samples_seen += carry.pending_samples
+        carry.pending_samples = 0
+        if carry.model is None and self._raw_model is not None:
+            carry.model, carry.optimizer = self._raw_model, self._optimizer
+            carry.warm_capable = self._spec.strategy == "ddp"
+        loss = metrics.get("loss")
+        loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else (
+            float(loss) if loss is not None else 0.0)
+        # One small all-reduce per step carries the mean loss and the rescale flag, so every
+        # rank leaves the loop at the same step.
+        shared = torch.tensor([loss_value, 1.0 if self._stop_requested.is_set() else 0.0],
+                              dtype=torch.float64, device=self._comm_device)
+        dist.all_reduce(shared)
+        stop = bool(shared[1].item() > 0)
+        if self.rank == 0:
+            extra = {k: float(v) for k, v in metrics.items() if k != "loss" and isinstance(v, (int, float))}
+            record = StepRecord(step=carry.step, loss=float(shared[0].item()) / self.world_size if loss is not None else None,
+                                world_size=self.world_size, time=time.time(), samples_seen=carry.samples_seen,
+                                global_batch=self._global_batch, metrics=extra)
+            carry.records.append(record)
+            del carry.records[:-10_000]
+        every = self._spec.checkpoint_every
+        if every is not None and carry.step % every == 0 and carry.step < self.total_steps:
+            self.save_checkpoint()
+        if stop:
+            if not carry.warm_capable and carry.last_saved_step != carry.step:
+                # FSDP shards cannot be re-broadcast after the group changes: commit them first.
+                self.save_checkpoint(wait=True)
+            raise RescaleInterrupt()
+
+    def _finish(self) -> str | None:
+        """After the loop: commit the final state and hash the full model (collective)."""
+        carry = self._carry
+        if self._model is not None and carry.last_saved_step != carry.step:
+            self.save_checkpoint(wait=True)
+        if carry.checkpoints is not None:
+            carry.checkpoints.wait()
+        if self._model is None:
+            return None
+        full = _checkpoint_io.full_model_state(self._model) if self._spec.strategy == "fsdp" \
+            else self._raw_model.state_dict()
+        return state_sha256(full) if self.rank == 0 else None

@@ -1,0 +1,46 @@
+"""Typed errors of the elastic runtime: one root, one subclass per failure domain.
+
+Every error is a plain Exception subclass whose constructor takes only the message, so it
+pickles across Ray actors unchanged. Messages name the setting to change.
+"""
+from __future__ import annotations
+
+
+class ElasticError(Exception):
+    """Root of every error raised by the elastic runtime."""
+
+
+class ConfigError(ElasticError, ValueError):
+    """A configuration value is invalid; the message names the field and what to change."""
+
+
+class StorageConfigError(ConfigError):
+    """The storage URL is not supported or cannot be reached."""
+
+
+class WorkerLostError(ElasticError):
+    """A worker died, hung, or was cut off (infrastructure failure, retried by the policy)."""
+
+
+class RendezvousError(ElasticError):
+    """A process group could not be formed within `FailureConfig.rendezvous_timeout_s`."""
+
+
+class InsufficientWorkersError(ElasticError):
+    """Fewer than `ScalingConfig.min_workers` workers could be placed in time."""
+
+
+class TooManyFailuresError(ElasticError):
+    """More infrastructure failures than `FailureConfig.max_failures` allows."""
+
+
+class UserCodeError(ElasticError):
+    """The user's train_loop raised; carries the original type name and traceback.
+
+    Used only when the original exception cannot be pickled; otherwise the original
+    exception itself is returned in `Result.error`.
+    """
+
+
+class FencedError(ElasticError):
+    """A worker of an older generation tried to act in a newer one (zombie after a partition)."""

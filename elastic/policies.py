@@ -1,0 +1,72 @@
+"""Pluggable policies: they look at what happened and return a decision; they never act.
+
+The controller alone acts on decisions. Users may pass their own subclasses to ElasticTrainer.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+log = logging.getLogger("elastic.policy")
+
+# Causes of a failure, as recorded in summary.json.
+INFRA_CAUSES = ("worker_died", "hang", "collective_error", "node_lost", "partition", "straggler")
+USER_CAUSE = "user_error"
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A failure observed by the controller, not yet acted on."""
+
+    cause: str                 # one of INFRA_CAUSES or USER_CAUSE
+    ranks: tuple[int, ...]     # ranks (in the failing generation) that were lost or raised
+    message: str = ""
+
+    @property
+    def is_user_error(self) -> bool:
+        return self.cause == USER_CAUSE
+
+
+@dataclass(frozen=True)
+class FailureDecision:
+    action: str                # "recover" | "fail"
+    reason: str
+
+
+@dataclass(frozen=True)
+class ResizeDecision:
+    target_world_size: int
+    reason: str
+
+
+class FailurePolicy:
+    """Default: user-code errors fail fast; infrastructure failures are recovered until
+    `max_failures` of them have happened."""
+
+    def decide(self, failure: Failure, *, infra_failures_so_far: int, max_failures: int | None) -> FailureDecision:
+        if failure.is_user_error:
+            decision = FailureDecision("fail", f"user code raised on ranks {list(failure.ranks)}: not retried")
+        elif max_failures is not None and infra_failures_so_far >= max_failures:
+            decision = FailureDecision(
+                "fail", f"{infra_failures_so_far + 1} infrastructure failures exceed "
+                        f"FailureConfig.max_failures={max_failures}")
+        else:
+            decision = FailureDecision("recover", f"{failure.cause} on ranks {list(failure.ranks)}: "
+                                                  f"failure {infra_failures_so_far + 1} of "
+                                                  f"{'unlimited' if max_failures is None else max_failures}")
+        log.info("failure policy: %s (%s)", decision.action, decision.reason)
+        return decision
+
+
+class ScalingPolicy:
+    """Default: run with as many workers as are available, up to `max_workers`; grow as soon
+    as spare workers are ready."""
+
+    def decide_resize(self, *, world_size: int, ready_spares: int, min_workers: int,
+                      max_workers: int) -> ResizeDecision | None:
+        target = min(max_workers, world_size + ready_spares)
+        if target > world_size:
+            decision = ResizeDecision(target, f"{ready_spares} spare worker(s) ready: grow {world_size} -> {target}")
+            log.info("scaling policy: %s", decision.reason)
+            return decision
+        return None

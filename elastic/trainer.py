@@ -1,0 +1,151 @@
+"""ElasticTrainer: the public entry point. Validates, starts the controller actor, waits.
+
+The controller runs in its own Ray actor (no CPU reserved) and owns the worker actors, so the
+workers share its fate: if the driver goes, the whole run goes with it and nothing is left behind.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from elastic.config import CheckpointConfig, FailureConfig, ScalingConfig, to_jsonable
+from elastic.context import RunSpec
+from elastic.errors import ConfigError, StorageConfigError
+from elastic.policies import FailurePolicy, ScalingPolicy
+
+log = logging.getLogger("elastic.trainer")
+
+_SECRET_WORDS = ("secret", "key", "token", "password")
+
+
+@dataclass
+class Result:
+    """Outcome of `ElasticTrainer.fit()`."""
+
+    status: str                          # "finished" | "failed"
+    final_step: int
+    storage: str
+    summary: dict[str, Any] = field(default_factory=dict)
+    error: BaseException | None = None   # the user's exception (original type) or a typed ElasticError
+    error_traceback: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "finished"
+
+    def raise_for_error(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+class ElasticTrainer:
+    """Runs `train_loop(ctx)` on an elastic group of Ray actors until `total_steps`.
+
+    Args:
+        train_loop: called on every rank with a TrainContext (and `train_loop_config` if it takes
+            two parameters); re-entered after every rescale.
+        scaling, checkpoint, failure: see their dataclasses.
+        total_steps: optimizer steps of the whole run (a resumed run continues up to it).
+        seed: seeds initial weights, data order and per-(step, rank) randomness.
+        failure_policy, scaling_policy: decide on failures and resizes; defaults in elastic.policies.
+        progress: called about once a second in the driver with a snapshot dict of the run.
+    """
+
+    def __init__(self, train_loop: Callable[..., Any], *, scaling: ScalingConfig, checkpoint: CheckpointConfig,
+                 failure: FailureConfig | None = None, total_steps: int, seed: int = 0,
+                 train_loop_config: Any = None, failure_policy: FailurePolicy | None = None,
+                 scaling_policy: ScalingPolicy | None = None,
+                 progress: Callable[[dict[str, Any]], None] | None = None):
+        if not callable(train_loop):
+            raise ConfigError(f"train_loop must be callable, got {type(train_loop).__name__}")
+        if not isinstance(total_steps, int) or total_steps < 1:
+            raise ConfigError(f"total_steps must be an int >= 1, got {total_steps!r}")
+        for name, value, cls in (("scaling", scaling, ScalingConfig), ("checkpoint", checkpoint, CheckpointConfig),
+                                 ("failure", failure or FailureConfig(), FailureConfig)):
+            if not isinstance(value, cls):
+                raise ConfigError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")
+        if checkpoint.storage.startswith("memory://"):
+            raise StorageConfigError("CheckpointConfig.storage: memory:// is private to one process and the "
+                                     "workers are separate processes; use a local path or s3://")
+        self._train_loop = train_loop
+        self.scaling, self.checkpoint, self.failure = scaling, checkpoint, failure or FailureConfig()
+        self.total_steps, self.seed, self.train_loop_config = total_steps, seed, train_loop_config
+        self.failure_policy, self.scaling_policy = failure_policy, scaling_policy
+        self._progress = progress
+
+    def effective_config(self) -> dict[str, Any]:
+        config = {"scaling": to_jsonable(self.scaling), "checkpoint": to_jsonable(self.checkpoint),
+                  "failure": to_jsonable(self.failure), "total_steps": self.total_steps, "seed": self.seed}
+        options = config["checkpoint"].get("storage_options") or {}
+        config["checkpoint"]["storage_options"] = {
+            k: ("***" if any(w in k.lower() for w in _SECRET_WORDS) else v) for k, v in options.items()}
+        return config
+
+    def _spec(self) -> RunSpec:
+        c = self.checkpoint
+        return RunSpec(train_loop=self._train_loop, loop_config=self.train_loop_config, total_steps=self.total_steps,
+                       seed=self.seed, strategy=self.scaling.strategy, use_gpu=self.scaling.use_gpu,
+                       storage=c.storage, storage_options=dict(c.storage_options), checkpoint_every=c.every_n_steps,
+                       keep=c.keep, async_save=c.async_save, max_consecutive_failures=c.max_consecutive_failures,
+                       cpus_per_worker=self.scaling.cpus_per_worker)
+
+    def _check_storage(self) -> None:
+        from checkpointing.storage import Storage
+        try:
+            storage = Storage(self.checkpoint.storage, self.checkpoint.storage_options or None)
+            storage.write_atomic(storage.path("status.json"),
+                                 b'{"state": "scheduling", "generation": -1, "step": 0, "workers": []}')
+        except Exception as error:
+            raise StorageConfigError(f"CheckpointConfig.storage {self.checkpoint.storage!r} is not writable: "
+                                     f"{error}; check the URL, credentials and endpoint") from error
+
+    def fit(self) -> Result:
+        """Run to completion; returns a Result (status "failed" carries the error, nothing is raised)."""
+        import ray
+        from elastic._controller_actor import ControllerActor
+
+        self._check_storage()
+        _ship_user_module_by_value(self._train_loop)
+        if not ray.is_initialized():
+            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=True)
+        here = ray.get_runtime_context().get_node_id()
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        actor = ray.remote(ControllerActor).options(
+            num_cpus=0, max_concurrency=4, max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
+        ).remote(self._spec(), self.scaling, self.failure, self.checkpoint, self.total_steps,
+                 self.effective_config(), self.failure_policy, self.scaling_policy)
+        done = actor.run.remote()
+        try:
+            while not ray.wait([done], timeout=1.0)[0]:
+                if self._progress is not None:
+                    try:
+                        self._progress(ray.get(actor.snapshot.remote(), timeout=5))
+                    except Exception:   # noqa: BLE001 - progress display is best effort
+                        log.debug("progress snapshot failed", exc_info=True)
+            outcome = ray.get(done)
+        finally:
+            ray.kill(actor, no_restart=True)
+        return Result(status=outcome["status"], final_step=outcome["final_step"], storage=self.checkpoint.storage,
+                      summary=outcome["summary"], error=outcome["error"], error_traceback=outcome["traceback"])
+
+
+def _ship_user_module_by_value(function: Callable[..., Any]) -> None:
+    """Pickle the user's loop module by value when workers could not import it by name
+    (a script beside the driver, a test file); installed packages still travel by reference."""
+    import sys
+    import sysconfig
+
+    from ray import cloudpickle
+
+    module = sys.modules.get(getattr(function, "__module__", "") or "")
+    path = getattr(module, "__file__", None)
+    if module is None or module.__name__ == "__main__" or path is None:
+        return
+    installed = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
+    project = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not any(os.path.abspath(path).startswith(p) for p in installed | {os.path.join(project, "elastic")}):
+        cloudpickle.register_pickle_by_value(module)

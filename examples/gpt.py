@@ -1,0 +1,119 @@
+"""A small GPT-style model, a synthetic token dataset with learnable structure, and the train loop
+used by examples/pretrain.py, the tests and the benchmarks."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MODEL_SIZES = {
+    # name: (d_model, n_layers, n_heads, seq_len, vocab)
+    "tiny": (32, 2, 2, 16, 64),        # tests: ~40k parameters
+    "small": (192, 4, 4, 64, 512),     # make run: ~2M parameters
+    "base": (256, 6, 8, 128, 1024),    # ~5M parameters
+}
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    d_model: int = 192
+    n_layers: int = 4
+    n_heads: int = 4
+    seq_len: int = 64
+    vocab: int = 512
+
+    @classmethod
+    def named(cls, size: str) -> "GPTConfig":
+        d, layers, heads, seq, vocab = MODEL_SIZES[size]
+        return cls(d_model=d, n_layers=layers, n_heads=heads, seq_len=seq, vocab=vocab)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = nn.Sequential(nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(),
+                                 nn.Linear(4 * cfg.d_model, cfg.d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+class SyntheticTokens(torch.utils.data.Dataset):
+    """Sequences x[t+1] = (a*x[t] + b) mod vocab with a per-sample rule (a, b): a model that reads the
+    first tokens can infer the rule, so the loss falls well below log(vocab). Sample i is a pure
+    function of (seed, i)."""
+
+    def __init__(self, n_samples: int, seq_len: int, vocab: int, seed: int = 0):
+        self.n, self.seq_len, self.vocab, self.seed = n_samples, seq_len, vocab, seed
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        a = int(torch.randint(0, 4, (1,), generator=g)) * 2 + 1
+        b = int(torch.randint(1, 8, (1,), generator=g))
+        x = torch.empty(self.seq_len + 1, dtype=torch.long)
+        x[0] = int(torch.randint(0, self.vocab, (1,), generator=g))
+        for t in range(self.seq_len):
+            x[t + 1] = (a * x[t] + b) % self.vocab
+        return x
+
+
+def train_loop(ctx) -> None:
+    """The example's loop; `ctx.config` may hold model_size, batch_size, lr, n_samples."""
+    cfg = dict(ctx.config or {})
+    model_cfg = GPTConfig.named(cfg.get("model_size", "small"))
+    model = ctx.prepare_model(GPT(model_cfg))
+    optimizer = ctx.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=cfg.get("lr", 3e-3)))
+    data = SyntheticTokens(cfg.get("n_samples", 100_000), model_cfg.seq_len, model_cfg.vocab, seed=ctx.seed)
+    loader = ctx.prepare_data(data, batch_size=cfg.get("batch_size", 8))
+    ctx.restore(model=model, optimizer=optimizer)
+    for batch in loader:
+        batch = batch.to(ctx.device)
+        logits = model(batch[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        ctx.report(loss=loss, lr=optimizer.param_groups[0]["lr"])
+
+
+def parameter_count(cfg: GPTConfig) -> int:
+    return sum(p.numel() for p in GPT(cfg).parameters())
+
+
+if __name__ == "__main__":
+    for name in MODEL_SIZES:
+        print(name, parameter_count(GPTConfig.named(name)), "parameters; log(vocab) =",
+              round(math.log(GPTConfig.named(name).vocab), 2))

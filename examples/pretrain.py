@@ -1,0 +1,103 @@
+"""The main job: pretrain a small GPT on an elastic group of Ray workers.
+
+    python examples/pretrain.py --storage runs/pretrain --workers 2:3 --steps 200 --checkpoint-every 50
+
+Starts a local Ray instance (or joins the cluster in RAY_ADDRESS), checkpoints to --storage and
+resumes from it when run again. Kill a worker (its pid is in <storage>/status.json) and watch
+the run re-form and go on. Exit code 0 when the run finished.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import gpt  # noqa: E402
+from elastic import CheckpointConfig, ElasticTrainer, FailureConfig, ScalingConfig  # noqa: E402
+
+
+def parse_workers(text: str) -> tuple[int, int]:
+    low, _, high = text.partition(":")
+    try:
+        return int(low), int(high or low)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--workers must be MIN:MAX or N, got {text!r}") from None
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--storage", required=True, help="run directory: local path, file://, or s3://bucket/prefix")
+    p.add_argument("--workers", type=parse_workers, default=(2, 2), help="MIN:MAX workers (default 2:2)")
+    p.add_argument("--steps", type=int, default=200, help="total optimizer steps of the run")
+    p.add_argument("--checkpoint-every", type=int, default=50, help="commit a checkpoint every K steps")
+    p.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model-size", choices=sorted(gpt.MODEL_SIZES), default="small")
+    p.add_argument("--batch-size", type=int, default=8, help="samples per worker per step")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds before a silent worker is declared hung")
+    p.add_argument("--cpus-per-worker", type=float, default=1.0)
+    p.add_argument("--sync-checkpoints", action="store_true", help="block training while a checkpoint uploads")
+    p.add_argument("--quiet", action="store_true", help="no live progress line")
+    return p.parse_args(argv)
+
+
+class ProgressLine:
+    """One status line, redrawn in place on a terminal, printed every few seconds otherwise."""
+
+    def __init__(self, quiet: bool):
+        self.quiet, self.tty, self.last_print, self.last_failures = quiet, sys.stdout.isatty(), 0.0, 0
+
+    def __call__(self, snap: dict) -> None:
+        if self.quiet:
+            return
+        loss = f"{snap['loss']:.3f}" if snap.get("loss") is not None else "-"
+        line = (f"step {snap['step']}/{snap['total_steps']}  loss {loss}  world {snap['world_size']}  "
+                f"gen {snap['generation']}  ckpt {snap['last_committed_step']}  {snap['state']}  "
+                f"{snap['elapsed_s']:.0f}s")
+        if snap["failures"] > self.last_failures:
+            self.last_failures = snap["failures"]
+            line += f"  (recovered from {snap['failures']} failure(s))"
+        if self.tty:
+            print("\r" + line.ljust(110), end="", flush=True)
+        elif time.monotonic() - self.last_print >= 5:
+            print(line, flush=True)
+            self.last_print = time.monotonic()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    low, high = args.workers
+    if not os.environ.get("RAY_ADDRESS"):
+        import ray
+        # Logical CPUs: one per worker even on a small machine, so max_workers always fits.
+        ray.init(num_cpus=max(os.cpu_count() or 1, int(high * args.cpus_per_worker)),
+                 include_dashboard=False)
+    trainer = ElasticTrainer(
+        gpt.train_loop,
+        train_loop_config={"model_size": args.model_size, "batch_size": args.batch_size, "lr": args.lr},
+        scaling=ScalingConfig(min_workers=low, max_workers=high, strategy=args.strategy,
+                              resources_per_worker={"CPU": args.cpus_per_worker}),
+        checkpoint=CheckpointConfig(storage=args.storage, every_n_steps=args.checkpoint_every,
+                                    async_save=not args.sync_checkpoints),
+        failure=FailureConfig(heartbeat_timeout_s=args.heartbeat_timeout),
+        total_steps=args.steps, seed=args.seed, progress=ProgressLine(args.quiet))
+    result = trainer.fit()
+    s = result.summary
+    print()
+    print(json.dumps({k: s.get(k) for k in ("status", "final_step", "loss_first", "loss_last", "world_size_history",
+                                            "recoveries", "checkpoints", "resumed_from", "wall_s", "goodput",
+                                            "model_sha256")}, indent=1))
+    if not result.ok:
+        print(f"run failed: {type(result.error).__name__}: {result.error}", file=sys.stderr)
+        if result.error_traceback:
+            print(result.error_traceback, file=sys.stderr)
+    return 0 if result.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
