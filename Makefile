@@ -15,8 +15,9 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 # The main job with its defaults: small GPT, 2..3 workers, file storage under runs/.
+RUN_ARGS ?= --storage runs/pretrain --workers 2:3 --steps 200 --checkpoint-every 50
 run: install
-	$(PY) examples/pretrain.py --storage runs/pretrain --workers 2:3 --steps 200 --checkpoint-every 50
+	$(PY) examples/pretrain.py $(RUN_ARGS)
 
 test: install
 	$(PY) -m pytest

@@ -8,8 +8,9 @@ Everything not exported here is internal (modules prefixed with `_`).
 """
 from elastic.config import CheckpointConfig, FailureConfig, ScalingConfig
 from elastic.context import TrainContext
-from elastic.errors import (ConfigError, ElasticError, FencedError, InsufficientWorkersError, RendezvousError,
-                            StorageConfigError, TooManyFailuresError, UserCodeError, WorkerLostError)
+from checkpointing import CheckpointError, CorruptCheckpointError, FencedError, StorageError
+from elastic.errors import (ConfigError, ElasticError, InsufficientWorkersError, StorageConfigError,
+                            TooManyFailuresError, UserCodeError, WorkerLostError)
 from elastic.policies import Failure, FailureDecision, FailurePolicy, ResizeDecision, ScalingPolicy
 from elastic.trainer import ElasticTrainer, Result
 
@@ -17,6 +18,7 @@ __all__ = [
     "ElasticTrainer", "Result", "TrainContext",
     "ScalingConfig", "CheckpointConfig", "FailureConfig",
     "FailurePolicy", "ScalingPolicy", "Failure", "FailureDecision", "ResizeDecision",
-    "ElasticError", "ConfigError", "StorageConfigError", "WorkerLostError", "RendezvousError",
-    "InsufficientWorkersError", "TooManyFailuresError", "UserCodeError", "FencedError",
+    "ElasticError", "ConfigError", "StorageConfigError", "WorkerLostError",
+    "InsufficientWorkersError", "TooManyFailuresError", "UserCodeError",
+    "CheckpointError", "StorageError", "CorruptCheckpointError", "FencedError",
 ]

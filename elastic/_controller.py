@@ -10,17 +10,18 @@ import logging
 import time
 from typing import Any, Callable, Protocol
 
-from elastic._protocol import GenerationPlan, RestorePlan, WorkerPhase
-from elastic._ray_group import DEAD, READY, WorkerView
+from elastic._protocol import GenerationPlan, RestorePlan, WorkerPhase, WorkerReport
+from elastic._ray_group import DEAD, READY, STARTING, WorkerView
 from elastic._states import (AnyState, Failed, Finished, PendingRecovery, Recovering, Running, RunState,
                              Scheduling, Starting)
 from elastic.config import FailureConfig, ScalingConfig
 from elastic.errors import InsufficientWorkersError, TooManyFailuresError, WorkerLostError
-from elastic.policies import USER_CAUSE, Failure, FailurePolicy, ScalingPolicy
+from elastic.policies import CAUSE_OF_ERROR_KIND, USER_CAUSE, Failure, FailurePolicy, ScalingPolicy
 
 log = logging.getLogger("elastic.controller")
 
 STARTUP_GRACE_S = 10.0   # how long to wait for max_workers at start before starting with fewer
+PROBE_GRACE_S = 2.0      # no maximum: start once the ready count held this long (the cluster is full)
 
 
 class WorkerGroup(Protocol):
@@ -37,6 +38,7 @@ class CheckpointView(Protocol):
     def latest_step(self) -> int | None: ...
     def committed_steps(self) -> list[int]: ...
     def fence(self, generation: int) -> None: ...
+    def current_fence(self) -> int | None: ...
 
 
 class Controller:
@@ -53,6 +55,7 @@ class Controller:
         self.callbacks = callbacks
         self.state: AnyState = Scheduling(since=clock())
         self.generation = -1
+        self.world_size = 0        # of the newest generation
         self.step = 0
         self.infra_failures = 0
         self.failures: list[Failure] = []
@@ -98,19 +101,29 @@ class Controller:
     # ---- states ------------------------------------------------------------------------
     def _on_scheduling(self) -> None:
         st: Scheduling = self.state
-        self.group.scale_to(self.scaling.max_workers)
+        self.group.scale_to(self._slot_target())
         ready = self._ready_ids()
         pending = [w for w, v in self.views.items() if v.status not in (READY, DEAD)]
-        waited = self.clock() - st.since
-        if len(ready) >= self.scaling.max_workers or (
-                len(ready) >= self.scaling.min_workers and (not pending or waited >= STARTUP_GRACE_S)):
+        now = self.clock()
+        waited = now - st.since
+        if len(ready) != st.ready_count:
+            st.ready_count, st.ready_since = len(ready), now
+        maximum = self.scaling.max_workers
+        # With no maximum, the probe placement stays pending once the cluster is full.
+        settled = not pending if maximum is not None else (
+            len(pending) <= 1 and now - st.ready_since >= PROBE_GRACE_S)
+        if (maximum is not None and len(ready) >= maximum) or (
+                len(ready) >= self.scaling.min_workers and (settled or waited >= STARTUP_GRACE_S)):
+            # Generations keep growing across runs on the same storage, or the fence would
+            # refuse this run's checkpoints as a zombie's.
+            self.generation = max(self.generation, self.checkpoints.current_fence() or -1)
             latest = self.checkpoints.latest_step()
             if latest is not None:
                 self.recorder.resumed_from = latest
                 self.recorder.load_previous_metrics(latest)
                 self.step = latest
             plan = RestorePlan("checkpoint", step=latest) if latest is not None else RestorePlan("fresh")
-            self._transition(Starting(ready[:self.scaling.max_workers], plan), f"{len(ready)} workers ready")
+            self._transition(Starting(self._capped(ready), plan), f"{len(ready)} workers ready")
             self._on_starting()
         elif waited > self.failure.rendezvous_timeout_s:
             self._fail(InsufficientWorkersError(
@@ -139,7 +152,7 @@ class Controller:
 
     def _on_running(self) -> None:
         st: Running = self.state
-        lost, user_ranks, comm_ranks, finished = [], [], [], 0
+        lost, errored, comm_ranks, finished = [], [], [], 0
         for rank, wid in enumerate(st.members):
             view, report = self.views[wid], self.views[wid].report
             if view.status == DEAD:
@@ -149,25 +162,31 @@ class Controller:
                 lost.append((wid, "hang", view.silent_s))
             elif report is not None and report.generation == st.generation:
                 if report.phase == WorkerPhase.FAILED:
-                    user_ranks.append(rank)
+                    errored.append(rank)
                 elif report.phase == WorkerPhase.INTERRUPTED:
                     comm_ranks.append(rank)
                 elif report.phase == WorkerPhase.FINISHED:
                     finished += 1
-        if user_ranks:
-            self._fail_user_error(st.members, user_ranks)
+        if errored:
+            report = self.views[st.members[errored[0]]].report
+            cause = CAUSE_OF_ERROR_KIND.get(report.error_kind or "user", USER_CAUSE)
+            self._handle_failure(st.members, Failure(cause, tuple(errored),
+                                                     f"{report.error_type}: {report.error_message}"), [], 0.0, report)
         elif lost:
-            self._begin_recovery(st.members, lost[0][1], [w for w, _, _ in lost], max(s for _, _, s in lost))
+            ranks = tuple(st.members.index(w) for w, _, _ in lost)
+            self._handle_failure(st.members, Failure(lost[0][1], ranks, f"lost worker(s) {[w for w, _, _ in lost]}"),
+                                 [w for w, _, _ in lost], max(s for _, _, s in lost))
         elif comm_ranks:
             # A broken collective with no lost peer yet: give the lost peer a heartbeat timeout to show.
             st.suspect_since = st.suspect_since or self.clock()
             if self.clock() - st.suspect_since > self.failure.heartbeat_timeout_s:
-                self._begin_recovery(st.members, "collective_error", [], 0.0)
+                self._handle_failure(st.members, Failure("collective_error", tuple(comm_ranks),
+                                                         "process group broke with no lost peer"), [], 0.0)
         elif finished == len(st.members):
             self.model_sha256 = self.views[st.members[0]].report.model_sha256
             self._transition(Finished(), f"all {finished} ranks finished at step {self.step}")
         else:
-            self.group.scale_to(self.scaling.max_workers)
+            self.group.scale_to(self._slot_target())
             self._maybe_grow(st)
 
     def _maybe_grow(self, st: Running) -> None:
@@ -184,26 +203,32 @@ class Controller:
         self._transition(Recovering(st.generation, list(st.members), self._recovery_deadline(), recovery,
                                     voluntary=True), decision.reason)
 
-    def _begin_recovery(self, members: list[int], cause: str, lost: list[int], detect_s: float) -> None:
-        for wid in lost:
-            self.group.kill(wid, cause)
-        survivors = [w for w in members if w not in lost]
-        self.group.request_stop(survivors, self.generation)
-        ranks = tuple(members.index(w) for w in lost)
-        failure = Failure(cause, ranks, f"lost worker(s) {lost}")
+    def _handle_failure(self, members: list[int], failure: Failure, lost: list[int], detect_s: float,
+                        report: WorkerReport | None = None) -> None:
+        """Ask the failure policy; fail, or kill what is lost and recover with the rest."""
         self.failures.append(failure)
         decision = self.failure_policy.decide(failure, infra_failures_so_far=self.infra_failures,
                                               max_failures=self.failure.max_failures)
-        self.infra_failures += 1
+        self.infra_failures += failure.is_infrastructure
+        for wid in lost:
+            self.group.kill(wid, failure.cause)
+        survivors = [w for w in members if w not in lost]
         if decision.action == "fail":
-            self._fail(TooManyFailuresError(decision.reason + "; causes: " +
-                                            ", ".join(f.cause for f in self.failures)), failure)
+            if report is not None and not failure.is_infrastructure:
+                self.error = {"type": report.error_type, "message": report.error_message,
+                              "traceback": report.error_traceback, "exception": report.error,
+                              "ranks": list(failure.ranks)}
+                self._transition(Failed(decision.reason, failure), decision.reason)
+            else:
+                self._fail(TooManyFailuresError(f"{decision.reason}; causes so far: "
+                                                f"{', '.join(f.cause for f in self.failures)}"), failure)
             return
-        self.group.scale_to(self.scaling.max_workers)
+        self.group.request_stop(survivors, self.generation)
+        self.group.scale_to(self._slot_target())
         max_step = max([self.step] + [self.views[w].report.step for w in members if self.views[w].report])
-        recovery = PendingRecovery(cause, self.clock(), round(detect_s, 3), len(members), max_step)
+        recovery = PendingRecovery(failure.cause, self.clock(), round(detect_s, 3), len(members), max_step)
         self._transition(Recovering(self.generation, survivors, self._recovery_deadline(), recovery),
-                         f"{cause}: ranks {list(ranks)} lost; {decision.reason}")
+                         f"{failure.cause} on ranks {list(failure.ranks)}; {decision.reason}")
 
     def _recovery_deadline(self) -> float:
         return self.clock() + self.failure.collective_timeout_s + self.failure.heartbeat_timeout_s
@@ -220,8 +245,6 @@ class Controller:
                 st.recovery.rung = "cold"
             elif report is None or (report.phase == WorkerPhase.RUNNING and report.generation == st.generation):
                 running.append(wid)
-            elif report.phase == WorkerPhase.FAILED:
-                return self._fail_user_error(st.survivors, [st.survivors.index(wid)])
             elif report.phase == WorkerPhase.FINISHED and report.step >= self.total_steps:
                 self.model_sha256 = report.model_sha256 or self.model_sha256
                 return self._transition(Finished(), "finished while recovering")
@@ -238,9 +261,9 @@ class Controller:
     def _reform(self, st: Recovering, survivors: list[int]) -> None:
         survivors.sort(key=lambda w: (-self.views[w].report.step, st.survivors.index(w)))
         spares = [w for w in self._ready_ids() if w not in survivors and w not in st.survivors]
-        members = (survivors + spares)[:self.scaling.max_workers]
+        members = self._capped(survivors + spares)
         if len(members) < self.scaling.min_workers:
-            self.group.scale_to(self.scaling.max_workers)
+            self.group.scale_to(self._slot_target())
             if self.clock() - st.recovery.detected_at > self.failure.rendezvous_timeout_s:
                 self._fail(InsufficientWorkersError(
                     f"{len(members)} workers left after {st.recovery.cause}, fewer than "
@@ -282,18 +305,19 @@ class Controller:
         log.info("recovery done: %s", entry)
         self.recorder.on_recovery(entry)
 
+    def _slot_target(self) -> int:
+        """Worker slots to keep alive or pending: max_workers; with no maximum, every placed
+        worker plus one probe placement that becomes a spare whenever capacity appears."""
+        if self.scaling.max_workers is not None:
+            return self.scaling.max_workers
+        placed = sum(1 for v in self.views.values() if v.status in (READY, STARTING))
+        return max(self.scaling.min_workers, placed + 1)
+
+    def _capped(self, wids: list[int]) -> list[int]:
+        return wids if self.scaling.max_workers is None else wids[:self.scaling.max_workers]
+
     def _ready_ids(self) -> list[int]:
         return sorted(w for w, v in self.views.items() if v.status == READY)
-
-    def _fail_user_error(self, members: list[int], ranks: list[int]) -> None:
-        report = self.views[members[ranks[0]]].report
-        failure = Failure(USER_CAUSE, tuple(ranks), f"{report.error_type}: {report.error_message}")
-        self.failures.append(failure)
-        decision = self.failure_policy.decide(failure, infra_failures_so_far=self.infra_failures,
-                                              max_failures=self.failure.max_failures)
-        self.error = {"type": report.error_type, "message": report.error_message,
-                      "traceback": report.error_traceback, "exception": report.error, "ranks": ranks}
-        self._transition(Failed(decision.reason, failure), decision.reason)
 
     def _fail(self, error: Exception, failure: Failure | None = None) -> None:
         self.error = {"type": type(error).__name__, "message": str(error), "traceback": None,
@@ -311,6 +335,8 @@ class Controller:
         members = getattr(self.state, "members", None) or getattr(self.state, "survivors", None) or []
         workers = [{"rank": rank, "pid": v.info.pid, "node_id": v.info.node_id, "actor_id": v.info.actor_id}
                    for rank, wid in enumerate(members) if (v := self.views.get(wid)) and v.info]
+        if isinstance(self.state, Running):
+            self.world_size = len(members)
         self.recorder.write_status(force=force, state=self.state.state.value, generation=self.generation,
-                                   step=self.step, world_size=len(members),
+                                   step=self.step, world_size=self.world_size,
                                    last_committed_step=self._last_committed, workers=workers)

@@ -19,6 +19,7 @@ class CheckpointView:
 
     def __init__(self, url: str, storage_options: dict | None, keep: int | None):
         from checkpointing import CheckpointManager
+        self._storage_options = storage_options
         self._manager = CheckpointManager(url, keep=keep, storage_options=storage_options, async_save=False)
 
     def latest_step(self) -> int | None:
@@ -30,6 +31,10 @@ class CheckpointView:
 
     def fence(self, generation: int) -> None:
         self._manager.set_generation(generation)
+
+    def current_fence(self) -> int | None:
+        from checkpointing import read_fence
+        return read_fence(self._manager.url, self._storage_options)
 
 
 class ControllerActor:
@@ -71,8 +76,7 @@ class ControllerActor:
 
     def snapshot(self) -> dict[str, Any]:
         c = self._controller
-        members = getattr(c.state, "members", None) or getattr(c.state, "survivors", None) or []
         return {"state": c.state.state.value, "step": c.step, "total_steps": c.total_steps,
-                "generation": c.generation, "world_size": len(members),
+                "generation": c.generation, "world_size": c.world_size,
                 "last_committed_step": c._last_committed, "failures": len(c.failures),
                 "loss": self._recorder.last_loss, "elapsed_s": time.time() - self._started}

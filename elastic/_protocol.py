@@ -40,9 +40,8 @@ class WorkerReport:
     error_type: str | None = None
     error_message: str | None = None
     error_traceback: str | None = None
-    error_is_user: bool = False
+    error_kind: str | None = None        # see elastic._worker.classify_error
     error: BaseException | None = None   # the original exception when it pickles
-    committed_steps: list[int] = field(default_factory=list)
     model_sha256: str | None = None
     resumed_from: int | None = None
 

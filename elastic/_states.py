@@ -34,7 +34,8 @@ class PendingRecovery:
 @dataclass
 class Scheduling:
     since: float
-    recovery: PendingRecovery | None = None
+    ready_count: int = 0               # ready workers at the last tick ...
+    ready_since: float = 0.0           # ... and since when that count holds
     state: RunState = RunState.SCHEDULING
 
 

@@ -23,15 +23,31 @@ from elastic.context import Carry, RescaleInterrupt, RunSpec, TrainContext
 
 log = logging.getLogger("elastic.worker")
 
-# Markers of an error raised by a broken process group rather than by the user's code.
-_COMM_MARKERS = ("gloo", "nccl", "connection reset", "connection closed", "broken pipe",
-                 "timed out", "processgroup", "socket", "peer")
+# Backends name themselves in the errors of a broken process group (gloo's come from its
+# transport, e.g. "[.../gloo/transport/tcp/pair.cc:537] Read error ... Connection reset by peer").
+_BACKEND_MARKERS = ("gloo", "nccl", "c10d", "processgroup")
 
 
-def is_communication_error(error: BaseException) -> bool:
+def classify_error(error: BaseException) -> str:
+    """What an exception out of the training thread means.
+
+    "comm": the process group broke (a peer died, hung or was cut off): wait for the controller.
+    "infra": storage trouble: the controller recovers, counted against max_failures.
+    "fatal": the run cannot go on (fenced out, checkpoint failure limit reached): fail now.
+    "user": the user's code raised: fail fast, not retried.
+    """
+    from checkpointing import CheckpointError, FencedError, StorageError
+    if isinstance(error, FencedError):
+        return "fatal"
+    if isinstance(error, StorageError):
+        return "infra"
+    if isinstance(error, CheckpointError):
+        return "fatal"
     if isinstance(error, getattr(dist, "DistError", ())):
-        return True
-    return isinstance(error, RuntimeError) and any(m in str(error).lower() for m in _COMM_MARKERS)
+        return "comm"
+    if isinstance(error, RuntimeError) and any(m in str(error).lower() for m in _BACKEND_MARKERS):
+        return "comm"
+    return "user"
 
 
 def _preload() -> None:
@@ -100,14 +116,13 @@ class TrainWorker:
         with self._lock:
             records, self._carry.records = self._carry.records, []
             carry, plan, error = self._carry, self._plan, self._error or {}
-            committed = []
             return WorkerReport(
                 phase=self._phase, generation=plan.generation if plan else -1,
                 rank=plan.rank if plan else None, step=carry.step,
                 has_state=carry.warm_capable and carry.model is not None, records=records,
                 error_type=error.get("type"), error_message=error.get("message"),
-                error_traceback=error.get("traceback"), error_is_user=error.get("is_user", False),
-                error=error.get("exception"), committed_steps=committed,
+                error_traceback=error.get("traceback"), error_kind=error.get("kind"),
+                error=error.get("exception"),
                 model_sha256=self._model_sha256, resumed_from=carry.resumed_from)
 
     def shutdown(self) -> None:
@@ -156,7 +171,7 @@ class TrainWorker:
             self._phase = phase
 
     def _record_error(self, error: BaseException) -> None:
-        is_user = not is_communication_error(error)
+        kind = classify_error(error)
         try:
             import pickle
             pickle.loads(pickle.dumps(error))
@@ -166,7 +181,7 @@ class TrainWorker:
         with self._lock:
             self._error = {"type": type(error).__name__, "message": str(error),
                            "traceback": "".join(traceback.format_exception(error)),
-                           "is_user": is_user, "exception": portable}
-            self._phase = WorkerPhase.FAILED if is_user else WorkerPhase.INTERRUPTED
+                           "kind": kind, "exception": portable}
+            self._phase = WorkerPhase.INTERRUPTED if kind == "comm" else WorkerPhase.FAILED
         log.warning("rank %s left generation %s: %s: %s", self._plan.rank if self._plan else "?",
                     self._plan.generation if self._plan else "?", type(error).__name__, error)

@@ -26,7 +26,8 @@ class ScalingConfig:
     min_workers: int = 1
     """Fewest workers the run may continue with; below this it waits for replacements."""
     max_workers: int | None = None
-    """Most workers the run grows to when capacity exists; None means `min_workers`."""
+    """Most workers the run grows to when capacity exists; None means no limit (grow while the
+    cluster has room)."""
     use_gpu: bool = False
     """One GPU per worker and NCCL; otherwise CPU and gloo."""
     resources_per_worker: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
@@ -37,9 +38,7 @@ class ScalingConfig:
     def __post_init__(self) -> None:
         _require(isinstance(self.min_workers, int) and self.min_workers >= 1,
                  f"ScalingConfig.min_workers must be an int >= 1, got {self.min_workers!r}")
-        if self.max_workers is None:
-            object.__setattr__(self, "max_workers", self.min_workers)
-        _require(isinstance(self.max_workers, int) and self.max_workers >= self.min_workers,
+        _require(self.max_workers is None or (isinstance(self.max_workers, int) and self.max_workers >= self.min_workers),
                  f"ScalingConfig.max_workers ({self.max_workers!r}) must be an int >= "
                  f"min_workers ({self.min_workers}); raise max_workers or lower min_workers")
         _require(self.strategy in STRATEGIES,

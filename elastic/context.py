@@ -66,6 +66,7 @@ class RunSpec:
     async_save: bool
     max_consecutive_failures: int
     cpus_per_worker: float
+    collective_timeout_s: float
 
 
 class TrainContext:
@@ -167,7 +168,7 @@ class TrainContext:
         if plan.kind == "broadcast":
             self._restore_warm(model, optimizer, plan.source_rank)
         elif plan.kind == "checkpoint":
-            self._restore_checkpoint(optimizer)
+            self._restore_checkpoint(self._model if model is self._raw_model else model, optimizer)
         carry.model, carry.optimizer = model, optimizer
         carry.warm_capable = self._spec.strategy == "ddp" and model is not None
         log.info("rank %d generation %d restored (%s) at step %d",
@@ -190,15 +191,15 @@ class TrainContext:
             optimizer.load_state_dict(state["optim"])
         carry.step, carry.samples_seen = int(state["step"]), int(state["samples_seen"])
 
-    def _restore_checkpoint(self, optimizer: torch.optim.Optimizer | None) -> None:
+    def _restore_checkpoint(self, model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> None:
         carry = self._carry
-        state = _checkpoint_io.build_state(self._model, optimizer, {"step": 0, "samples_seen": 0})
+        state = _checkpoint_io.build_state(model, optimizer, {"step": 0, "samples_seen": 0})
         loaded = self._checkpoints().load_latest(state)
         if loaded is None:
             log.warning("rank %d: no committed checkpoint under %s; starting fresh", self.rank, self._spec.storage)
             carry.step, carry.samples_seen = 0, 0
             return
-        _checkpoint_io.apply_state(self._model, optimizer, state)
+        _checkpoint_io.apply_state(model, optimizer, state)
         carry.step = int(state["extra"]["step"])
         carry.samples_seen = int(state["extra"]["samples_seen"])
         carry.last_saved_step = carry.step
@@ -211,7 +212,8 @@ class TrainContext:
             spec = self._spec
             self._carry.checkpoints = CheckpointManager(
                 spec.storage, keep=spec.keep, storage_options=spec.storage_options or None,
-                async_save=spec.async_save, max_consecutive_failures=spec.max_consecutive_failures)
+                async_save=spec.async_save, max_consecutive_failures=spec.max_consecutive_failures,
+                collective_timeout_s=spec.collective_timeout_s)
         return self._carry.checkpoints
 
     def save_checkpoint(self, *, wait: bool = False) -> None:

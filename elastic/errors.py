@@ -22,10 +22,6 @@ class WorkerLostError(ElasticError):
     """A worker died, hung, or was cut off (infrastructure failure, retried by the policy)."""
 
 
-class RendezvousError(ElasticError):
-    """A process group could not be formed within `FailureConfig.rendezvous_timeout_s`."""
-
-
 class InsufficientWorkersError(ElasticError):
     """Fewer than `ScalingConfig.min_workers` workers could be placed in time."""
 
@@ -42,5 +38,5 @@ class UserCodeError(ElasticError):
     """
 
 
-class FencedError(ElasticError):
-    """A worker of an older generation tried to act in a newer one (zombie after a partition)."""
+# Checkpoint errors come from the checkpointing package (which may not import this one):
+# CheckpointError > StorageError, CorruptCheckpointError, FencedError. Re-exported by `elastic`.

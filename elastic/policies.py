@@ -10,8 +10,12 @@ from dataclasses import dataclass
 log = logging.getLogger("elastic.policy")
 
 # Causes of a failure, as recorded in summary.json.
-INFRA_CAUSES = ("worker_died", "hang", "collective_error", "node_lost", "partition", "straggler")
+INFRA_CAUSES = ("worker_died", "hang", "collective_error", "node_lost", "partition", "straggler",
+                "storage_error")
 USER_CAUSE = "user_error"
+FATAL_CAUSE = "fatal_error"      # fenced out, or checkpoint saves failing past their limit
+CAUSE_OF_ERROR_KIND = {"user": USER_CAUSE, "infra": "storage_error", "fatal": FATAL_CAUSE,
+                       "comm": "collective_error"}
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,11 @@ class Failure:
     @property
     def is_user_error(self) -> bool:
         return self.cause == USER_CAUSE
+
+    @property
+    def is_infrastructure(self) -> bool:
+        """Counted against FailureConfig.max_failures."""
+        return self.cause not in (USER_CAUSE, FATAL_CAUSE)
 
 
 @dataclass(frozen=True)
@@ -40,12 +49,14 @@ class ResizeDecision:
 
 
 class FailurePolicy:
-    """Default: user-code errors fail fast; infrastructure failures are recovered until
-    `max_failures` of them have happened."""
+    """Default: user-code errors and fatal errors fail fast; infrastructure failures are
+    recovered until more than `max_failures` of them have happened."""
 
     def decide(self, failure: Failure, *, infra_failures_so_far: int, max_failures: int | None) -> FailureDecision:
         if failure.is_user_error:
             decision = FailureDecision("fail", f"user code raised on ranks {list(failure.ranks)}: not retried")
+        elif not failure.is_infrastructure:
+            decision = FailureDecision("fail", f"{failure.message}: not retryable")
         elif max_failures is not None and infra_failures_so_far >= max_failures:
             decision = FailureDecision(
                 "fail", f"{infra_failures_so_far + 1} infrastructure failures exceed "
@@ -59,12 +70,12 @@ class FailurePolicy:
 
 
 class ScalingPolicy:
-    """Default: run with as many workers as are available, up to `max_workers`; grow as soon
-    as spare workers are ready."""
+    """Default: run with as many workers as are available, up to `max_workers` (None: no
+    limit); grow as soon as spare workers are ready."""
 
     def decide_resize(self, *, world_size: int, ready_spares: int, min_workers: int,
-                      max_workers: int) -> ResizeDecision | None:
-        target = min(max_workers, world_size + ready_spares)
+                      max_workers: int | None) -> ResizeDecision | None:
+        target = world_size + ready_spares if max_workers is None else min(max_workers, world_size + ready_spares)
         if target > world_size:
             decision = ResizeDecision(target, f"{ready_spares} spare worker(s) ready: grow {world_size} -> {target}")
             log.info("scaling policy: %s", decision.reason)

@@ -11,7 +11,7 @@ from torch import nn
 
 MODEL_SIZES = {
     # name: (d_model, n_layers, n_heads, seq_len, vocab)
-    "tiny": (32, 2, 2, 16, 64),        # tests: ~40k parameters
+    "tiny": (32, 2, 2, 16, 64),        # tests: ~30k parameters
     "small": (192, 4, 4, 64, 512),     # make run: ~2M parameters
     "base": (256, 6, 8, 128, 1024),    # ~5M parameters
 }

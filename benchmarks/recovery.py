@@ -1,0 +1,122 @@
+"""R1/R2: recovery after SIGKILL (R1) or SIGSTOP (R2) of one of N workers.
+
+Measures, per trial, the seconds from the signal to the next completed step (the first step past
+the restored one, from metrics.jsonl) and the steps lost, then prints one JSON line.
+
+    python benchmarks/recovery.py --workers 4 --trials 3 [--signal STOP --heartbeat-timeout 3]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+import gpt  # noqa: E402
+from elastic import CheckpointConfig, ElasticTrainer, FailureConfig, ScalingConfig  # noqa: E402
+
+
+def _read(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def inject(run_dir: str, at_step: int, sig: int, rank: int, out: dict) -> None:
+    """From outside, like an operator: the pid from status.json, then os.kill."""
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        status = _read(os.path.join(run_dir, "status.json")) or {}
+        if status.get("state") == "running" and status.get("step", 0) >= at_step:
+            pid = next(w["pid"] for w in status["workers"] if w["rank"] == rank)
+            out["signal_time"] = time.time()
+            os.kill(pid, sig)
+            out["pid"] = pid
+            if sig == signal.SIGSTOP:
+                out["stopped_pid"] = pid
+            return
+        time.sleep(0.01)
+
+
+def trial(args: argparse.Namespace, run_dir: str) -> dict:
+    sig = getattr(signal, f"SIG{args.signal}")
+    fault: dict = {}
+    injector = threading.Thread(target=inject, args=(run_dir, args.kill_step, sig, args.rank, fault), daemon=True)
+    injector.start()
+    result = ElasticTrainer(
+        gpt.train_loop, train_loop_config={"model_size": args.model_size, "batch_size": args.batch_size},
+        scaling=ScalingConfig(min_workers=max(1, args.workers // 2), max_workers=args.workers),
+        checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=args.checkpoint_every),
+        failure=FailureConfig(heartbeat_timeout_s=args.heartbeat_timeout),
+        total_steps=args.steps, seed=0).fit()
+    if "stopped_pid" in fault:
+        try:
+            os.kill(fault["stopped_pid"], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    summary = result.summary
+    failures = [r for r in summary["recoveries"] if r["cause"] != "scale_up"]
+    if not result.ok or "signal_time" not in fault or not failures:
+        raise SystemExit(f"trial did not produce a recovery: status={result.status} fault={fault} "
+                         f"recoveries={summary['recoveries']}")
+    recovery = failures[0]
+    metrics = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    next_step = next(m for m in metrics if m["step"] == recovery["step"] + 1)
+    before = [m for m in metrics if m["time"] < fault["signal_time"]]
+    step_s = statistics.median(b["time"] - a["time"] for a, b in zip(before[-21:-1], before[-20:]))
+    return {"recovery_s": round(next_step["time"] - fault["signal_time"], 3),
+            "lost_steps": recovery["lost_steps"], "detect_s": recovery["detect_s"], "rung": recovery["rung"],
+            "cause": recovery["cause"], "from_world": recovery["from_world"], "to_world": recovery["to_world"],
+            "step_s": round(step_s, 4)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--signal", choices=("KILL", "STOP"), default="KILL")
+    p.add_argument("--rank", type=int, default=1, help="rank that receives the signal")
+    p.add_argument("--model-size", default="small", choices=sorted(gpt.MODEL_SIZES))
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--kill-step", type=int, default=40)
+    p.add_argument("--checkpoint-every", type=int, default=50)
+    p.add_argument("--heartbeat-timeout", type=float, default=10.0)
+    args = p.parse_args()
+
+    import ray
+    ray.init(num_cpus=max(os.cpu_count() or 1, args.workers + 2), include_dashboard=False,
+             logging_level="WARNING", log_to_driver=False)
+    trials = []
+    try:
+        for i in range(args.trials):
+            with tempfile.TemporaryDirectory(prefix="r1-") as run_dir:
+                trials.append(trial(args, os.path.join(run_dir, "run")))
+                print(f"trial {i}: {trials[-1]}", file=sys.stderr, flush=True)
+    finally:
+        ray.shutdown()
+    recovery = [t["recovery_s"] for t in trials]
+    print(json.dumps({
+        "benchmark": "R1" if args.signal == "KILL" else "R2", "system": "elastic", "signal": f"SIG{args.signal}",
+        "workers": args.workers, "model_size": args.model_size, "trials": len(trials),
+        "recovery_s_median": statistics.median(recovery), "recovery_s_max": max(recovery),
+        "lost_steps_max": max(t["lost_steps"] for t in trials),
+        "heartbeat_timeout_s": args.heartbeat_timeout, "step_s_median": statistics.median(t["step_s"] for t in trials),
+        "rungs": sorted({t["rung"] for t in trials}), "machine": f"{platform.machine()} {os.cpu_count()} cores",
+        "per_trial": trials}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""Atomic, sharded, asynchronous checkpoints on any fsspec URL (file://, plain paths, s3://, memory://).
+
+Public API:
+    CheckpointManager          save / wait / close / load_latest / committed / set_generation / gc
+    CommitInfo, LoadResult     what a manifest says; what load_latest loaded (and skipped)
+    latest_committed(url)      newest committed checkpoint, from any process (no process group)
+    read_fence(url)            current generation in <url>/checkpoints/FENCE, or None
+    CheckpointError > StorageError, CorruptCheckpointError, FencedError
+
+A checkpoint is `<url>/checkpoints/step_<step:08d>/` with a `COMMITTED` manifest written last,
+by one writer, in one PUT. This package does not import the runtime (`elastic`).
+"""
+
+from checkpointing.errors import CheckpointError, CorruptCheckpointError, FencedError, StorageError
+from checkpointing.manager import CheckpointManager
+from checkpointing.manifest import CommitInfo, LoadResult, latest_committed
+from checkpointing.manifest import read_fence as _read_fence
+from checkpointing.storage import Storage
+
+
+def read_fence(url: str, storage_options: dict | None = None) -> int | None:
+    """The generation in `<url>/checkpoints/FENCE`, or None if no generation was set yet."""
+    return _read_fence(Storage(url, storage_options))
+
+
+__all__ = [
+    "CheckpointManager",
+    "CommitInfo",
+    "LoadResult",
+    "latest_committed",
+    "read_fence",
+    "CheckpointError",
+    "StorageError",
+    "CorruptCheckpointError",
+    "FencedError",
+]

@@ -1,0 +1,7 @@
+"""Entry point of `python -m checkpointing` (see checkpointing.cli)."""
+
+import sys
+
+from checkpointing.cli import main
+
+sys.exit(main())

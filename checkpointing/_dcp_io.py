@@ -1,0 +1,128 @@
+"""torch.distributed.checkpoint (DCP) storage writer/reader on top of `Storage`.
+
+Internal. DCP's own FsspecWriter opens its own (cached) fsspec instance and can only fsync
+through `os.sync()` on non-local streams; this adapter routes every byte through `Storage`,
+records size + sha256 of each file as it is written (no read-back for the manifest), fsyncs
+local files, and makes `rename` cheap on object stores (the only rename DCP does is the
+small `.metadata` file).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from collections.abc import Generator
+from contextlib import contextmanager
+
+from torch.distributed.checkpoint.filesystem import (
+    FileSystemBase,
+    FileSystemReader,
+    FileSystemWriter,
+)
+
+from checkpointing.manifest import HashingWriter
+from checkpointing.storage import Storage
+
+# Single-process saves/loads (no process group) are intended here, not a misconfiguration.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+class _StorageFS(FileSystemBase):
+    def __init__(self, storage: Storage, base: str) -> None:
+        self.storage = storage
+        self.base = base.rstrip("/")
+        self._lock = threading.Lock()  # DCP may write files from several threads
+        self.written: dict[str, dict] = {}  # path relative to base -> {"size", "sha256"}
+
+    def _rel(self, path) -> str:
+        path = os.fspath(path)
+        return path[len(self.base) + 1:] if path.startswith(self.base + "/") else path
+
+    @contextmanager
+    def create_stream(self, path, mode: str) -> Generator:
+        path = os.fspath(path)
+        if "r" in mode:
+            with self.storage.open_read(path) as stream:
+                yield stream
+            return
+        raw = self.storage.open_write(path)
+        hashing = HashingWriter(raw)
+        try:
+            yield hashing
+            self.storage.fsync_file(raw)
+            raw.close()  # object stores upload here: errors must fail the save
+        except BaseException:
+            # Abort the upload (s3fs discards the multipart) and leave no partial file behind.
+            discard = getattr(raw, "discard", None)
+            try:
+                discard() if discard else raw.close()
+            except Exception:
+                pass
+            try:
+                self.storage.rm(path, recursive=False)
+            except Exception:
+                pass
+            raise
+        with self._lock:
+            self.written[self._rel(path)] = {"size": hashing.size, "sha256": hashing.hexdigest()}
+
+    def concat_path(self, path, suffix: str) -> str:
+        return f"{os.fspath(path).rstrip('/')}/{suffix}"
+
+    def init_path(self, path, **kwargs) -> str:
+        return os.fspath(path)
+
+    def rename(self, path, new_path) -> None:
+        # Only DCP's `.metadata.tmp -> .metadata` goes through here. Atomicity is not needed:
+        # nothing is a checkpoint before COMMITTED exists. Rewrite the small file under its
+        # final name instead of a server-side copy (which S3 lacks as a rename).
+        path, new_path = os.fspath(path), os.fspath(new_path)
+        if self.storage.is_local:
+            os.replace(path, new_path)
+        else:
+            data = self.storage.read_bytes(path)
+            self.storage.write_atomic(new_path, data)
+            self.storage.rm(path, recursive=False)
+        with self._lock:
+            rec = self.written.pop(self._rel(path), None)
+            if rec is not None:
+                self.written[self._rel(new_path)] = rec
+
+    def mkdir(self, path) -> None:
+        self.storage.makedirs(os.fspath(path))
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return False
+
+    def exists(self, path) -> bool:
+        return self.storage.exists(os.fspath(path))
+
+    def rm_file(self, path) -> None:
+        self.storage.rm(os.fspath(path), recursive=False)
+
+    def ls(self, path) -> list[str]:
+        return [self.concat_path(path, n) for n in self.storage.listdir(os.fspath(path))]
+
+
+class StorageWriter(FileSystemWriter):
+    """DCP writer into `<storage path>`; `written` has size + sha256 of this rank's files."""
+
+    def __init__(self, storage: Storage, path: str, *, thread_count: int = 1) -> None:
+        # sync_files=False: DCP's fallback is a global os.sync(); _StorageFS fsyncs local files.
+        super().__init__(path, single_file_per_rank=True, sync_files=False,
+                         thread_count=thread_count, overwrite=True)
+        self.fs = _StorageFS(storage, path)
+        self.path = path
+
+    @property
+    def written(self) -> dict[str, dict]:
+        return dict(self.fs.written)
+
+
+class StorageReader(FileSystemReader):
+    def __init__(self, storage: Storage, path: str) -> None:
+        super().__init__(path)
+        self.fs = _StorageFS(storage, path)
+        self.path = path

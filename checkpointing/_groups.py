@@ -1,0 +1,64 @@
+"""The process group checkpoint collectives run on.
+
+Internal. The training thread drives collectives on the default group at the same time as a
+background upload runs, so the upload must not touch it. Every rank creates a separate gloo
+group over the default group's ranks, collectively, in the training thread (inside save/load,
+which every rank calls at the same step boundary); DCP planning, the file-record gather and the
+commit broadcast of one save run on it. Gloo also lets these object collectives work when the
+default group is NCCL. The group is recreated when the default group changes (a rescale).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from typing import Any
+
+import torch.distributed as dist
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupView:
+    """A snapshot of the side group for one operation (the training thread may re-form later)."""
+
+    pg: Any  # None when torch.distributed is not initialized (single process)
+    rank: int
+    world_size: int
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if self.pg is None or self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.pg, src), group=self.pg)
+        return box[0]
+
+    def all_gather(self, obj: Any) -> list:
+        if self.pg is None or self.world_size == 1:
+            return [obj]
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.pg)
+        return out
+
+
+class SideGroup:
+    """Owns the gloo side group; `view()` is collective only when it (re)creates the group."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self._pg = None
+        self._for_default = None
+
+    def view(self) -> GroupView:
+        if not (dist.is_available() and dist.is_initialized()):
+            return GroupView(None, 0, 1)
+        default = dist.group.WORLD
+        if self._pg is None or self._for_default is not default:
+            # Collective over the default group: every rank reaches here at the same boundary.
+            self._pg = dist.new_group(backend="gloo", timeout=self.timeout)
+            self._for_default = default
+        return GroupView(self._pg, dist.get_rank(self._pg), dist.get_world_size(self._pg))
+
+    def forget(self) -> None:
+        """Drop the reference; torch destroys the group with the default group."""
+        self._pg = None
+        self._for_default = None

@@ -1,0 +1,146 @@
+"""One save, from fence check to COMMITTED: the commit protocol.
+
+Internal; run by every rank (in the background thread for async saves), in the same order on
+every rank, with collectives only on the side group:
+  1. rank 0 reads FENCE and broadcasts the verdict, so every rank takes the same branch;
+  2. DCP writes each rank's shards into step_<n>/g<gen>/ (replicated tensors once, DTensor
+     shards by their owner); DCP gathers per-rank failures, so every rank raises or none does;
+  3. every rank's file records (size, sha256, taken while writing) are gathered to all ranks;
+     having them means every rank's files were closed, i.e. durable;
+  4. rank 0 re-checks the fence and the existing manifest, then PUTs COMMITTED in one write and
+     broadcasts the outcome, so every rank returns the same CommitInfo or raises the same error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from checkpointing import manifest as mf
+from checkpointing._dcp_io import StorageWriter
+from checkpointing._groups import GroupView
+from checkpointing.errors import CheckpointError, FencedError, StorageError
+from checkpointing.storage import Storage
+
+log = logging.getLogger("checkpointing")
+
+
+@dataclasses.dataclass
+class SaveJob:
+    storage: Storage
+    step: int
+    generation: int
+    state: dict
+    group: GroupView
+    before_commit: Callable[[], None] | None = None  # test hook: crash point before COMMITTED
+    # Rank 0, after the commit and before the other ranks hear of it (retention): when wait()
+    # returns on any rank, storage already reflects it.
+    after_commit: Callable[[mf.CommitInfo], None] | None = None
+
+
+def _fence_verdict(storage: Storage, generation: int) -> tuple[str, Any]:
+    try:
+        fence = mf.read_fence(storage)
+    except CheckpointError as e:
+        return "error", e
+    if fence is not None and generation < fence:
+        return "fenced", fence
+    return "ok", fence
+
+
+def _fenced(storage: Storage, job: SaveJob, fence: int) -> FencedError:
+    return FencedError(
+        f"save of step {job.step} at generation {job.generation} refused: {storage.url}/"
+        f"checkpoints/FENCE is at generation {fence} (this worker belongs to an older "
+        f"generation; it must rejoin and pass the current generation to save())",
+        url=storage.url)
+
+
+def _as_checkpoint_error(storage: Storage, job: SaveJob, e: BaseException) -> CheckpointError:
+    if isinstance(e, CheckpointError):
+        return e
+    if isinstance(e, CheckpointException):
+        # DCP wraps every rank's failure; surface the first one and which rank it came from.
+        excs = {r: (f[0] if isinstance(f, tuple) else f) for r, f in sorted(e.failures.items())}
+        causes = "; ".join(f"rank {r}: {type(x).__name__}: {x}" for r, x in excs.items())
+        storage_like = any(isinstance(x, (StorageError, OSError)) for x in excs.values())
+        cls = StorageError if storage_like else CheckpointError
+        return cls(f"writing step {job.step} to {storage.url} failed: {causes}", url=storage.url)
+    return CheckpointError(
+        f"writing step {job.step} to {storage.url} failed: {type(e).__name__}: {e}",
+        url=storage.url)
+
+
+def _commit(job: SaveJob, records: list[dict]) -> mf.CommitInfo:
+    storage = job.storage
+    data_dir = mf.data_dir_name(job.generation)
+    files: dict[str, dict] = {}
+    for rank_files in records:
+        for rel, rec in rank_files.items():
+            files[f"{data_dir}/{rel}"] = rec
+    if not any(rel.endswith("/.metadata") for rel in files):
+        raise CheckpointError(f"step {job.step}: DCP wrote no .metadata under {storage.url}",
+                              url=storage.url)
+    if job.before_commit is not None:
+        job.before_commit()
+    # Re-check right before the PUT: a new generation may have formed during the upload.
+    verdict, fence = _fence_verdict(storage, job.generation)
+    if verdict == "error":
+        raise fence
+    if verdict == "fenced":
+        raise _fenced(storage, job, fence)
+    existing = mf.read_manifest(storage, job.step)
+    if existing is not None and existing.generation > job.generation:
+        raise _fenced(storage, job, existing.generation)
+    raw = mf.encode_manifest(job.step, job.group.world_size, job.generation, data_dir, files)
+    sp = mf.step_path(storage, job.step)
+    storage.write_atomic(f"{sp}/{mf.MANIFEST_NAME}", raw)
+    return mf.decode_manifest(raw, storage.url_for(sp))
+
+
+def run_save(job: SaveJob) -> mf.CommitInfo:
+    """Run the protocol; returns the CommitInfo on every rank or raises the same error class."""
+    storage, group = job.storage, job.group
+
+    verdict = group.broadcast(_fence_verdict(storage, job.generation) if group.rank == 0 else None)
+    if verdict[0] == "error":
+        raise verdict[1]
+    if verdict[0] == "fenced":
+        raise _fenced(storage, job, verdict[1])
+
+    path = f"{mf.step_path(storage, job.step)}/{mf.data_dir_name(job.generation)}"
+    writer = StorageWriter(storage, path)
+    try:
+        dcp.save(job.state, storage_writer=writer, process_group=group.pg,
+                 no_dist=group.pg is None)
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        raise _as_checkpoint_error(storage, job, e) from e
+
+    records = group.all_gather(writer.written)
+
+    outcome: tuple[str, Any] | None = None
+    if group.rank == 0:
+        try:
+            committed = _commit(job, records)
+            outcome = ("ok", dataclasses.asdict(committed))
+        except Exception as e:  # broadcast it: the other ranks wait for the verdict
+            outcome = ("error", _as_checkpoint_error(storage, job, e))
+        else:
+            if job.after_commit is not None:
+                try:
+                    job.after_commit(committed)
+                except Exception as e:  # housekeeping: never fail a committed save
+                    log.warning("after commit of step %d under %s: %s", job.step, storage.url, e)
+    outcome = group.broadcast(outcome)
+    if outcome[0] == "error":
+        raise outcome[1]
+    info = mf.CommitInfo(**outcome[1])
+    log.info("committed step %d (generation %d, world size %d, %d files, %.1f MB) at %s",
+             info.step, info.generation, info.world_size, len(info.files),
+             info.total_bytes / 1e6, info.path)
+    return info

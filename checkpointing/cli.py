@@ -1,0 +1,140 @@
+"""Operator CLI: `python -m checkpointing list|verify|gc URL`.
+
+Works on any storage URL from any machine; credentials and endpoint from the standard AWS_*
+variables (or --option key=value). Exit codes: 0 fine, 1 a corrupt checkpoint was found
+(verify), 2 usage or storage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+
+from checkpointing import manifest as mf
+from checkpointing import retention
+from checkpointing.errors import CheckpointError
+from checkpointing.storage import Storage
+
+
+def _options(pairs: list[str]) -> dict:
+    opts = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--option expects key=value, got {pair!r}")
+        opts[key] = value
+    return opts
+
+
+def _when(ts: float) -> str:
+    return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def cmd_list(storage: Storage, args) -> int:
+    committed = {c.step: c for c in mf.list_committed(storage)}
+    rows = []
+    for step in mf.list_steps(storage):
+        c = committed.get(step)
+        rows.append({"step": step, "committed": c is not None,
+                     "generation": c.generation if c else None,
+                     "world_size": c.world_size if c else None,
+                     "files": len(c.files) if c else None,
+                     "bytes": c.total_bytes if c else None,
+                     "committed_at": c.committed_at if c else None})
+    fence = mf.read_fence(storage)
+    if args.json:
+        print(json.dumps({"url": storage.url, "fence": fence, "checkpoints": rows}))
+        return 0
+    print(f"{storage.url}  (FENCE generation: {fence if fence is not None else 'none'})")
+    if not rows:
+        print("  no checkpoints")
+    for r in rows:
+        if r["committed"]:
+            print(f"  step {r['step']:>10}  committed  gen {r['generation']:<4} world {r['world_size']:<4}"
+                  f" {r['files']:>4} files {r['bytes'] / 1e6:>10.1f} MB  {_when(r['committed_at'])}")
+        else:
+            print(f"  step {r['step']:>10}  UNCOMMITTED (not a checkpoint; `gc` removes it)")
+    return 0
+
+
+def cmd_verify(storage: Storage, args) -> int:
+    committed = mf.list_committed(storage)
+    if args.step is not None:
+        committed = [c for c in committed if c.step == args.step]
+        if not committed:
+            print(f"no committed checkpoint at step {args.step} under {storage.url}", file=sys.stderr)
+            return 2
+    corrupt = 0
+    results = []
+    for c in committed:
+        bad = mf.verify_files(storage, c.step, c.files)
+        corrupt += bool(bad)
+        results.append({"step": c.step, "ok": not bad, "problems": bad})
+        if not args.json:
+            status = "OK" if not bad else "CORRUPT"
+            print(f"step {c.step:>10}  {status:<8} {len(c.files)} files, {c.total_bytes / 1e6:.1f} MB  {c.path}")
+            for b in bad:
+                print(f"    {b['file']}: {b['reason']}")
+    if args.json:
+        print(json.dumps({"url": storage.url, "checkpoints": results}))
+    elif not committed:
+        print(f"no committed checkpoints under {storage.url}")
+    elif corrupt:
+        print(f"{corrupt} of {len(committed)} committed checkpoints are corrupt; loading falls back "
+              f"to the newest one that verifies")
+    return 1 if corrupt else 0
+
+
+def cmd_gc(storage: Storage, args) -> int:
+    report = retention.collect(storage, keep=args.keep, dry_run=args.dry_run,
+                               protect_newer_uncommitted=not args.include_newer,
+                               verify=not args.no_verify)
+    if args.json:
+        print(json.dumps({"url": storage.url, "dry_run": args.dry_run, **report}))
+        return 0
+    verb = "would delete" if args.dry_run else "deleted"
+    for path in report["deleted"]:
+        print(f"{verb} {path}")
+    print(f"{verb} {len(report['deleted'])} paths; committed steps kept: {report['kept']}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m checkpointing", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, helptext in (("list", "list step directories and their commit state"),
+                           ("verify", "recheck sizes and sha256 of committed checkpoints"),
+                           ("gc", "delete uncommitted step directories and old checkpoints")):
+        sp = sub.add_parser(name, help=helptext)
+        sp.add_argument("url", help="storage URL (the run's --storage; checkpoints/ is below it)")
+        sp.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                        help="fsspec storage option, e.g. endpoint_url=http://127.0.0.1:9000")
+        sp.add_argument("--json", action="store_true", help="one JSON document on stdout")
+        if name == "verify":
+            sp.add_argument("--step", type=int, help="only this step")
+        if name == "gc":
+            sp.add_argument("--keep", type=int, default=None,
+                            help="keep the newest N committed checkpoints (default: keep all)")
+            sp.add_argument("--dry-run", action="store_true", help="print what would be deleted")
+            sp.add_argument("--no-verify", action="store_true",
+                            help="do not recheck checksums (by default the newest checkpoint "
+                                 "that verifies is always kept)")
+            sp.add_argument("--include-newer", action="store_true",
+                            help="also delete uncommitted steps newer than the newest committed "
+                                 "one (only when no run is writing to URL)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "keep", None) is not None and args.keep < 1:
+        print("--keep must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        storage = Storage(args.url, _options(args.option))
+        return {"list": cmd_list, "verify": cmd_verify, "gc": cmd_gc}[args.command](storage, args)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,224 @@
+"""CheckpointManager: the API the runtime calls at step boundaries.
+
+Owns the save pipeline (stage in the training thread, upload + commit in one background
+thread, at most one save in flight), failure accounting (failures are recorded, and raised only
+after `max_consecutive_failures` in a row), fencing by generation, and GC. Saving and loading
+are collective over the current default group's ranks; see `_groups` for which group is used.
+Public methods are meant to be called from the training thread; `committed`, `set_generation`
+and `gc` are also safe from other threads and processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future
+from typing import Callable
+
+from checkpointing import manifest as mf
+from checkpointing import retention
+from checkpointing._groups import SideGroup
+from checkpointing._load import load_latest as _load_latest
+from checkpointing._save import SaveJob, run_save
+from checkpointing.errors import CheckpointError, FencedError
+from checkpointing.staging import stage_state_dict
+from checkpointing.storage import Storage
+
+log = logging.getLogger("checkpointing")
+
+
+class CheckpointManager:
+    """Atomic, sharded, optionally asynchronous checkpoints under `<url>/checkpoints/`."""
+
+    def __init__(self, url: str, *, keep: int | None = 3, storage_options: dict | None = None,
+                 async_save: bool = True, max_consecutive_failures: int = 3,
+                 collective_timeout_s: float = 600.0) -> None:
+        if keep is not None and keep < 1:
+            raise ValueError(f"CheckpointManager(keep={keep}): keep must be >= 1, or None to keep all")
+        if max_consecutive_failures < 1:
+            raise ValueError(f"CheckpointManager(max_consecutive_failures={max_consecutive_failures}) "
+                             "must be >= 1")
+        if collective_timeout_s <= 0:
+            raise ValueError(f"CheckpointManager(collective_timeout_s={collective_timeout_s}) must be > 0")
+        self.url = url
+        self.keep = keep
+        self.async_save = async_save
+        self.max_consecutive_failures = max_consecutive_failures
+        self.storage = Storage(url, storage_options)
+        self._group = SideGroup(collective_timeout_s)
+        self._lock = threading.Lock()  # guards gc against the background commit's retention pass
+        self._inflight: tuple[Future, int] | None = None
+        self._unreported: mf.CommitInfo | None = None  # a sync save's outcome, for wait()
+        self._staged: dict | None = None  # previous staged copy: its buffers are reused
+        self._known_fence: int | None = None
+        self.consecutive_failures = 0
+        self.last_error: BaseException | None = None
+        self.last_commit: mf.CommitInfo | None = None
+        self._closed = False
+        self._before_commit: Callable[[], None] | None = None  # test hook (crash injection)
+
+    # ---- saving --------------------------------------------------------------------------------
+    def save(self, step: int, state: dict, *, generation: int) -> None:
+        """Checkpoint `state` as `step`. Collective: every rank calls it at the same boundary.
+
+        Async: returns once `state` is copied to host memory (after waiting for the previous
+        upload, if any). Sync: returns after the commit. Raises CheckpointError once
+        `max_consecutive_failures` saves in a row have failed, FencedError when `generation` is
+        older than a fence this manager has seen.
+        """
+        if self._closed:
+            raise CheckpointError(f"save() after close() on CheckpointManager({self.url!r})", url=self.url)
+        if step < 0:
+            raise ValueError(f"save(step={step}): step must be >= 0")
+        self._raise_if_failing()
+        if self._known_fence is not None and generation < self._known_fence:
+            raise FencedError(
+                f"save of step {step} at generation {generation} refused: {self.url}/checkpoints/"
+                f"FENCE is at generation {self._known_fence}", url=self.url)
+        self._finish_inflight()  # bounded memory: one staged copy at a time
+        self._raise_if_failing()
+        group = self._group.view()  # collective only when the default group changed
+        if not self.async_save:
+            job = SaveJob(self.storage, step, generation, state, group, self._before_commit,
+                          self._retention)
+            self._unreported = self._record(self._run(job))
+            self._raise_if_failing()
+            return
+        self._staged = stage_state_dict(state, self._staged)
+        job = SaveJob(self.storage, step, generation, self._staged, group, self._before_commit,
+                      self._retention)
+        future: Future = Future()
+        # A daemon thread per save (one at a time): a save stuck in a collective with a dead
+        # peer (see abandon) must not keep the interpreter from exiting.
+        threading.Thread(target=lambda: future.set_result(self._run(job)),
+                         name=f"ckpt-upload-{step}", daemon=True).start()
+        self._inflight = (future, step)
+
+    def _run(self, job: SaveJob) -> mf.CommitInfo | BaseException:
+        """Runs a save; returns the outcome as a value (the training thread decides)."""
+        try:
+            return run_save(job)
+        except BaseException as e:  # noqa: BLE001 - DCP raises BaseException subclasses
+            return e
+
+    def _retention(self, info: mf.CommitInfo) -> None:
+        with self._lock:
+            retention.collect(self.storage, keep=self.keep, protect={info.step})
+
+    def _record(self, outcome: mf.CommitInfo | BaseException) -> mf.CommitInfo | None:
+        if isinstance(outcome, mf.CommitInfo):
+            self.consecutive_failures = 0
+            self.last_commit = outcome
+            return outcome
+        self.last_error = outcome
+        if isinstance(outcome, FencedError):
+            # Not a storage failure: this worker is a zombie. Later saves at this generation
+            # are refused up front.
+            try:
+                fence = mf.read_fence(self.storage)
+            except CheckpointError:
+                fence = None
+            if fence is not None:
+                self._known_fence = max(self._known_fence or fence, fence)
+            log.warning("%s", outcome)
+            return None
+        self.consecutive_failures += 1
+        log.warning("checkpoint save to %s failed (%d in a row, limit %d): %s: %s",
+                    self.url, self.consecutive_failures, self.max_consecutive_failures,
+                    type(outcome).__name__, outcome)
+        return None
+
+    def _finish_inflight(self) -> mf.CommitInfo | None:
+        if self._inflight is None:
+            outcome, self._unreported = self._unreported, None
+            return outcome
+        future, _ = self._inflight
+        outcome = future.result()
+        self._inflight = None
+        return self._record(outcome)
+
+    def _raise_if_failing(self) -> None:
+        if self.consecutive_failures >= self.max_consecutive_failures:
+            cause = self.last_error
+            raise CheckpointError(
+                f"{self.consecutive_failures} consecutive checkpoint saves to {self.url} failed "
+                f"(max_consecutive_failures={self.max_consecutive_failures}); last cause: "
+                f"{type(cause).__name__}: {cause}", url=self.url) from cause
+
+    def wait(self) -> mf.CommitInfo | None:
+        """Block until the in-flight save (if any) is committed or failed; its CommitInfo, or
+        None if it failed or there was no save since the last wait (a sync save's outcome is
+        returned by the next wait too)."""
+        outcome = self._finish_inflight()
+        self._raise_if_failing()
+        return outcome
+
+    @property
+    def in_flight_step(self) -> int | None:
+        return self._inflight[1] if self._inflight is not None else None
+
+    def close(self) -> mf.CommitInfo | None:
+        """Wait for the in-flight save and stop the background thread. Does not raise for a
+        failed save (see `last_error`), so it is safe in `finally` blocks."""
+        try:
+            return self._finish_inflight() if not self._closed else None
+        finally:
+            self._closed = True
+            self._staged = None
+
+    def abandon(self) -> None:
+        """Stop waiting for the in-flight save, without blocking: call this instead of wait()
+        when a peer died (the save's collectives would block until collective_timeout_s).
+
+        The abandoned save cannot commit unless every rank had already finished writing; it is
+        not counted as a failure. Its staging buffers are dropped, and the side group is
+        recreated by the next save/load (after the runtime re-forms the default group).
+        """
+        if self._inflight is not None:
+            log.warning("abandoning in-flight save of step %d under %s", self._inflight[1], self.url)
+        self._inflight = None
+        self._staged = None  # the abandoned thread may still be reading them
+        self._group.forget()
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- loading and inspection --------------------------------------------------------------
+    def load_latest(self, state: dict) -> mf.LoadResult | None:
+        """Collective: load the newest verified committed checkpoint into `state` in place."""
+        self._finish_inflight()
+        return _load_latest(self.storage, state, self._group.view())
+
+    def committed(self) -> list[mf.CommitInfo]:
+        """Committed checkpoints, newest last (manifests only; checksums not rechecked)."""
+        return mf.list_committed(self.storage, log=log)
+
+    # ---- fencing and GC ----------------------------------------------------------------------
+    def set_generation(self, generation: int) -> None:
+        """Record `generation` as current in `<url>/checkpoints/FENCE`; older ones are fenced.
+
+        Idempotent for the same generation (controller and every worker may call it). Raises
+        FencedError if FENCE is already newer: generations must grow across runs too (start a
+        new run at `checkpointing.read_fence(url) + 1`).
+        """
+        current = mf.read_fence(self.storage)
+        if current is not None and current > generation:
+            raise FencedError(
+                f"set_generation({generation}) refused: {self.url}/checkpoints/FENCE is already at "
+                f"generation {current}; use a generation >= {current}", url=self.url)
+        if current != generation:
+            mf.write_fence(self.storage, generation)
+        self._known_fence = generation
+
+    def gc(self, *, verify: bool = False) -> dict:
+        """Delete uncommitted step dirs (except a live save's) and committed ones beyond `keep`.
+
+        verify=True rechecks checksums newest first and always keeps the newest checkpoint that
+        verifies, even beyond `keep` (one full read of it). Returns {"deleted", "kept"}.
+        """
+        protect = {self.in_flight_step} if self.in_flight_step is not None else set()
+        with self._lock:
+            return retention.collect(self.storage, keep=self.keep, protect=protect, verify=verify)

@@ -1,0 +1,90 @@
+"""The operator CLI, `elastic` (or `python -m elastic`): look at a run from outside.
+
+    elastic status URL [--watch]   live view of <URL>/status.json
+    elastic report URL             the summary and the recoveries table of a finished run
+    elastic ckpt list|verify|gc URL   committed checkpoints (same as `python -m checkpointing`)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from checkpointing.storage import Storage
+
+
+def _read_json(url: str, name: str) -> dict | None:
+    storage = Storage(url)
+    try:
+        return json.loads(storage.read_bytes(storage.path(name)))
+    except FileNotFoundError:
+        return None
+
+
+def _status_line(status: dict) -> str:
+    age = time.time() - status.get("updated_at", time.time())
+    workers = ", ".join(f"r{w['rank']}:pid {w['pid']}" for w in status.get("workers", []))
+    return (f"{status.get('state')}  step {status.get('step')}  world {status.get('world_size')}  "
+            f"generation {status.get('generation')}  committed {status.get('last_committed_step')}  "
+            f"updated {age:.0f}s ago  [{workers}]")
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    while True:
+        status = _read_json(args.url, "status.json")
+        if status is None:
+            print(f"no status.json under {args.url}: is this a run's storage URL?", file=sys.stderr)
+            return 2
+        print(_status_line(status), flush=True)
+        if not args.watch or status.get("state") in ("finished", "failed"):
+            return 0
+        time.sleep(args.interval)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    summary = _read_json(args.url, "summary.json")
+    if summary is None:
+        print(f"no summary.json under {args.url}: the run has not ended (try `elastic status`)", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(summary, indent=1))
+        return 0
+    print(f"status {summary['status']}  step {summary['final_step']}/{summary['total_steps']}  "
+          f"wall {summary['wall_s']:.1f}s  goodput {summary['goodput']}  resumed from {summary['resumed_from']}")
+    print(f"loss {summary['loss_first']} -> {summary['loss_last']}  model_sha256 {summary['model_sha256']}")
+    print(f"world size history {summary['world_size_history']}  checkpoints {summary['checkpoints']}")
+    recoveries = summary.get("recoveries", [])
+    if recoveries:
+        columns = ("cause", "rung", "detect_s", "recover_s", "lost_steps", "from_world", "to_world", "step")
+        print("\n" + "  ".join(f"{c:>11}" for c in columns))
+        for r in recoveries:
+            print("  ".join(f"{str(r.get(c)):>11}" for c in columns))
+    if summary.get("error"):
+        print(f"\nerror: {summary['error']['type']}: {summary['error']['message']}")
+    return 0 if summary["status"] == "finished" else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["ckpt"]:
+        from checkpointing.cli import main as checkpoint_main
+        return checkpoint_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="elastic", description="Look at an elastic run from outside.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    status = sub.add_parser("status", help="live view of <URL>/status.json")
+    status.add_argument("url")
+    status.add_argument("--watch", action="store_true", help="keep printing until the run ends")
+    status.add_argument("--interval", type=float, default=2.0)
+    status.set_defaults(run=cmd_status)
+    report = sub.add_parser("report", help="summary and recoveries of a run")
+    report.add_argument("url")
+    report.add_argument("--json", action="store_true", help="print summary.json as is")
+    report.set_defaults(run=cmd_report)
+    sub.add_parser("ckpt", help="list|verify|gc URL: committed checkpoints")
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

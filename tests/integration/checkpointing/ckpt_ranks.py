@@ -1,0 +1,92 @@
+"""Run a rank program on N local processes with a gloo group on 127.0.0.1 (no Ray).
+
+`run_ranks("program", world, **kwargs)` starts `python ckpt_ranks.py program rank world port json`
+per rank, waits with a deadline, and always kills what is left. Each program is a function in
+`ckpt_rank_programs.py`; its return value (JSON-able) comes back per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[2]
+SUITE = HERE.parents[1] / "unit" / "checkpointing"  # ckpt_conformance.py (shared helpers)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(program: str, world: int, kwargs: dict, out_dir: str, env: dict | None = None):
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        cmd = [sys.executable, str(HERE / "ckpt_ranks.py"), program, str(rank), str(world), str(port),
+               json.dumps(kwargs), out_dir]
+        penv = dict(os.environ, **(env or {}))
+        penv["PYTHONPATH"] = os.pathsep.join([str(REPO), str(HERE), str(SUITE), penv.get("PYTHONPATH", "")])
+        with open(Path(out_dir, f"rank{rank}.log"), "wb") as log:
+            procs.append(subprocess.Popen(cmd, env=penv, stdout=log, stderr=subprocess.STDOUT))
+    return procs
+
+
+def kill_all(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def run_ranks(program: str, world: int, timeout: float = 90, env: dict | None = None, **kwargs) -> list:
+    """Results of `program` per rank; raises with every rank's output if any rank fails."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        procs = spawn_ranks(program, world, kwargs, out_dir, env)
+        deadline = time.monotonic() + timeout
+        try:
+            while any(p.poll() is None for p in procs):
+                if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
+                    break
+                time.sleep(0.05)  # polling interval of the deadline loop, not synchronisation
+        finally:
+            running = [p for p in procs if p.poll() is None]
+            kill_all(procs)
+        outputs = [Path(out_dir, f"rank{r}.log").read_text(errors="replace") for r in range(world)]
+        codes = [p.returncode for p in procs]
+        if running or any(c != 0 for c in codes):
+            detail = "\n".join(f"--- rank {r} (exit {codes[r]})\n{outputs[r][-4000:]}" for r in range(world))
+            raise AssertionError(f"{program} at world {world} failed or timed out ({timeout}s):\n{detail}")
+        return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _main() -> None:
+    program, rank, world, port, kwargs, out_dir = sys.argv[1:7]
+    rank, world = int(rank), int(world)
+    import torch.distributed as dist
+
+    import ckpt_rank_programs
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        result = getattr(ckpt_rank_programs, program)(rank=rank, world=world, **json.loads(kwargs))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,63 @@
+"""Faults for the runtime tests, injected from outside like an operator would: the target's
+pid comes from status.json, the signal from os.kill."""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+
+def read_json(run_dir: str, name: str) -> dict | None:
+    try:
+        with open(os.path.join(run_dir, name)) as f:
+            return json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+class SignalAtStep(threading.Thread):
+    """Send `sig` to the worker with `rank` once status.json shows the run past `at_step`."""
+
+    def __init__(self, run_dir: str, at_step: int, sig: int, rank: int, timeout_s: float = 120.0):
+        super().__init__(daemon=True)
+        self.run_dir, self.at_step, self.sig, self.rank, self.timeout_s = run_dir, at_step, sig, rank, timeout_s
+        self.pid: int | None = None
+        self.sent_at: float | None = None
+        self.step_seen: int | None = None
+
+    def run(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            status = read_json(self.run_dir, "status.json") or {}
+            if status.get("state") == "running" and status.get("step", 0) >= self.at_step:
+                pids = [w["pid"] for w in status.get("workers", []) if w["rank"] == self.rank]
+                if pids:
+                    self.pid, self.step_seen = pids[0], status["step"]
+                    self.sent_at = time.time()
+                    os.kill(self.pid, self.sig)
+                    return
+            if status.get("state") in ("finished", "failed"):
+                return
+            time.sleep(0.02)   # polling interval of the condition, not a synchronisation sleep
+
+    def fired(self) -> bool:
+        return self.pid is not None
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[1].split()[0] != "Z"
+
+
+def wait_for(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")

@@ -1,0 +1,165 @@
+"""The elastic runtime end to end on a local Ray: clean runs, kills, hangs, FSDP, user errors."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import gpt
+from elastic import CheckpointConfig, ElasticTrainer, FailureConfig, ScalingConfig
+from faults import SignalAtStep, pid_alive, read_json, wait_for
+
+pytestmark = [pytest.mark.integration]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = {"model_size": "tiny", "batch_size": 8}
+
+
+def trainer(run_dir, *, workers=(2, 2), steps=40, every=None, strategy="ddp", loop=gpt.train_loop,
+            heartbeat_timeout_s=10.0, max_failures=5, config=TINY):
+    return ElasticTrainer(
+        loop, train_loop_config=config, total_steps=steps, seed=0,
+        scaling=ScalingConfig(min_workers=workers[0], max_workers=workers[1], strategy=strategy),
+        checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=every),
+        failure=FailureConfig(heartbeat_timeout_s=heartbeat_timeout_s, max_failures=max_failures,
+                              collective_timeout_s=30.0, rendezvous_timeout_s=60.0))
+
+
+def fit_with_fault(run_dir, fault: SignalAtStep | None, **kwargs):
+    if fault is not None:
+        fault.start()
+    result = trainer(run_dir, **kwargs).fit()
+    if fault is not None:
+        fault.join(timeout=5)
+        assert fault.fired(), f"the fault never fired (run ended at step {result.final_step})"
+    assert result.summary == read_json(run_dir, "summary.json") | {"config": result.summary["config"]}
+    return result
+
+
+@pytest.mark.timeout(120)
+def test_clean_run_finishes_learns_and_writes_the_contract_files(ray_session, run_dir):
+    result = fit_with_fault(run_dir, None, steps=40, every=20)
+    s = result.summary
+    assert result.ok and s["status"] == "finished" and s["final_step"] == 40 == s["total_steps"]
+    assert s["loss_last"] < s["loss_first"]
+    assert s["world_size_history"] == [[0, 2]] and s["recoveries"] == [] and s["checkpoints"] == [20, 40]
+    assert s["resumed_from"] is None and len(s["model_sha256"]) == 64 and 0 < s["goodput"] <= 1
+    assert s["config"]["scaling"]["min_workers"] == 2
+    status = read_json(run_dir, "status.json")
+    assert status["state"] == "finished" and status["step"] == 40 and status["last_committed_step"] == 40
+    assert {"generation", "world_size", "updated_at", "workers"} <= set(status)
+    lines = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    assert [m["step"] for m in lines] == list(range(1, 41))
+    assert lines[-1]["samples_seen"] == 40 * 16 and lines[0]["world_size"] == 2 and lines[0]["lr"] == 3e-3
+    assert os.path.exists(os.path.join(run_dir, "checkpoints", "step_00000040", "COMMITTED"))
+
+
+@pytest.mark.timeout(180)
+def test_sigkill_recovers_warm_then_grows_back(ray_session, run_dir):
+    fault = SignalAtStep(run_dir, at_step=60, sig=signal.SIGKILL, rank=1)
+    result = fit_with_fault(run_dir, fault, workers=(2, 3), steps=500, every=100)
+    s = result.summary
+    assert result.ok and s["final_step"] == 500
+    (recovery,) = [r for r in s["recoveries"] if r["cause"] == "worker_died"]
+    assert recovery["rung"] == "warm" and recovery["lost_steps"] <= 1
+    assert recovery["from_world"] == 3 and recovery["to_world"] == 2
+    sizes = [w for _, w in s["world_size_history"]]
+    assert sizes[0] == 3 and 2 in sizes and sizes[-1] == 3, s["world_size_history"]
+    assert not pid_alive(fault.pid)
+    # Running again on the same storage resumes, although the fence moved on with the recoveries.
+    again = fit_with_fault(run_dir, None, workers=(2, 3), steps=520, every=100)
+    assert again.ok and again.summary["resumed_from"] == 500 and again.final_step == 520
+
+
+@pytest.mark.timeout(240)
+def test_kill_with_replacement_is_bitwise_identical_to_a_clean_run(ray_session, tmp_path):
+    clean = fit_with_fault(str(tmp_path / "clean"), None, workers=(2, 2), steps=300)
+    faulty_dir = str(tmp_path / "faulty")
+    faulty = fit_with_fault(faulty_dir, SignalAtStep(faulty_dir, at_step=60, sig=signal.SIGKILL, rank=1),
+                            workers=(2, 2), steps=300)
+    assert faulty.ok and [r["cause"] for r in faulty.summary["recoveries"]] == ["worker_died"]
+    assert {w for _, w in faulty.summary["world_size_history"]} == {2}
+    assert faulty.summary["model_sha256"] == clean.summary["model_sha256"]
+
+
+@pytest.mark.timeout(180)
+def test_sigstop_is_detected_within_the_heartbeat_timeout_and_replaced(ray_session, run_dir,
+                                                                       _no_stray_stopped_workers):
+    fault = SignalAtStep(run_dir, at_step=40, sig=signal.SIGSTOP, rank=1)
+    result = fit_with_fault(run_dir, fault, workers=(2, 2), steps=400, heartbeat_timeout_s=3.0)
+    _no_stray_stopped_workers.append(fault.pid)
+    assert result.ok and result.final_step == 400
+    (recovery,) = result.summary["recoveries"]
+    assert recovery["cause"] == "hang" and recovery["detect_s"] <= 3.0 + 2.0
+    assert recovery["to_world"] == 2            # the stopped worker was replaced
+    wait_for(lambda: not pid_alive(fault.pid), 10, "the stopped worker to be killed")
+
+
+@pytest.mark.timeout(180)
+def test_fsdp_trains_and_recovers_through_a_checkpoint(ray_session, run_dir):
+    fault = SignalAtStep(run_dir, at_step=30, sig=signal.SIGKILL, rank=1)
+    result = fit_with_fault(run_dir, fault, workers=(2, 2), steps=200, every=10, strategy="fsdp")
+    s = result.summary
+    assert result.ok and s["final_step"] == 200 and s["loss_last"] < s["loss_first"]
+    (recovery,) = s["recoveries"]
+    assert recovery["rung"] == "checkpoint" and recovery["lost_steps"] < 10 + 5
+    assert recovery["step"] in s["checkpoints"] or recovery["step"] % 10 == 0
+
+
+def raise_at_step_3(ctx):
+    model = ctx.prepare_model(torch.nn.Linear(4, 1))
+    optimizer = ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    loader = ctx.prepare_data([torch.randn(4) for _ in range(64)], batch_size=2)
+    ctx.restore()
+    for batch in loader:
+        if ctx.step == 3:
+            raise ValueError(f"bad batch on rank {ctx.rank}")
+        model(batch).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        ctx.report(loss=0.0)
+
+
+@pytest.mark.timeout(120)
+def test_user_error_fails_fast_with_its_type_and_traceback(ray_session, run_dir):
+    result = fit_with_fault(run_dir, None, loop=raise_at_step_3, steps=50, max_failures=20, config=None)
+    assert not result.ok and isinstance(result.error, ValueError) and "bad batch" in str(result.error)
+    assert "raise_at_step_3" in result.error_traceback and "ValueError" in result.error_traceback
+    s = result.summary
+    assert s["status"] == "failed" and s["recoveries"] == [] and s["final_step"] == 3
+    assert s["error"]["type"] == "ValueError" and "raise_at_step_3" in s["error"]["traceback"]
+
+
+def make_run(run_dir: str, steps: int) -> subprocess.CompletedProcess:
+    args = f"--storage {run_dir} --workers 2:2 --steps {steps} --checkpoint-every 10 --model-size tiny --quiet"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    process = subprocess.Popen(["make", "-s", "run", f"RUN_ARGS={args}"], cwd=ROOT, env=env, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        out, _ = process.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
+    return subprocess.CompletedProcess(process.args, process.returncode, out)
+
+
+@pytest.mark.timeout(420)
+def test_make_run_trains_and_resumes_to_the_same_model(ray_session, tmp_path):
+    run_dir = str(tmp_path / "job")
+    first = make_run(run_dir, 20)
+    assert first.returncode == 0, first.stdout[-3000:]
+    second = make_run(run_dir, 30)
+    assert second.returncode == 0, second.stdout[-3000:]
+    s = read_json(run_dir, "summary.json")
+    assert s["status"] == "finished" and s["resumed_from"] == 20 and s["final_step"] == 30
+    assert s["checkpoints"][-1] == 30
+    steps = [json.loads(line)["step"] for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    assert steps == list(range(1, 31))           # no step repeated or skipped across the resume
+    straight = fit_with_fault(str(tmp_path / "straight"), None, workers=(2, 2), steps=30, every=10,
+                              config={**TINY, "lr": 3e-3})
+    assert s["model_sha256"] == straight.summary["model_sha256"]

@@ -1,0 +1,281 @@
+"""The controller's state machine, driven by a fake worker group (no Ray)."""
+import pytest
+
+from elastic._controller import Controller
+from elastic._protocol import WorkerPhase
+from elastic._states import RunState
+from elastic.config import FailureConfig, ScalingConfig
+from elastic.errors import InsufficientWorkersError, TooManyFailuresError
+from elastic.policies import FailureDecision, FailurePolicy, ScalingPolicy
+from fakes import FakeCheckpoints, FakeClock, FakeGroup, FakeRecorder
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def make(min_workers=2, max_workers=3, capacity=3, max_failures=3, latest=None, fence=None, **kwargs):
+    clock, group = FakeClock(), FakeGroup(capacity)
+    transitions = []
+    controller = Controller(
+        group, FakeRecorder(), FakeCheckpoints(latest, fence),
+        scaling=ScalingConfig(min_workers=min_workers, max_workers=max_workers),
+        failure=FailureConfig(max_failures=max_failures, heartbeat_timeout_s=5.0, collective_timeout_s=30.0,
+                              rendezvous_timeout_s=60.0),
+        total_steps=100, clock=clock, callbacks=(lambda old, new, why: transitions.append((old, new)),), **kwargs)
+    return controller, group, clock, transitions
+
+
+def start(controller, group):
+    controller.tick()   # scheduling: places workers
+    controller.tick()   # all ready -> starting -> running
+    assert controller.state.state == RunState.RUNNING
+    return controller.state.members
+
+
+def interrupt(group, wids, generation, step):
+    for wid in wids:
+        group.set_report(wid, WorkerPhase.INTERRUPTED, generation=generation, step=step,
+                         error_type="RuntimeError", error_message="gloo: Connection reset by peer")
+
+
+def test_happy_path_every_transition_is_announced():
+    controller, group, clock, transitions = make()
+    members = start(controller, group)
+    assert len(members) == 3 and group.generations[0][members[0]].restore.kind == "fresh"
+    group.complete_steps(members[0], 1, 100, 3)
+    for rank, wid in enumerate(members):
+        group.set_report(wid, WorkerPhase.FINISHED, generation=0, rank=rank, step=100)
+    controller.tick()
+    assert controller.state.state == RunState.FINISHED and controller.step == 100
+    assert [t[1] for t in transitions] == [RunState.STARTING, RunState.RUNNING, RunState.FINISHED]
+    controller.run(sleep=lambda s: None)
+    assert group.shut_down
+
+
+def test_resume_starts_from_the_latest_checkpoint():
+    controller, group, _, _ = make(latest=40)
+    members = start(controller, group)
+    plan = group.generations[0][members[0]].restore
+    assert plan.kind == "checkpoint" and plan.step == 40
+    assert controller.recorder.resumed_from == 40 and controller.recorder.generations == [(40, 3)]
+
+
+def test_dead_worker_rescales_warm_with_the_most_advanced_survivor_as_source():
+    controller, group, clock, _ = make(capacity=3)
+    members = start(controller, group)
+    group.complete_steps(members[0], 1, 10, 3)
+    group.die(members[1])
+    group.capacity = 2            # no room for a replacement yet
+    controller.tick()
+    assert controller.state.state == RunState.RECOVERING
+    assert group.stops[-1] == ([members[0], members[2]], 0)
+    interrupt(group, [members[0]], 0, 10)
+    interrupt(group, [members[2]], 0, 11)      # rank 2 finished one more step than rank 0
+    controller.tick()
+    assert controller.state.state == RunState.RUNNING and controller.generation == 1
+    plans = group.generations[-1]
+    assert [plans[w].rank for w in (members[2], members[0])] == [0, 1]
+    assert plans[members[2]].restore.kind == "broadcast" and plans[members[2]].restore.source_rank == 0
+    assert plans[members[2]].restore.step == 11 and plans[members[0]].world_size == 2
+    group.complete_steps(members[2], 12, 12, 2)
+    controller.tick()
+    (recovery,) = controller.recorder.recoveries
+    assert recovery["cause"] == "worker_died" and recovery["rung"] == "warm"
+    assert recovery["from_world"] == 3 and recovery["to_world"] == 2 and recovery["lost_steps"] == 0
+    assert controller.recorder.generations == [(0, 3), (11, 2)]
+    assert group.generations[-1][members[2]].generation == 1 and controller.checkpoints.fences == [0, 1]
+
+
+def test_replacement_is_added_when_capacity_returns():
+    controller, group, clock, _ = make(capacity=3)
+    members = start(controller, group)
+    group.die(members[1])
+    group.capacity = 2
+    controller.tick()
+    interrupt(group, [members[0], members[2]], 0, 5)
+    controller.tick()
+    assert controller.state.state == RunState.RUNNING and len(controller.state.members) == 2
+    group.capacity = 3
+    controller.tick()             # the group places a new worker: a ready spare
+    controller.tick()
+    # No second rescale before the re-formed group has completed a step.
+    assert controller.state.state == RunState.RUNNING
+    group.complete_steps(controller.state.members[0], 6, 6, 2)
+    controller.tick()
+    assert controller.state.state == RunState.RECOVERING and controller.state.voluntary
+    survivors = controller.state.survivors
+    for wid in survivors:
+        group.set_report(wid, WorkerPhase.INTERRUPTED, generation=1, step=9)
+    controller.tick()
+    assert controller.state.state == RunState.RUNNING and len(controller.state.members) == 3
+
+
+def test_hung_worker_is_killed_and_counted_as_hang():
+    controller, group, clock, _ = make()
+    members = start(controller, group)
+    group.views[members[2]].silent_s = 5.5
+    controller.tick()
+    assert (members[2], "hang") in group.killed
+    assert controller.state.state == RunState.RECOVERING and controller.failures[-1].cause == "hang"
+
+
+def test_survivor_stuck_in_a_collective_is_replaced_cold():
+    controller, group, clock, _ = make(capacity=4)
+    members = start(controller, group)
+    group.die(members[0])
+    controller.tick()
+    interrupt(group, [members[1]], 0, 7)       # members[2] stays RUNNING: stuck
+    controller.tick()
+    assert controller.state.state == RunState.RECOVERING
+    clock.advance(36)                          # past collective_timeout_s + heartbeat_timeout_s
+    controller.tick()
+    assert any(w == members[2] and "collective" in why for w, why in group.killed)
+    assert controller.state.state == RunState.RUNNING
+    assert controller.state.recovery.rung == "cold"
+
+
+def test_max_failures_exhausted_fails_with_the_causes_listed():
+    controller, group, clock, _ = make(capacity=10, max_failures=1, min_workers=1, max_workers=2)
+    members = start(controller, group)
+    group.die(members[0])
+    controller.tick()
+    interrupt(group, [members[1]], 0, 3)
+    controller.tick()
+    members = controller.state.members
+    group.views[members[0]].silent_s = 6.0
+    controller.tick()
+    assert controller.state.state == RunState.FAILED
+    assert isinstance(controller.error["exception"], TooManyFailuresError)
+    assert "worker_died" in controller.error["message"] and "hang" in controller.error["message"]
+
+
+def test_user_error_fails_fast_without_recovery():
+    controller, group, clock, _ = make()
+    members = start(controller, group)
+    boom = ValueError("bad batch")
+    for rank, wid in enumerate(members):
+        group.set_report(wid, WorkerPhase.FAILED, generation=0, rank=rank, step=4, error_type="ValueError",
+                         error_message="bad batch", error_traceback="Traceback ...", error_kind="user", error=boom)
+    controller.tick()
+    assert controller.state.state == RunState.FAILED and controller.infra_failures == 0
+    assert controller.error["exception"] is boom and controller.error["traceback"] == "Traceback ..."
+    assert not controller.recorder.recoveries and not group.stops
+
+
+def test_broken_collective_without_a_lost_peer_waits_a_heartbeat_timeout():
+    controller, group, clock, _ = make()
+    members = start(controller, group)
+    interrupt(group, [members[0]], 0, 3)
+    controller.tick()
+    assert controller.state.state == RunState.RUNNING
+    clock.advance(5.1)
+    controller.tick()
+    assert controller.state.state == RunState.RECOVERING and controller.failures[-1].cause == "collective_error"
+
+
+def test_below_min_without_replacements_fails_after_rendezvous_timeout():
+    controller, group, clock, _ = make(min_workers=2, max_workers=2, capacity=2)
+    members = start(controller, group)
+    group.capacity = 1
+    group.die(members[1])
+    controller.tick()
+    interrupt(group, [members[0]], 0, 3)
+    controller.tick()
+    assert controller.state.state == RunState.RECOVERING      # waiting for a replacement
+    clock.advance(61)
+    controller.tick()
+    assert controller.state.state == RunState.FAILED
+    assert isinstance(controller.error["exception"], InsufficientWorkersError)
+
+
+def test_user_policies_are_obeyed():
+    class NeverGrow(ScalingPolicy):
+        def decide_resize(self, **kwargs):
+            return None
+
+    class AlwaysFail(FailurePolicy):
+        def decide(self, failure, **kwargs):
+            return FailureDecision("fail", "this policy never retries")
+
+    controller, group, clock, _ = make(capacity=2, scaling_policy=NeverGrow())
+    start(controller, group)
+    group.capacity = 3
+    for _ in range(3):
+        controller.tick()
+    assert controller.state.state == RunState.RUNNING and len(controller.state.members) == 2
+
+    controller, group, clock, _ = make(failure_policy=AlwaysFail())
+    members = start(controller, group)
+    group.die(members[0])
+    controller.tick()
+    assert controller.state.state == RunState.FAILED and "never retries" in controller.error["message"]
+
+
+def test_no_workers_placed_fails_with_insufficient_workers():
+    controller, group, clock, _ = make(capacity=1)
+    controller.tick()
+    clock.advance(61)
+    controller.tick()
+    assert controller.state.state == RunState.FAILED
+    assert "min_workers=2" in controller.error["message"]
+
+
+def test_a_resumed_run_continues_the_generations_of_the_previous_one():
+    controller, group, _, _ = make(latest=40, fence=4)
+    members = start(controller, group)
+    assert controller.generation == 5 and group.generations[0][members[0]].generation == 5
+    assert controller.checkpoints.fences == [4, 5]
+
+
+def error_report(group, wid, kind, error):
+    group.set_report(wid, WorkerPhase.FAILED, generation=0, step=4, error_type=type(error).__name__,
+                     error_message=str(error), error_traceback="tb", error_kind=kind, error=error)
+
+
+def test_storage_error_is_recovered_and_counted():
+    controller, group, _, _ = make(max_failures=3)
+    members = start(controller, group)
+    error_report(group, members[0], "infra", OSError("S3 503"))
+    controller.tick()
+    assert controller.state.state == RunState.RECOVERING and controller.infra_failures == 1
+    assert controller.failures[-1].cause == "storage_error"
+
+
+def test_fatal_error_fails_at_once_with_the_original_exception():
+    controller, group, _, _ = make(max_failures=None)
+    members = start(controller, group)
+    fenced = RuntimeError("fenced")
+    error_report(group, members[1], "fatal", fenced)
+    controller.tick()
+    assert controller.state.state == RunState.FAILED and controller.error["exception"] is fenced
+    assert controller.infra_failures == 0
+
+
+def test_a_user_policy_may_retry_user_errors_and_they_do_not_count():
+    class RetryEverything(FailurePolicy):
+        def decide(self, failure, **kwargs):
+            return FailureDecision("recover", "retry all")
+
+    controller, group, _, _ = make(max_failures=0, failure_policy=RetryEverything())
+    members = start(controller, group)
+    error_report(group, members[0], "user", ValueError("flaky"))
+    controller.tick()
+    assert controller.state.state == RunState.RECOVERING and controller.infra_failures == 0
+    interrupt(group, members[1:], 0, 4)
+    controller.tick()
+    assert controller.state.state == RunState.RUNNING and len(controller.state.members) == 3
+
+
+def test_no_maximum_grows_while_the_cluster_has_room():
+    controller, group, clock, _ = make(min_workers=2, max_workers=None, capacity=3)
+    for _ in range(4):
+        controller.tick()
+        clock.advance(1.0)
+    assert controller.state.state == RunState.SCHEDULING    # ready count still changing
+    clock.advance(2.0)
+    controller.tick()
+    members = controller.state.members
+    assert len(members) == 3          # everything that fits; the probe placement found no room
+    group.capacity = 4
+    controller.tick()                 # the probe is placed: a spare
+    controller.tick()
+    assert controller.state.state == RunState.RECOVERING and controller.state.voluntary
