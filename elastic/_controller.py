@@ -56,6 +56,7 @@ class Controller:
         self.state: AnyState = Scheduling(since=clock())
         self.generation = -1
         self.world_size = 0        # of the newest generation
+        self._first_generation = 0
         self.step = 0
         self.infra_failures = 0
         self.failures: list[Failure] = []
@@ -82,6 +83,7 @@ class Controller:
 
     def tick(self) -> None:
         self.views = self.group.tick()
+        self._confirm_restore()
         self._absorb_records()
         handler = {RunState.SCHEDULING: self._on_scheduling, RunState.STARTING: self._on_starting,
                    RunState.RUNNING: self._on_running, RunState.RECOVERING: self._on_recovering}.get(self.state.state)
@@ -116,7 +118,10 @@ class Controller:
                 len(ready) >= self.scaling.min_workers and (settled or waited >= STARTUP_GRACE_S)):
             # Generations keep growing across runs on the same storage, or the fence would
             # refuse this run's checkpoints as a zombie's.
-            self.generation = max(self.generation, self.checkpoints.current_fence() or -1)
+            fence = self.checkpoints.current_fence()
+            if fence is not None:
+                self.generation = max(self.generation, fence)
+            self._first_generation = self.generation + 1
             latest = self.checkpoints.latest_step()
             if latest is not None:
                 self.recorder.resumed_from = latest
@@ -152,7 +157,7 @@ class Controller:
 
     def _on_running(self) -> None:
         st: Running = self.state
-        lost, errored, comm_ranks, finished = [], [], [], 0
+        lost, errored, comm_ranks, preempted, finished = [], [], [], [], 0
         for rank, wid in enumerate(st.members):
             view, report = self.views[wid], self.views[wid].report
             if view.status == DEAD:
@@ -160,6 +165,8 @@ class Controller:
                              view.silent_s))
             elif view.silent_s > self.failure.heartbeat_timeout_s:
                 lost.append((wid, "hang", view.silent_s))
+            elif report is not None and report.preempted and report.phase != WorkerPhase.RUNNING:
+                preempted.append(wid)     # committed its last step and left the loop
             elif report is not None and report.generation == st.generation:
                 if report.phase == WorkerPhase.FAILED:
                     errored.append(rank)
@@ -176,6 +183,10 @@ class Controller:
             ranks = tuple(st.members.index(w) for w, _, _ in lost)
             self._handle_failure(st.members, Failure(lost[0][1], ranks, f"lost worker(s) {[w for w, _, _ in lost]}"),
                                  [w for w, _, _ in lost], max(s for _, _, s in lost))
+        elif preempted:
+            ranks = tuple(st.members.index(w) for w in preempted)
+            self._handle_failure(st.members, Failure("preempted", ranks, f"preemption notice to {preempted}"),
+                                 preempted, 0.0)
         elif comm_ranks:
             # A broken collective with no lost peer yet: give the lost peer a heartbeat timeout to show.
             st.suspect_since = st.suspect_since or self.clock()
@@ -286,8 +297,32 @@ class Controller:
         self._on_starting()
 
     # ---- bookkeeping -------------------------------------------------------------------
+    def _confirm_restore(self) -> None:
+        """The step the new generation really restored (a corrupt checkpoint makes it older
+        than the newest manifest the controller planned with)."""
+        st = self.state
+        if not isinstance(st, Running) or st.restore_confirmed:
+            return
+        report = self.views[st.members[0]].report
+        if report is None or report.generation != st.generation or report.restored_step is None:
+            return
+        st.restore_confirmed = True
+        step = report.restored_step
+        self.recorder.correct_generation_start(step)
+        if st.generation == self._first_generation and self.recorder.resumed_from is not None:
+            self.recorder.resumed_from = step
+        if st.recovery is not None:
+            st.recovery.restored_step = step
+        self.step = step
+
     def _absorb_records(self) -> None:
+        members = set(getattr(self.state, "members", None) or getattr(self.state, "survivors", None) or [])
         for view in self.views.values():
+            if view.report is not None:
+                for fallback in view.report.checkpoint_fallbacks:
+                    self.recorder.on_checkpoint_fallback(fallback)
+                if view.report.preempted and view.status == READY and view.wid not in members:
+                    self.group.kill(view.wid, "preempted while spare")
             for record in view.records:
                 self.recorder.on_step(record)
                 self.step = record.step

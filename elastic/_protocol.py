@@ -42,6 +42,9 @@ class WorkerReport:
     error_traceback: str | None = None
     error_kind: str | None = None        # see elastic._worker.classify_error
     error: BaseException | None = None   # the original exception when it pickles
+    preempted: bool = False              # got SIGTERM: leaves after committing a checkpoint
+    restored_step: int | None = None     # step ctx.restore loaded in this generation
+    checkpoint_fallbacks: list[dict] = field(default_factory=list)   # committed steps skipped on load
     model_sha256: str | None = None
     resumed_from: int | None = None
 

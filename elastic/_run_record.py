@@ -31,6 +31,7 @@ class RunRecorder:
         self._world_size_history: list[list[int]] = []
         self._recoveries: list[dict[str, Any]] = []
         self._stragglers: list[dict[str, Any]] = []
+        self._fallbacks: list[dict[str, Any]] = []
         self._losses: list[float] = []
         self._status: dict[str, Any] = {}
         self._last_write = 0.0
@@ -63,6 +64,10 @@ class RunRecorder:
         self._world_size_history.append([step, world_size])
         self._last_step_time = time.time()
 
+    def correct_generation_start(self, step: int) -> None:
+        if self._world_size_history:
+            self._world_size_history[-1][0] = step
+
     def on_step(self, record: StepRecord, lr: float | None = None) -> None:
         previous = self._last_step_time or record.time
         self._step_seconds[record.step] = max(0.0, record.time - previous)
@@ -86,6 +91,12 @@ class RunRecorder:
 
     def on_straggler(self, flag: dict[str, Any]) -> None:
         self._stragglers.append(flag)
+
+    def on_checkpoint_fallback(self, fallback: dict[str, Any]) -> None:
+        """A committed checkpoint failed verification on load and an older one was used."""
+        if fallback not in self._fallbacks:
+            log.warning("checkpoint fallback: %s", fallback)
+            self._fallbacks.append(fallback)
 
     # ---- files -------------------------------------------------------------------------
     def write_status(self, *, force: bool = False, **status: Any) -> None:
@@ -122,6 +133,7 @@ class RunRecorder:
             "model_sha256": model_sha256, "wall_s": round(wall_s, 3),
             "goodput": round(min(1.0, kept / wall_s), 4) if wall_s > 0 else None,
             "resumed_from": self.resumed_from, "stragglers": self._stragglers,
+            "checkpoint_fallbacks": self._fallbacks,
             "config": self._config, "error": error,
         }
         self.flush_metrics()

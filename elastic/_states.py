@@ -54,6 +54,7 @@ class Running:
     started_at: float
     recovery: PendingRecovery | None = None
     suspect_since: float | None = None   # a rank reported a broken group, no peer is known lost yet
+    restore_confirmed: bool = False      # rank 0 reported the step it actually restored
     state: RunState = RunState.RUNNING
 
 

@@ -10,6 +10,7 @@ import datetime
 import inspect
 import logging
 import os
+import signal
 import socket
 import threading
 import traceback
@@ -22,6 +23,8 @@ from elastic._state import mix_seed
 from elastic.context import Carry, RescaleInterrupt, RunSpec, TrainContext
 
 log = logging.getLogger("elastic.worker")
+
+PREEMPTION_GRACE_S = 60   # a preempted worker leaves by then, even if the controller is gone
 
 # Backends name themselves in the errors of a broken process group (gloo's come from its
 # transport, e.g. "[.../gloo/transport/tcp/pair.cc:537] Read error ... Connection reset by peer").
@@ -70,6 +73,7 @@ class TrainWorker:
         self._plan: GenerationPlan | None = None
         self._carry = Carry()
         self._stop_requested = threading.Event()
+        self._preempted = threading.Event()
         self._thread: threading.Thread | None = None
         self._error: dict | None = None
         self._model_sha256: str | None = None
@@ -77,7 +81,24 @@ class TrainWorker:
         if spec.use_gpu:
             torch.cuda.set_device(0)   # Ray exposes exactly the GPU it assigned as device 0
         self._device = torch.device("cuda", 0) if spec.use_gpu else torch.device("cpu")
+        # Ray runs an actor's __init__ on the process's main thread, where handlers may be set.
+        signal.signal(signal.SIGTERM, self._on_preemption_notice)
         _preload()
+
+    def _on_preemption_notice(self, signum, frame) -> None:
+        """SIGTERM (spot reclaim, node drain): commit at the next step boundary, then leave.
+
+        Outside a running generation there is nothing to save: the process ends at once. Inside
+        one it ends after PREEMPTION_GRACE_S even if the controller never removes it."""
+        if self._phase != WorkerPhase.RUNNING or self._preempted.is_set():
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        log.warning("preemption notice: checkpoint at the next step, then leave (within %ds)", PREEMPTION_GRACE_S)
+        self._preempted.set()
+        timer = threading.Timer(PREEMPTION_GRACE_S, os._exit, args=(0,))
+        timer.daemon = True
+        timer.start()
 
     # ---- controller-facing API ---------------------------------------------------------
     def info(self) -> WorkerInfo:
@@ -122,7 +143,10 @@ class TrainWorker:
                 has_state=carry.warm_capable and carry.model is not None, records=records,
                 error_type=error.get("type"), error_message=error.get("message"),
                 error_traceback=error.get("traceback"), error_kind=error.get("kind"),
-                error=error.get("exception"),
+                error=error.get("exception"), preempted=self._preempted.is_set(),
+                restored_step=carry.restored[1] if plan and carry.restored and carry.restored[0] == plan.generation
+                else None,
+                checkpoint_fallbacks=list(carry.load_fallbacks),
                 model_sha256=self._model_sha256, resumed_from=carry.resumed_from)
 
     def shutdown(self) -> None:
@@ -136,8 +160,8 @@ class TrainWorker:
     def _run_generation(self, plan: GenerationPlan) -> None:
         try:
             self._join_group(plan)
-            ctx = TrainContext(plan=plan, spec=self._spec, carry=self._carry,
-                               stop_requested=self._stop_requested, device=self._device)
+            ctx = TrainContext(plan=plan, spec=self._spec, carry=self._carry, stop_requested=self._stop_requested,
+                               preempted=self._preempted, device=self._device)
             # Identical initial weights on every rank and in every run with the same seed.
             torch.manual_seed(mix_seed(self._spec.seed, "init"))
             loop = self._spec.train_loop
@@ -150,9 +174,27 @@ class TrainWorker:
                 self._model_sha256 = sha
                 self._phase = WorkerPhase.FINISHED
         except RescaleInterrupt:
+            try:
+                self._settle_checkpoints(peers_alive=True)
+            except BaseException as error:  # noqa: BLE001 - reported like any other
+                self._record_error(error)
+                return
             self._set_phase(WorkerPhase.INTERRUPTED)
         except BaseException as error:  # noqa: BLE001 - every outcome is reported, none raised here
+            if classify_error(error) == "comm":
+                self._settle_checkpoints(peers_alive=False)
             self._record_error(error)
+
+    def _settle_checkpoints(self, *, peers_alive: bool) -> None:
+        """Before the group changes: finish the in-flight upload when every peer can, else drop
+        it (its collectives would wait for a dead peer until collective_timeout_s)."""
+        manager = self._carry.checkpoints
+        if manager is None:
+            return
+        if peers_alive:
+            manager.wait()
+        else:
+            manager.abandon()
 
     def _join_group(self, plan: GenerationPlan) -> None:
         if dist.is_initialized():

@@ -47,6 +47,8 @@ class Carry:
     warm_capable: bool = False                 # carry.model holds the full state (DDP)
     pending_samples: int = 0
     records: list[StepRecord] = field(default_factory=list)
+    load_fallbacks: list[dict] = field(default_factory=list)   # checkpoints skipped as corrupt
+    restored: tuple[int, int] | None = None                    # (generation, step) of the last restore
 
 
 @dataclass(frozen=True)
@@ -73,11 +75,12 @@ class TrainContext:
     """Per-rank handle given to `train_loop(ctx)`; re-created after every rescale."""
 
     def __init__(self, *, plan: GenerationPlan, spec: RunSpec, carry: Carry,
-                 stop_requested: threading.Event, device: torch.device):
+                 stop_requested: threading.Event, preempted: threading.Event, device: torch.device):
         self._plan = plan
         self._spec = spec
         self._carry = carry
         self._stop_requested = stop_requested
+        self._preempted = preempted
         self.device = device
         self._comm_device = device if spec.use_gpu else torch.device("cpu")
         self._model: nn.Module | None = None       # as returned to the user (wrapped)
@@ -171,6 +174,7 @@ class TrainContext:
             self._restore_checkpoint(self._model if model is self._raw_model else model, optimizer)
         carry.model, carry.optimizer = model, optimizer
         carry.warm_capable = self._spec.strategy == "ddp" and model is not None
+        carry.restored = (self.generation, carry.step)
         log.info("rank %d generation %d restored (%s) at step %d",
                  self.rank, self.generation, plan.kind, carry.step)
         return carry.step
@@ -200,6 +204,7 @@ class TrainContext:
             carry.step, carry.samples_seen = 0, 0
             return
         _checkpoint_io.apply_state(model, optimizer, state)
+        carry.load_fallbacks.extend(dict(s) for s in loaded.skipped)
         carry.step = int(state["extra"]["step"])
         carry.samples_seen = int(state["extra"]["samples_seen"])
         carry.last_saved_step = carry.step
@@ -249,12 +254,12 @@ class TrainContext:
         loss = metrics.get("loss")
         loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else (
             float(loss) if loss is not None else 0.0)
-        # One small all-reduce per step carries the mean loss and the rescale flag, so every
-        # rank leaves the loop at the same step.
-        shared = torch.tensor([loss_value, 1.0 if self._stop_requested.is_set() else 0.0],
+        # One small all-reduce per step carries the mean loss, the rescale flag and the
+        # preemption flag, so every rank leaves the loop at the same step.
+        shared = torch.tensor([loss_value, float(self._stop_requested.is_set()), float(self._preempted.is_set())],
                               dtype=torch.float64, device=self._comm_device)
         dist.all_reduce(shared)
-        stop = bool(shared[1].item() > 0)
+        stop, preempted = bool(shared[1].item() > 0), bool(shared[2].item() > 0)
         if self.rank == 0:
             extra = {k: float(v) for k, v in metrics.items() if k != "loss" and isinstance(v, (int, float))}
             record = StepRecord(step=carry.step, loss=float(shared[0].item()) / self.world_size if loss is not None else None,
@@ -265,7 +270,10 @@ class TrainContext:
         every = self._spec.checkpoint_every
         if every is not None and carry.step % every == 0 and carry.step < self.total_steps:
             self.save_checkpoint()
-        if stop:
+        if preempted and carry.last_saved_step != carry.step:
+            # A rank got its preemption notice: commit this step before it leaves.
+            self.save_checkpoint(wait=True)
+        if stop or preempted:
             if not carry.warm_capable and carry.last_saved_step != carry.step:
                 # FSDP shards cannot be re-broadcast after the group changes: commit them first.
                 self.save_checkpoint(wait=True)

@@ -11,7 +11,7 @@ log = logging.getLogger("elastic.policy")
 
 # Causes of a failure, as recorded in summary.json.
 INFRA_CAUSES = ("worker_died", "hang", "collective_error", "node_lost", "partition", "straggler",
-                "storage_error")
+                "storage_error", "preempted")
 USER_CAUSE = "user_error"
 FATAL_CAUSE = "fatal_error"      # fenced out, or checkpoint saves failing past their limit
 CAUSE_OF_ERROR_KIND = {"user": USER_CAUSE, "infra": "storage_error", "fatal": FATAL_CAUSE,

@@ -19,6 +19,10 @@ from elastic.policies import FailurePolicy, ScalingPolicy
 log = logging.getLogger("elastic.trainer")
 
 _SECRET_WORDS = ("secret", "key", "token", "password")
+# The standard variables that point any S3-compatible store; forwarded to the run's actors,
+# which do not inherit what the driver set after its Ray was started.
+_STORAGE_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION", "AWS_REGION", "AWS_PROFILE")
 
 
 @dataclass
@@ -114,8 +118,10 @@ class ElasticTrainer:
             ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=True)
         here = ray.get_runtime_context().get_node_id()
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        storage_env = {k: os.environ[k] for k in _STORAGE_ENV if k in os.environ}
         actor = ray.remote(ControllerActor).options(
             num_cpus=0, max_concurrency=4, max_restarts=0,
+            runtime_env={"env_vars": storage_env} if storage_env else None,
             scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
         ).remote(self._spec(), self.scaling, self.failure, self.checkpoint, self.total_steps,
                  self.effective_config(), self.failure_policy, self.scaling_policy)

@@ -93,11 +93,17 @@ class FakeRecorder:
     def on_recovery(self, recovery):
         self.recoveries.append(recovery)
 
+    def on_checkpoint_fallback(self, fallback):
+        self.fallbacks = getattr(self, "fallbacks", []) + [fallback]
+
     def on_generation_start(self, step, world_size):
         self.generations.append((step, world_size))
 
     def load_previous_metrics(self, up_to_step):
         pass
+
+    def correct_generation_start(self, step):
+        self.generations[-1] = (step, self.generations[-1][1])
 
     def write_status(self, force=False, **status):
         self.statuses.append(status)

@@ -219,11 +219,12 @@ def test_no_workers_placed_fails_with_insufficient_workers():
     assert "min_workers=2" in controller.error["message"]
 
 
-def test_a_resumed_run_continues_the_generations_of_the_previous_one():
-    controller, group, _, _ = make(latest=40, fence=4)
+@pytest.mark.parametrize("fence", [0, 4])
+def test_a_resumed_run_continues_the_generations_of_the_previous_one(fence):
+    controller, group, _, _ = make(latest=40, fence=fence)
     members = start(controller, group)
-    assert controller.generation == 5 and group.generations[0][members[0]].generation == 5
-    assert controller.checkpoints.fences == [4, 5]
+    assert controller.generation == fence + 1 and group.generations[0][members[0]].generation == fence + 1
+    assert controller.checkpoints.fences == [fence, fence + 1]
 
 
 def error_report(group, wid, kind, error):
@@ -279,3 +280,31 @@ def test_no_maximum_grows_while_the_cluster_has_room():
     controller.tick()                 # the probe is placed: a spare
     controller.tick()
     assert controller.state.state == RunState.RECOVERING and controller.state.voluntary
+
+
+def test_preempted_member_leaves_after_its_checkpoint_and_the_rest_go_on():
+    from dataclasses import replace
+    controller, group, _, _ = make(capacity=3, max_failures=5)
+    members = start(controller, group)
+    group.capacity = 2
+    for wid in members:        # every rank left the loop at the same boundary, after the commit
+        group.set_report(wid, WorkerPhase.INTERRUPTED, generation=0, step=20)
+    group.views[members[1]].report = replace(group.views[members[1]].report, preempted=True)
+    controller.tick()
+    assert (members[1], "preempted") in group.killed and controller.state.state == RunState.RECOVERING
+    controller.tick()
+    assert controller.state.state == RunState.RUNNING and controller.state.members == [members[0], members[2]]
+    assert group.generations[-1][members[0]].restore.step == 20
+    assert controller.failures[-1].cause == "preempted"
+
+
+def test_the_step_workers_really_restored_wins_over_the_planned_one():
+    from dataclasses import replace
+    controller, group, _, _ = make(latest=20)
+    members = start(controller, group)
+    assert controller.recorder.resumed_from == 20          # the plan: the newest manifest
+    # The newest checkpoint failed its checksums: the ranks loaded step 10 instead.
+    group.views[members[0]].report = replace(group.views[members[0]].report, step=10, restored_step=10)
+    controller.tick()
+    assert controller.recorder.resumed_from == 10 and controller.recorder.generations == [(10, 3)]
+    assert controller.step == 10
