@@ -93,11 +93,12 @@ def main() -> int:
     p.add_argument("--kill-step", type=int, default=40)
     p.add_argument("--checkpoint-every", type=int, default=50)
     p.add_argument("--heartbeat-timeout", type=float, default=10.0)
+    p.add_argument("--verbose", action="store_true", help="show the workers' and controller's logs")
     args = p.parse_args()
 
     import ray
     ray.init(num_cpus=max(os.cpu_count() or 1, args.workers + 2), include_dashboard=False,
-             logging_level="WARNING", log_to_driver=False)
+             logging_level="WARNING", log_to_driver=args.verbose)
     trials = []
     try:
         for i in range(args.trials):

@@ -22,6 +22,7 @@ log = logging.getLogger("elastic.controller")
 
 STARTUP_GRACE_S = 10.0   # how long to wait for max_workers at start before starting with fewer
 PROBE_GRACE_S = 2.0      # no maximum: start once the ready count held this long (the cluster is full)
+STUCK_GRACE_S = 2.0      # floor of how long a survivor may lag the first one out of a broken group
 
 
 class WorkerGroup(Protocol):
@@ -57,6 +58,8 @@ class Controller:
         self.generation = -1
         self.world_size = 0        # of the newest generation
         self._first_generation = 0
+        self._step_s = 0.0                       # smoothed seconds per step
+        self._last_record_time: float | None = None
         self.step = 0
         self.infra_failures = 0
         self.failures: list[Failure] = []
@@ -261,11 +264,17 @@ class Controller:
                 return self._transition(Finished(), "finished while recovering")
             else:
                 settled.append(wid)
+        if settled and st.first_settled_at is None:
+            st.first_settled_at = self.clock()
         if running:
-            if self.clock() < st.deadline:
+            # A survivor still in the old loop waits on a peer that has left the collective: give
+            # it a few step times to notice, then replace it (cold) rather than wait out the
+            # collective timeout. With no survivor out yet, the deadline is the timeout itself.
+            lagging_s = self.clock() - st.first_settled_at if st.first_settled_at is not None else 0.0
+            if lagging_s < max(STUCK_GRACE_S, 3 * self._step_s) and self.clock() < st.deadline:
                 return
-            for wid in running:   # cold rung: cannot leave its collective; replace it
-                self.group.kill(wid, "stuck in a collective past FailureConfig.collective_timeout_s")
+            for wid in running:
+                self.group.kill(wid, f"still in the broken collective {lagging_s:.1f}s after its peers left")
             st.recovery.rung = "cold"
         self._reform(st, settled)
 
@@ -324,6 +333,9 @@ class Controller:
                 if view.report.preempted and view.status == READY and view.wid not in members:
                     self.group.kill(view.wid, "preempted while spare")
             for record in view.records:
+                if self._last_record_time is not None and record.step == self.step + 1:
+                    self._step_s = 0.8 * self._step_s + 0.2 * (record.time - self._last_record_time)
+                self._last_record_time = record.time
                 self.recorder.on_step(record)
                 self.step = record.step
                 st = self.state

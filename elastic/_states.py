@@ -65,7 +65,7 @@ class Recovering:
     deadline: float
     recovery: PendingRecovery
     voluntary: bool = False            # a resize the controller chose, not a failure
-    cold: list[int] = field(default_factory=list)
+    first_settled_at: float | None = None   # when the first survivor left the broken group
     state: RunState = RunState.RECOVERING
 
 

@@ -18,6 +18,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from elastic._group_sockets import GroupSockets
 from elastic._protocol import GenerationPlan, WorkerInfo, WorkerPhase, WorkerReport
 from elastic._state import mix_seed
 from elastic.context import Carry, RescaleInterrupt, RunSpec, TrainContext
@@ -77,6 +78,7 @@ class TrainWorker:
         self._thread: threading.Thread | None = None
         self._error: dict | None = None
         self._model_sha256: str | None = None
+        self._group_sockets: GroupSockets | None = None
         torch.set_num_threads(max(1, int(spec.cpus_per_worker)))
         if spec.use_gpu:
             torch.cuda.set_device(0)   # Ray exposes exactly the GPU it assigned as device 0
@@ -183,6 +185,9 @@ class TrainWorker:
         except BaseException as error:  # noqa: BLE001 - every outcome is reported, none raised here
             if classify_error(error) == "comm":
                 self._settle_checkpoints(peers_alive=False)
+                # Close this rank's connections now: a peer waiting on us (not on the dead rank)
+                # gets "connection closed" at once instead of sitting out the collective timeout.
+                self._leave_group(abort=True)
             self._record_error(error)
 
     def _settle_checkpoints(self, *, peers_alive: bool) -> None:
@@ -196,17 +201,35 @@ class TrainWorker:
         else:
             manager.abandon()
 
-    def _join_group(self, plan: GenerationPlan) -> None:
-        if dist.is_initialized():
+    def _leave_group(self, abort: bool = False) -> None:
+        """Destroy the current group. With `abort` (the group broke), first cut its connections
+        so that peers blocked on this rank fail now (see elastic._group_sockets)."""
+        if not dist.is_initialized():
+            return
+        if abort:
             try:
-                dist.destroy_process_group()
-            except Exception:   # noqa: BLE001 - the old group may already be broken; it is discarded either way
-                log.debug("destroying the previous process group failed", exc_info=True)
+                if self._spec.use_gpu:
+                    from torch.distributed.distributed_c10d import _abort_process_group
+                    _abort_process_group()
+                if self._group_sockets is not None:
+                    self._group_sockets.shutdown()
+            except Exception:   # noqa: BLE001 - best effort; destroying below still unregisters it
+                log.debug("aborting the process group failed", exc_info=True)
+        try:
+            dist.destroy_process_group()
+        except Exception:   # noqa: BLE001 - the old group may already be broken; it is discarded either way
+            log.debug("destroying the previous process group failed", exc_info=True)
+
+    def _join_group(self, plan: GenerationPlan) -> None:
+        self._leave_group()
+        sockets = GroupSockets()
         dist.init_process_group(
             "nccl" if self._spec.use_gpu else "gloo",
             init_method=f"tcp://{plan.master_addr}:{plan.master_port}",
             rank=plan.rank, world_size=plan.world_size,
             timeout=datetime.timedelta(seconds=plan.timeout_s))
+        sockets.capture()
+        self._group_sockets = sockets
 
     def _set_phase(self, phase: WorkerPhase) -> None:
         with self._lock:
@@ -214,6 +237,9 @@ class TrainWorker:
 
     def _record_error(self, error: BaseException) -> None:
         kind = classify_error(error)
+        text = "".join(traceback.format_exception(error))
+        # The traceback's frames hold the generation's model, activations and group: drop them.
+        error = error.with_traceback(None)
         try:
             import pickle
             pickle.loads(pickle.dumps(error))
@@ -222,7 +248,7 @@ class TrainWorker:
             portable = None
         with self._lock:
             self._error = {"type": type(error).__name__, "message": str(error),
-                           "traceback": "".join(traceback.format_exception(error)),
+                           "traceback": text,
                            "kind": kind, "exception": portable}
             self._phase = WorkerPhase.INTERRUPTED if kind == "comm" else WorkerPhase.FAILED
         log.warning("rank %s left generation %s: %s: %s", self._plan.rank if self._plan else "?",

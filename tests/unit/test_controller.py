@@ -126,9 +126,12 @@ def test_survivor_stuck_in_a_collective_is_replaced_cold():
     interrupt(group, [members[1]], 0, 7)       # members[2] stays RUNNING: stuck
     controller.tick()
     assert controller.state.state == RunState.RECOVERING
-    clock.advance(36)                          # past collective_timeout_s + heartbeat_timeout_s
+    clock.advance(1.5)                         # within the grace after the first survivor left
     controller.tick()
-    assert any(w == members[2] and "collective" in why for w, why in group.killed)
+    assert controller.state.state == RunState.RECOVERING and not any(w == members[2] for w, _ in group.killed)
+    clock.advance(1.0)
+    controller.tick()
+    assert any(w == members[2] and "broken collective" in why for w, why in group.killed)
     assert controller.state.state == RunState.RUNNING
     assert controller.state.recovery.rung == "cold"
 
