@@ -122,7 +122,10 @@ class ElasticTrainer:
         actor = ray.remote(ControllerActor).options(
             num_cpus=0, max_concurrency=4, max_restarts=0,
             runtime_env={"env_vars": storage_env} if storage_env else None,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
+            # Beside the driver, hard: a soft preference was ignored on a CPU-less head node (seen
+            # with ray.cluster_utils.Cluster), and the controller must not live on a node the
+            # run may lose. If the driver's node goes, the run goes with it anyway.
+            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
         ).remote(self._spec(), self.scaling, self.failure, self.checkpoint, self.total_steps,
                  self.effective_config(), self.failure_policy, self.scaling_policy)
         done = actor.run.remote()

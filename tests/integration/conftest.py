@@ -11,13 +11,21 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def ray_session():
+def _ray_shutdown_at_end():
+    yield
+    import ray
+    ray.shutdown()
+
+
+@pytest.fixture
+def ray_session(_ray_shutdown_at_end):
+    """A local Ray instance, started on first use and shared; a test that needs another
+    cluster (tests/integration/test_node_loss.py) shuts it down and the next user restarts it."""
     import ray
     if not ray.is_initialized():
         # More logical CPUs than cores: up to 4 one-CPU workers fit on this 2-core machine.
         ray.init(num_cpus=6, include_dashboard=False, configure_logging=True, logging_level="WARNING")
-    yield ray
-    ray.shutdown()
+    return ray
 
 
 @pytest.fixture

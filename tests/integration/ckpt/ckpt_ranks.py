@@ -18,7 +18,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
-SUITE = HERE.parents[1] / "unit" / "checkpointing"  # ckpt_conformance.py (shared helpers)
+SUITE = HERE.parents[1] / "unit" / "ckpt"  # ckpt_conformance.py (shared helpers)
 
 
 def free_port() -> int:

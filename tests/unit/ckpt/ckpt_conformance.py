@@ -1,8 +1,8 @@
 """The storage conformance suite: one set of checkpoint tests every backend must pass.
 
 Subclasses provide a `url` fixture (a fresh, empty checkpoint root): memory:// and local files
-in tests/unit/checkpointing/test_ckpt_conformance.py, a real S3 endpoint (moto server over HTTP) in
-tests/integration/checkpointing/test_ckpt_conformance_s3.py. Single process, no Ray.
+in tests/unit/ckpt/test_ckpt_conformance.py, a real S3 endpoint (moto server over HTTP) in
+tests/integration/ckpt/test_ckpt_conformance_s3.py. Single process, no Ray.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 # ckpt_ranks.py / ckpt_rank_programs.py here, the shared conformance suite in the unit folder.
-for p in (HERE, HERE.parents[1] / "unit" / "checkpointing"):
+for p in (HERE, HERE.parents[1] / "unit" / "ckpt"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 

@@ -1,0 +1,71 @@
+"""Losing a whole node with `ray.cluster_utils.Cluster`: the run rescales onto the nodes it has
+left, and grows back when a node joins again."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import gpt
+from elastic import CheckpointConfig, ElasticTrainer, FailureConfig, ScalingConfig
+from faults import read_json, wait_for
+
+pytestmark = [pytest.mark.integration]
+
+
+@pytest.fixture
+def cluster():
+    import ray
+    from ray.cluster_utils import Cluster
+    ray.shutdown()                      # one Ray per driver: leave the shared local instance
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    nodes = [cluster.add_node(num_cpus=2) for _ in range(2)]
+    try:
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, logging_level="WARNING")
+        yield cluster, nodes
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_node_removal_rescales_down_and_a_new_node_grows_it_back(cluster, run_dir):
+    cluster, nodes = cluster
+    outcome: dict = {}
+
+    def train():
+        try:
+            outcome["result"] = ElasticTrainer(
+                gpt.train_loop, train_loop_config={"model_size": "tiny", "batch_size": 8}, total_steps=2000,
+                seed=0, scaling=ScalingConfig(min_workers=2, max_workers=4),
+                checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=500),
+                failure=FailureConfig(heartbeat_timeout_s=10.0)).fit()
+        except BaseException as error:   # noqa: BLE001 - reported by the assertion below
+            outcome["error"] = error
+
+    def running_at(step):
+        status = read_json(run_dir, "status.json") or {}
+        return status.get("state") == "running" and status.get("step", 0) >= step
+
+    # The trainer runs in a thread: Cluster.remove_node/add_node must be called from the main thread.
+    trainer = threading.Thread(target=train, daemon=True)
+    trainer.start()
+    wait_for(lambda: running_at(40), 120, "the run to reach step 40")
+    status = read_json(run_dir, "status.json")
+    node_id = next(w["node_id"] for w in status["workers"] if w["rank"] == 1)
+    cluster.remove_node(next(n for n in nodes if n.node_id == node_id))
+    removed_at = status["step"]
+    wait_for(lambda: (read_json(run_dir, "status.json") or {}).get("world_size") == 2 and running_at(removed_at + 20),
+             120, "the run to go on at world size 2")
+    cluster.add_node(num_cpus=2)
+    trainer.join(timeout=200)
+    assert "error" not in outcome, outcome
+    result = outcome["result"]
+    s = result.summary
+    assert result.ok and s["final_step"] == 2000, result.error_traceback
+    lost = [r for r in s["recoveries"] if r["cause"] != "scale_up"]
+    assert lost and lost[0]["cause"] == "node_lost" and lost[0]["from_world"] == 4 and lost[0]["to_world"] == 2
+    assert lost[0]["rung"] == "warm" and lost[0]["lost_steps"] <= 1
+    sizes = [w for _, w in s["world_size_history"]]
+    assert sizes[0] == 4 and 2 in sizes and sizes[-1] == 4, s["world_size_history"]
