@@ -119,18 +119,7 @@ class Controller:
             len(pending) <= 1 and now - st.ready_since >= PROBE_GRACE_S)
         if (maximum is not None and len(ready) >= maximum) or (
                 len(ready) >= self.scaling.min_workers and (settled or waited >= STARTUP_GRACE_S)):
-            # Generations keep growing across runs on the same storage, or the fence would
-            # refuse this run's checkpoints as a zombie's.
-            fence = self.checkpoints.current_fence()
-            if fence is not None:
-                self.generation = max(self.generation, fence)
-            self._first_generation = self.generation + 1
-            latest = self.checkpoints.latest_step()
-            if latest is not None:
-                self.recorder.resumed_from = latest
-                self.recorder.load_previous_metrics(latest)
-                self.step = latest
-            plan = RestorePlan("checkpoint", step=latest) if latest is not None else RestorePlan("fresh")
+            plan = self._resume_plan()
             self._transition(Starting(self._capped(ready), plan), f"{len(ready)} workers ready")
             self._on_starting()
         elif waited > self.failure.rendezvous_timeout_s:
@@ -138,6 +127,22 @@ class Controller:
                 f"only {len(ready)} of min_workers={self.scaling.min_workers} workers could be placed in "
                 f"{self.failure.rendezvous_timeout_s:.0f}s; add resources, lower ScalingConfig.min_workers "
                 f"or raise FailureConfig.rendezvous_timeout_s"))
+
+    def _resume_plan(self) -> RestorePlan:
+        """Where the run starts: after the previous run's generations, from its newest checkpoint."""
+        # Generations keep growing across runs on the same storage, or the fence would refuse
+        # this run's checkpoints as a zombie's.
+        fence = self.checkpoints.current_fence()
+        if fence is not None:
+            self.generation = max(self.generation, fence)
+        self._first_generation = self.generation + 1
+        latest = self.checkpoints.latest_step()
+        if latest is None:
+            return RestorePlan("fresh")
+        self.recorder.resumed_from = latest
+        self.recorder.load_previous_metrics(latest)
+        self.step = latest
+        return RestorePlan("checkpoint", step=latest)
 
     def _on_starting(self) -> None:
         st: Starting = self.state
