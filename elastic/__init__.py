@@ -6,7 +6,7 @@ Public API::
 
 Everything not exported here is internal (modules prefixed with `_`).
 """
-from elastic.config import CheckpointConfig, FailureConfig, ScalingConfig
+from elastic.config import CheckpointConfig, FailureConfig, LRScalingConfig, ScalingConfig
 from elastic.context import TrainContext
 from checkpointing import CheckpointError, CorruptCheckpointError, FencedError, StorageError
 from elastic.errors import (ConfigError, ElasticError, InsufficientWorkersError, StorageConfigError,
@@ -16,7 +16,7 @@ from elastic.trainer import ElasticTrainer, Result
 
 __all__ = [
     "ElasticTrainer", "Result", "TrainContext",
-    "ScalingConfig", "CheckpointConfig", "FailureConfig",
+    "ScalingConfig", "CheckpointConfig", "FailureConfig", "LRScalingConfig",
     "FailurePolicy", "ScalingPolicy", "Failure", "FailureDecision", "ResizeDecision",
     "ElasticError", "ConfigError", "StorageConfigError", "WorkerLostError",
     "InsufficientWorkersError", "TooManyFailuresError", "UserCodeError",

@@ -112,6 +112,43 @@ class FailureConfig:
         _require(self.rendezvous_timeout_s > 0, "FailureConfig.rendezvous_timeout_s must be > 0")
 
 
+LR_MODES = ("linear",)
+LR_SCHEDULES = ("constant", "cosine")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LRScalingConfig:
+    """The linear scaling rule: lr follows the global batch, with warmup and a ramp after rescales."""
+
+    base_world_size: int
+    """World size at which `base_lr` is right (base global batch = base_world_size x per-rank batch)."""
+    base_lr: float | None = None
+    """The LR at `base_world_size`; None takes the optimizer's initial LR."""
+    warmup_steps: int = 0
+    """Initial linear warmup, by global step (never restarted by a rescale or resume)."""
+    rescale_warmup_steps: int = 0
+    """After a rescale that raises the LR, ramp to it over this many steps; a drop applies at once."""
+    mode: str = "linear"
+    """"linear": lr = base_lr x global_batch / base_global_batch x schedule(step)."""
+    schedule: str = "cosine"
+    """"constant" or "cosine" (decay to min_lr_ratio x at total_steps), after the warmup."""
+    min_lr_ratio: float = 0.1
+    """Floor of the cosine decay, as a share of the peak LR."""
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.base_world_size, int) and self.base_world_size >= 1,
+                 f"LRScalingConfig.base_world_size must be an int >= 1, got {self.base_world_size!r}")
+        _require(self.base_lr is None or self.base_lr > 0,
+                 f"LRScalingConfig.base_lr must be > 0 (or None for the optimizer's LR), got {self.base_lr!r}")
+        _require(self.warmup_steps >= 0 and self.rescale_warmup_steps >= 0,
+                 "LRScalingConfig.warmup_steps and rescale_warmup_steps must be >= 0")
+        _require(self.mode in LR_MODES, f"LRScalingConfig.mode must be one of {LR_MODES}, got {self.mode!r} "
+                                        "(keeping the global batch constant is not available yet)")
+        _require(self.schedule in LR_SCHEDULES,
+                 f"LRScalingConfig.schedule must be one of {LR_SCHEDULES}, got {self.schedule!r}")
+        _require(0.0 <= self.min_lr_ratio <= 1.0, "LRScalingConfig.min_lr_ratio must be within [0, 1]")
+
+
 def to_jsonable(config: Any) -> Any:
     """The effective configuration as plain JSON (for summary.json)."""
     if dataclasses.is_dataclass(config):

@@ -20,7 +20,9 @@ from torch import nn
 from elastic import _checkpoint_io
 from elastic._data import ElasticLoader
 from elastic._protocol import GenerationPlan, StepRecord
+from elastic._lr import ScaleRamp, schedule_factor
 from elastic._state import broadcast_state, state_sha256
+from elastic.config import LRScalingConfig
 from elastic.errors import ElasticError
 
 log = logging.getLogger("elastic.context")
@@ -49,6 +51,8 @@ class Carry:
     records: list[StepRecord] = field(default_factory=list)
     load_fallbacks: list[dict] = field(default_factory=list)   # checkpoints skipped as corrupt
     restored: tuple[int, int] | None = None                    # (generation, step) of the last restore
+    base_lr: float | None = None                               # LR rule: LR at base_world_size
+    lr_ramp: ScaleRamp | None = None                           # LR rule: batch-size scale and its ramp
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,7 @@ class RunSpec:
     max_consecutive_failures: int
     cpus_per_worker: float
     collective_timeout_s: float
+    lr: LRScalingConfig | None = None
 
 
 class TrainContext:
@@ -83,6 +88,7 @@ class TrainContext:
         self._preempted = preempted
         self.device = device
         self._comm_device = device if spec.use_gpu else torch.device("cpu")
+        self._group_ratios: list[float] = []
         self._model: nn.Module | None = None       # as returned to the user (wrapped)
         self._raw_model: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
@@ -150,6 +156,13 @@ class TrainContext:
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Register the optimizer so its state is restored, broadcast and checkpointed."""
         self._optimizer = optimizer
+        rule = self._spec.lr
+        if rule is not None:
+            first = optimizer.param_groups[0]["lr"]
+            # Groups keep their LR ratios to the first group; the rule sets the first.
+            self._group_ratios = [g["lr"] / first if first else 1.0 for g in optimizer.param_groups]
+            if self._carry.base_lr is None:
+                self._carry.base_lr = rule.base_lr if rule.base_lr is not None else first
         return optimizer
 
     def prepare_data(self, dataset: Any, batch_size: int, *, shuffle: bool = True,
@@ -187,8 +200,9 @@ class TrainContext:
                 raise ElasticError(f"rank {src} was chosen as warm source but holds no state")
             state = {"model": carry.model.state_dict(),
                      "optim": carry.optimizer.state_dict() if carry.optimizer is not None else None,
-                     "step": carry.step, "samples_seen": carry.samples_seen}
+                     "step": carry.step, "samples_seen": carry.samples_seen, "lr": self._lr_state()}
         state = broadcast_state(state, src, self._comm_device)
+        self._set_lr_state(state["lr"])
         if model is not None:
             model.load_state_dict(state["model"])
         if optimizer is not None and state["optim"] is not None:
@@ -197,7 +211,7 @@ class TrainContext:
 
     def _restore_checkpoint(self, model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> None:
         carry = self._carry
-        state = _checkpoint_io.build_state(model, optimizer, {"step": 0, "samples_seen": 0})
+        state = _checkpoint_io.build_state(model, optimizer, {"step": 0, "samples_seen": 0, **self._lr_state()})
         loaded = self._checkpoints().load_latest(state)
         if loaded is None:
             log.warning("rank %d: no committed checkpoint under %s; starting fresh", self.rank, self._spec.storage)
@@ -205,6 +219,7 @@ class TrainContext:
             return
         _checkpoint_io.apply_state(model, optimizer, state)
         carry.load_fallbacks.extend(dict(s) for s in loaded.skipped)
+        self._set_lr_state(state["extra"])
         carry.step = int(state["extra"]["step"])
         carry.samples_seen = int(state["extra"]["samples_seen"])
         carry.last_saved_step = carry.step
@@ -226,7 +241,7 @@ class TrainContext:
         carry = self._carry
         state = _checkpoint_io.build_state(self._model, self._optimizer,
                                            {"step": carry.step, "samples_seen": carry.samples_seen,
-                                            "world_size": self.world_size})
+                                            "world_size": self.world_size, **self._lr_state()})
         manager = self._checkpoints()
         manager.save(carry.step, state, generation=self.generation)
         carry.last_saved_step = carry.step
@@ -237,6 +252,36 @@ class TrainContext:
     def _begin_step(self, global_batch: int) -> None:
         self._global_batch = global_batch
         self._carry.pending_samples = global_batch
+        self._apply_lr()
+
+    def _apply_lr(self) -> None:
+        """Set this step's LR from the rule: a function of the step and the world-size history."""
+        rule, carry = self._spec.lr, self._carry
+        if rule is None or self._optimizer is None or carry.base_lr is None:
+            return
+        step = carry.step
+        ramp = carry.lr_ramp or ScaleRamp.initial(self.world_size, rule.base_world_size)
+        carry.lr_ramp = ramp.rescaled(step, self.world_size, rule.base_world_size, rule.rescale_warmup_steps)
+        lr = carry.base_lr * carry.lr_ramp.scale(step, rule.rescale_warmup_steps) * schedule_factor(
+            step, total_steps=self.total_steps, warmup_steps=rule.warmup_steps, schedule=rule.schedule,
+            min_lr_ratio=rule.min_lr_ratio)
+        for group, ratio in zip(self._optimizer.param_groups, self._group_ratios):
+            group["lr"] = lr * ratio
+
+    def _lr_state(self) -> dict[str, Any]:
+        """The LR rule's state, as plain values (travels in warm broadcasts and checkpoints)."""
+        carry = self._carry
+        if self._spec.lr is None:
+            return {}
+        ramp = carry.lr_ramp or ScaleRamp.initial(self.world_size, self._spec.lr.base_world_size)
+        return {"lr_base": float(carry.base_lr or 0.0), **{f"lr_{k}": v for k, v in ramp.to_dict().items()}}
+
+    def _set_lr_state(self, state: dict[str, Any]) -> None:
+        if self._spec.lr is None or "lr_base" not in state:
+            return
+        self._carry.base_lr = float(state["lr_base"])
+        self._carry.lr_ramp = ScaleRamp(world_size=int(state["lr_world_size"]), target=float(state["lr_target"]),
+                                        start=float(state["lr_start"]), since=int(state["lr_since"]))
 
     def report(self, **metrics: Any) -> None:
         """End of a step: count it, share the loss, checkpoint when due, unwind on rescale.
@@ -251,6 +296,8 @@ class TrainContext:
         if carry.model is None and self._raw_model is not None:
             carry.model, carry.optimizer = self._raw_model, self._optimizer
             carry.warm_capable = self._spec.strategy == "ddp"
+        if self._optimizer is not None:
+            metrics.setdefault("lr", self._optimizer.param_groups[0]["lr"])
         loss = metrics.get("loss")
         loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else (
             float(loss) if loss is not None else 0.0)

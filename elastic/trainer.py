@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from elastic.config import CheckpointConfig, FailureConfig, ScalingConfig, to_jsonable
+from elastic.config import CheckpointConfig, FailureConfig, LRScalingConfig, ScalingConfig, to_jsonable
 from elastic.context import RunSpec
 from elastic.errors import ConfigError, StorageConfigError
 from elastic.policies import FailurePolicy, ScalingPolicy
@@ -52,6 +52,7 @@ class ElasticTrainer:
         train_loop: called on every rank with a TrainContext (and `train_loop_config` if it takes
             two parameters); re-entered after every rescale.
         scaling, checkpoint, failure: see their dataclasses.
+        lr: the linear LR scaling rule across rescales (None: the optimizer's LR is left alone).
         total_steps: optimizer steps of the whole run (a resumed run continues up to it).
         seed: seeds initial weights, data order and per-(step, rank) randomness.
         failure_policy, scaling_policy: decide on failures and resizes; defaults in elastic.policies.
@@ -60,7 +61,8 @@ class ElasticTrainer:
 
     def __init__(self, train_loop: Callable[..., Any], *, scaling: ScalingConfig, checkpoint: CheckpointConfig,
                  failure: FailureConfig | None = None, total_steps: int, seed: int = 0,
-                 train_loop_config: Any = None, failure_policy: FailurePolicy | None = None,
+                 train_loop_config: Any = None, lr: LRScalingConfig | None = None,
+                 failure_policy: FailurePolicy | None = None,
                  scaling_policy: ScalingPolicy | None = None,
                  progress: Callable[[dict[str, Any]], None] | None = None):
         if not callable(train_loop):
@@ -71,18 +73,25 @@ class ElasticTrainer:
                                  ("failure", failure or FailureConfig(), FailureConfig)):
             if not isinstance(value, cls):
                 raise ConfigError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")
+        if lr is not None and not isinstance(lr, LRScalingConfig):
+            raise ConfigError(f"lr must be an LRScalingConfig, got {type(lr).__name__}")
+        if lr is not None and lr.warmup_steps > total_steps:
+            raise ConfigError(f"LRScalingConfig.warmup_steps ({lr.warmup_steps}) is longer than the run "
+                              f"(total_steps={total_steps}); shorten the warmup")
         if checkpoint.storage.startswith("memory://"):
             raise StorageConfigError("CheckpointConfig.storage: memory:// is private to one process and the "
                                      "workers are separate processes; use a local path or s3://")
         self._train_loop = train_loop
         self.scaling, self.checkpoint, self.failure = scaling, checkpoint, failure or FailureConfig()
         self.total_steps, self.seed, self.train_loop_config = total_steps, seed, train_loop_config
+        self.lr = lr
         self.failure_policy, self.scaling_policy = failure_policy, scaling_policy
         self._progress = progress
 
     def effective_config(self) -> dict[str, Any]:
         config = {"scaling": to_jsonable(self.scaling), "checkpoint": to_jsonable(self.checkpoint),
-                  "failure": to_jsonable(self.failure), "total_steps": self.total_steps, "seed": self.seed}
+                  "failure": to_jsonable(self.failure), "lr": to_jsonable(self.lr),
+                  "total_steps": self.total_steps, "seed": self.seed}
         options = config["checkpoint"].get("storage_options") or {}
         config["checkpoint"]["storage_options"] = {
             k: ("***" if any(w in k.lower() for w in _SECRET_WORDS) else v) for k, v in options.items()}
@@ -95,7 +104,7 @@ class ElasticTrainer:
                        storage=c.storage, storage_options=dict(c.storage_options), checkpoint_every=c.every_n_steps,
                        keep=c.keep, async_save=c.async_save, max_consecutive_failures=c.max_consecutive_failures,
                        cpus_per_worker=self.scaling.cpus_per_worker,
-                       collective_timeout_s=self.failure.collective_timeout_s)
+                       collective_timeout_s=self.failure.collective_timeout_s, lr=self.lr)
 
     def _check_storage(self) -> None:
         from checkpointing.storage import Storage
