@@ -160,7 +160,7 @@ class Controller:
         if st.recovery is not None:
             st.recovery.to_world, st.recovery.restored_step = world, st.restore.step
         self.recorder.on_generation_start(st.restore.step, world)
-        self._transition(Running(self.generation, st.members, self.clock(), st.recovery),
+        self._transition(Running(self.generation, st.members, st.recovery),
                          f"generation {self.generation}: world size {world}, restore {st.restore.kind}")
 
     def _on_running(self) -> None:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
 
 
 class WorkerPhase(str, enum.Enum):
@@ -77,4 +76,3 @@ class WorkerInfo:
     node_id: str
     actor_id: str
     ip: str
-    extra: dict[str, Any] = field(default_factory=dict)

@@ -51,7 +51,6 @@ class _Slot:
     info_ref: object = None
     info: WorkerInfo | None = None
     poll_ref: object = None
-    poll_sent_at: float = 0.0
     last_answer_at: float = 0.0
     report: WorkerReport | None = None
     death: str | None = None
@@ -97,7 +96,7 @@ class RayWorkerGroup:
         now = time.monotonic()
         self._advance_placements(now)
         self._collect_polls(now)
-        self._send_polls(now)
+        self._send_polls()
         views = {}
         for slot in self._slots.values():
             records = []
@@ -154,11 +153,10 @@ class RayWorkerGroup:
             slot.poll_ref = None
             slot.last_answer_at = now
 
-    def _send_polls(self, now: float) -> None:
+    def _send_polls(self) -> None:
         for slot in self._slots.values():
             if slot.status == READY and slot.poll_ref is None:
                 slot.poll_ref = slot.actor.poll.remote()
-                slot.poll_sent_at = now
 
     def _mark_dead(self, slot: _Slot, reason: str) -> None:
         if slot.status == DEAD:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from elastic._protocol import RestorePlan
 from elastic.policies import Failure
@@ -51,7 +51,6 @@ class Starting:
 class Running:
     generation: int
     members: list[int]                 # worker ids in rank order
-    started_at: float
     recovery: PendingRecovery | None = None
     suspect_since: float | None = None   # a rank reported a broken group, no peer is known lost yet
     restore_confirmed: bool = False      # rank 0 reported the step it actually restored

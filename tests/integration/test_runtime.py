@@ -5,7 +5,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 
 import pytest
 import torch
