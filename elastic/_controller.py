@@ -330,7 +330,7 @@ class Controller:
         self.step = step
 
     def _absorb_records(self) -> None:
-        members = set(getattr(self.state, "members", None) or getattr(self.state, "survivors", None) or [])
+        members = set(self._current_members())
         for view in self.views.values():
             if view.report is not None:
                 for fallback in view.report.checkpoint_fallbacks:
@@ -368,6 +368,10 @@ class Controller:
     def _capped(self, wids: list[int]) -> list[int]:
         return wids if self.scaling.max_workers is None else wids[:self.scaling.max_workers]
 
+    def _current_members(self) -> list[int]:
+        """Workers of the newest generation: its members, or its survivors while recovering."""
+        return getattr(self.state, "members", None) or getattr(self.state, "survivors", None) or []
+
     def _ready_ids(self) -> list[int]:
         return sorted(w for w, v in self.views.items() if v.status == READY)
 
@@ -384,7 +388,7 @@ class Controller:
                 self._last_committed = self.checkpoints.latest_step()
             except Exception:   # noqa: BLE001 - status is best effort; storage errors surface in saves
                 log.debug("could not read the latest checkpoint", exc_info=True)
-        members = getattr(self.state, "members", None) or getattr(self.state, "survivors", None) or []
+        members = self._current_members()
         workers = [{"rank": rank, "pid": v.info.pid, "node_id": v.info.node_id, "actor_id": v.info.actor_id}
                    for rank, wid in enumerate(members) if (v := self.views.get(wid)) and v.info]
         if isinstance(self.state, Running):

@@ -26,6 +26,7 @@ class RunRecorder:
         self._min_interval_s = min_interval_s
         self._started_at = time.time()
         self._metrics: dict[int, dict[str, Any]] = {}
+        self._newest_step = 0                         # highest step recorded (or loaded on resume)
         self._step_seconds: dict[int, float] = {}   # duration of the kept attempt of each step
         self._last_step_time: float | None = None
         self._world_size_history: list[list[int]] = []
@@ -58,6 +59,7 @@ class RunRecorder:
                 row = json.loads(line)
                 if row.get("step", 0) <= up_to_step:
                     self._metrics[row["step"]] = row
+                    self._newest_step = max(self._newest_step, row["step"])
 
     # ---- events ------------------------------------------------------------------------
     def on_generation_start(self, step: int, world_size: int) -> None:
@@ -69,12 +71,16 @@ class RunRecorder:
             self._world_size_history[-1][0] = step
 
     def on_step(self, record: StepRecord, lr: float | None = None) -> None:
+        if record.step <= self._newest_step:
+            # A step re-done after a rollback: the attempts after it were lost, the record keeps
+            # the kept attempt. Only then is the scan paid, not on every step of a long run.
+            for table in (self._step_seconds, self._metrics):
+                for lost in [s for s in table if s > record.step]:
+                    del table[lost]
+        self._newest_step = record.step
         previous = self._last_step_time or record.time
         self._step_seconds[record.step] = max(0.0, record.time - previous)
         self._last_step_time = record.time
-        # Steps after the restored one are overwritten when re-done: the record keeps the kept attempt.
-        for lost in [s for s in self._step_seconds if s > record.step]:
-            del self._step_seconds[lost]
         if record.loss is not None:
             self._losses.append(record.loss)
         self._metrics[record.step] = {
@@ -82,8 +88,6 @@ class RunRecorder:
             "time": record.time, "lr": record.metrics.get("lr", lr),
             "global_batch": record.global_batch, "accum_steps": int(record.metrics.get("accum_steps", 1)),
             "samples_seen": record.samples_seen}
-        for lost in [s for s in self._metrics if s > record.step]:
-            del self._metrics[lost]
         self._metrics_dirty = True
 
     def on_recovery(self, recovery: dict[str, Any]) -> None:

@@ -1,0 +1,44 @@
+"""The run record keeps the kept attempt of each step: redone steps replace the lost ones."""
+import json
+
+import pytest
+
+from elastic._protocol import StepRecord
+from elastic._run_record import RunRecorder
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def record(step, t):
+    return StepRecord(step=step, loss=1.0, world_size=2, time=float(t), samples_seen=16 * step, global_batch=16)
+
+
+def steps_on_disk(path):
+    return [json.loads(line)["step"] for line in open(path / "metrics.jsonl")]
+
+
+def test_a_rollback_drops_the_lost_attempts(tmp_path):
+    recorder = RunRecorder(str(tmp_path), None, total_steps=10, config={})
+    recorder.on_generation_start(0, 2)
+    for step in range(1, 6):
+        recorder.on_step(record(step, step))
+    for step in range(4, 7):             # restored at step 3: 4 and 5 are redone
+        recorder.on_step(record(step, 10 + step))
+    recorder.flush_metrics()
+    assert steps_on_disk(tmp_path) == [1, 2, 3, 4, 5, 6]
+    assert [json.loads(line)["time"] for line in open(tmp_path / "metrics.jsonl")][3:] == [14.0, 15.0, 16.0]
+    assert sorted(recorder._step_seconds) == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_resume_that_fell_back_drops_the_loaded_lines_past_it(tmp_path):
+    first = RunRecorder(str(tmp_path), None, total_steps=10, config={})
+    first.on_generation_start(0, 2)
+    for step in range(1, 9):
+        first.on_step(record(step, step))
+    first.flush_metrics()
+    second = RunRecorder(str(tmp_path), None, total_steps=12, config={})
+    second.load_previous_metrics(8)      # planned from the newest manifest ...
+    second.on_generation_start(8, 2)
+    second.on_step(record(5, 100))       # ... but the workers restored step 4
+    second.flush_metrics()
+    assert steps_on_disk(tmp_path) == [1, 2, 3, 4, 5]
