@@ -12,6 +12,8 @@ from typing import Any, Callable, Protocol
 
 from elastic._protocol import GenerationPlan, RestorePlan, WorkerPhase, WorkerReport
 from elastic._ray_group import DEAD, READY, STARTING, WorkerView
+from elastic._stragglers import StragglerDetector
+from elastic._bookkeeping import Bookkeeping
 from elastic._states import (AnyState, Failed, Finished, PendingRecovery, Recovering, Running, RunState,
                              Scheduling, Starting)
 from elastic.config import FailureConfig, ScalingConfig
@@ -42,7 +44,7 @@ class CheckpointView(Protocol):
     def current_fence(self) -> int | None: ...
 
 
-class Controller:
+class Controller(Bookkeeping):
     def __init__(self, group: WorkerGroup, recorder: Any, checkpoints: CheckpointView, *,
                  scaling: ScalingConfig, failure: FailureConfig, total_steps: int,
                  failure_policy: FailurePolicy | None = None, scaling_policy: ScalingPolicy | None = None,
@@ -69,6 +71,9 @@ class Controller:
         self.history: list[tuple[str, str, str]] = []
         self._last_committed: int | None = None
         self._last_committed_at = -1e9
+        self.stragglers = StragglerDetector(window=failure.straggler_window,
+                                            threshold=failure.straggler_threshold or float("inf"))
+        self._eviction_asked: dict[int, int] = {}   # rank -> step the policy was last asked at
 
     @property
     def done(self) -> bool:
@@ -160,7 +165,9 @@ class Controller:
         if st.recovery is not None:
             st.recovery.to_world, st.recovery.restored_step = world, st.restore.step
         self.recorder.on_generation_start(st.restore.step, world)
-        self._transition(Running(self.generation, st.members, st.recovery),
+        self.stragglers.reset(world)
+        self._eviction_asked = {}
+        self._transition(Running(self.generation, st.members, st.recovery, start_step=st.restore.step),
                          f"generation {self.generation}: world size {world}, restore {st.restore.kind}")
 
     def _on_running(self) -> None:
@@ -206,7 +213,28 @@ class Controller:
             self._transition(Finished(), f"all {finished} ranks finished at step {self.step}")
         else:
             self.group.scale_to(self._slot_target())
-            self._maybe_grow(st)
+            if not self._maybe_evict(st):
+                self._maybe_grow(st)
+
+    def _maybe_evict(self, st: Running) -> bool:
+        """Ask the scaling policy about the slowest flagged straggler (again after a window)."""
+        flagged = self.stragglers.flagged()
+        if not flagged or st.recovery is not None:
+            return False
+        flag = flagged[0]
+        asked = self._eviction_asked.get(flag.rank)
+        if asked is not None and flag.step - asked < self.failure.straggler_window:
+            return False
+        self._eviction_asked[flag.rank] = flag.step
+        decision = self.scaling_policy.decide_eviction(rank=flag.rank, score=flag.score, world_size=len(st.members),
+                                                       min_workers=self.scaling.min_workers)
+        if decision is None or decision.target_world_size >= len(st.members):
+            return False
+        self.group.request_stop(st.members, st.generation)
+        recovery = PendingRecovery("straggler", self.clock(), 0.0, len(st.members), self.step)
+        self._transition(Recovering(st.generation, list(st.members), self._recovery_deadline(), recovery,
+                                    voluntary=True, evict=[st.members[flag.rank]]), decision.reason)
+        return True
 
     def _maybe_grow(self, st: Running) -> None:
         spares = [w for w in self._ready_ids() if w not in st.members]
@@ -275,13 +303,31 @@ class Controller:
             # A survivor still in the old loop waits on a peer that has left the collective: give
             # it a few step times to notice, then replace it (cold) rather than wait out the
             # collective timeout. With no survivor out yet, the deadline is the timeout itself.
-            lagging_s = self.clock() - st.first_settled_at if st.first_settled_at is not None else 0.0
-            if lagging_s < max(STUCK_GRACE_S, 3 * self._step_s) and self.clock() < st.deadline:
+            # The lag is judged on the survivor's own answers: only an answer given after the
+            # grace that still says "running" proves it stuck. One that is merely slow to answer
+            # (a loaded machine) is left to the heartbeat timeout above.
+            grace_s = max(STUCK_GRACE_S, 3 * self._step_s)
+            stuck = [w for w in running if self._answered_running_after(w, st, grace_s)]
+            if len(stuck) < len(running) and self.clock() < st.deadline:
                 return
             for wid in running:
-                self.group.kill(wid, f"still in the broken collective {lagging_s:.1f}s after its peers left")
+                lag = self.clock() - self.views[wid].silent_s - (st.first_settled_at or self.clock())
+                self.group.kill(wid, f"still in the broken collective {lag:.1f}s after its peers left "
+                                     f"(last answer {self.views[wid].silent_s:.1f}s ago)")
             st.recovery.rung = "cold"
+        for wid in st.evict:
+            if wid in settled:
+                settled.remove(wid)
+                self.group.kill(wid, "straggler evicted")
         self._reform(st, settled)
+
+    def _answered_running_after(self, wid: int, st: Recovering, grace_s: float) -> bool:
+        """Whether `wid` answered "still running the old generation" more than `grace_s` after the
+        first survivor left the broken group."""
+        if st.first_settled_at is None:
+            return False
+        answered_at = self.clock() - self.views[wid].silent_s
+        return answered_at - st.first_settled_at >= grace_s
 
     def _reform(self, st: Recovering, survivors: list[int]) -> None:
         survivors.sort(key=lambda w: (-self.views[w].report.step, st.survivors.index(w)))
@@ -310,53 +356,6 @@ class Controller:
                          f"re-forming with {len(survivors)} survivor(s) and {len(members) - len(survivors)} new")
         self._on_starting()
 
-    # ---- bookkeeping -------------------------------------------------------------------
-    def _confirm_restore(self) -> None:
-        """The step the new generation really restored (a corrupt checkpoint makes it older
-        than the newest manifest the controller planned with)."""
-        st = self.state
-        if not isinstance(st, Running) or st.restore_confirmed:
-            return
-        report = self.views[st.members[0]].report
-        if report is None or report.generation != st.generation or report.restored_step is None:
-            return
-        st.restore_confirmed = True
-        step = report.restored_step
-        self.recorder.correct_generation_start(step)
-        if st.generation == self._first_generation and self.recorder.resumed_from is not None:
-            self.recorder.resumed_from = step
-        if st.recovery is not None:
-            st.recovery.restored_step = step
-        self.step = step
-
-    def _absorb_records(self) -> None:
-        members = set(self._current_members())
-        for view in self.views.values():
-            if view.report is not None:
-                for fallback in view.report.checkpoint_fallbacks:
-                    self.recorder.on_checkpoint_fallback(fallback)
-                if view.report.preempted and view.status == READY and view.wid not in members:
-                    self.group.kill(view.wid, "preempted while spare")
-            for record in view.records:
-                if self._last_record_time is not None and record.step == self.step + 1:
-                    self._step_s = 0.8 * self._step_s + 0.2 * (record.time - self._last_record_time)
-                self._last_record_time = record.time
-                self.recorder.on_step(record)
-                self.step = record.step
-                st = self.state
-                if isinstance(st, Running) and st.recovery is not None and record.step > st.recovery.restored_step:
-                    self._close_recovery(st.recovery)
-                    st.recovery = None
-
-    def _close_recovery(self, recovery: PendingRecovery) -> None:
-        entry = {"cause": recovery.cause, "rung": recovery.rung, "detect_s": recovery.detect_s,
-                 "recover_s": round(self.clock() - recovery.detected_at, 3),
-                 "lost_steps": max(0, recovery.max_step - recovery.restored_step),
-                 "from_world": recovery.from_world, "to_world": recovery.to_world,
-                 "step": recovery.restored_step, "generation": self.generation}
-        log.info("recovery done: %s", entry)
-        self.recorder.on_recovery(entry)
-
     def _slot_target(self) -> int:
         """Worker slots to keep alive or pending: max_workers; with no maximum, every placed
         worker plus one probe placement that becomes a spare whenever capacity appears."""
@@ -379,20 +378,3 @@ class Controller:
         self.error = {"type": type(error).__name__, "message": str(error), "traceback": None,
                       "exception": error, "ranks": list(failure.ranks) if failure else []}
         self._transition(Failed(str(error), failure), str(error))
-
-    def _write_status(self, force: bool) -> None:
-        now = self.clock()
-        if force or now - self._last_committed_at > 2.0:
-            self._last_committed_at = now
-            try:
-                self._last_committed = self.checkpoints.latest_step()
-            except Exception:   # noqa: BLE001 - status is best effort; storage errors surface in saves
-                log.debug("could not read the latest checkpoint", exc_info=True)
-        members = self._current_members()
-        workers = [{"rank": rank, "pid": v.info.pid, "node_id": v.info.node_id, "actor_id": v.info.actor_id}
-                   for rank, wid in enumerate(members) if (v := self.views.get(wid)) and v.info]
-        if isinstance(self.state, Running):
-            self.world_size = len(members)
-        self.recorder.write_status(force=force, state=self.state.state.value, generation=self.generation,
-                                   step=self.step, world_size=self.world_size,
-                                   last_committed_step=self._last_committed, workers=workers)

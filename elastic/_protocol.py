@@ -24,6 +24,7 @@ class StepRecord:
     samples_seen: int
     global_batch: int
     metrics: dict[str, float] = field(default_factory=dict)
+    compute_s: tuple[float, ...] = ()      # every rank's own compute time of the step, by rank
 
 
 @dataclass(frozen=True)

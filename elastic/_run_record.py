@@ -87,7 +87,7 @@ class RunRecorder:
             "step": record.step, "loss": record.loss, "world_size": record.world_size,
             "time": record.time, "lr": record.metrics.get("lr", lr),
             "global_batch": record.global_batch, "accum_steps": int(record.metrics.get("accum_steps", 1)),
-            "samples_seen": record.samples_seen}
+            "samples_seen": record.samples_seen, "compute_s": list(record.compute_s)}
         self._metrics_dirty = True
 
     def on_recovery(self, recovery: dict[str, Any]) -> None:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from elastic._protocol import RestorePlan
 from elastic.policies import Failure
@@ -54,6 +54,7 @@ class Running:
     recovery: PendingRecovery | None = None
     suspect_since: float | None = None   # a rank reported a broken group, no peer is known lost yet
     restore_confirmed: bool = False      # rank 0 reported the step it actually restored
+    start_step: int = 0                  # the step the generation restored
     state: RunState = RunState.RUNNING
 
 
@@ -65,6 +66,7 @@ class Recovering:
     recovery: PendingRecovery
     voluntary: bool = False            # a resize the controller chose, not a failure
     first_settled_at: float | None = None   # when the first survivor left the broken group
+    evict: list[int] = field(default_factory=list)   # survivors to leave out (stragglers)
     state: RunState = RunState.RECOVERING
 
 

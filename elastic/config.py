@@ -100,6 +100,13 @@ class FailureConfig:
     """Process-group timeout: the longest a rank waits in one collective before giving up."""
     rendezvous_timeout_s: float = 120.0
     """Longest wait to place `min_workers` and form a process group."""
+    straggler_window: int = 20
+    """Steps over which a rank's compute time is compared with the others' (median of the ratios)."""
+    straggler_threshold: float | None = 1.35
+    """A rank whose compute takes this many times the other ranks' median over the window is
+    flagged (summary.json `stragglers`); the ScalingPolicy decides whether to evict it. None
+    turns straggler scoring off. The default leaves room for the noise of 4 CPU workers sharing
+    2 loaded cores (window medians up to 1.3 seen in clean runs); on GPUs it can go lower."""
 
     def __post_init__(self) -> None:
         _require(self.max_failures is None or (isinstance(self.max_failures, int) and self.max_failures >= 0),
@@ -110,6 +117,11 @@ class FailureConfig:
                  f"heartbeat_interval_s ({self.heartbeat_interval_s})")
         _require(self.collective_timeout_s > 0, "FailureConfig.collective_timeout_s must be > 0")
         _require(self.rendezvous_timeout_s > 0, "FailureConfig.rendezvous_timeout_s must be > 0")
+        _require(isinstance(self.straggler_window, int) and self.straggler_window >= 3,
+                 f"FailureConfig.straggler_window must be an int >= 3, got {self.straggler_window!r}")
+        _require(self.straggler_threshold is None or self.straggler_threshold > 1.0,
+                 f"FailureConfig.straggler_threshold must be > 1.0 (a ratio to the other ranks) or None "
+                 f"to turn scoring off, got {self.straggler_threshold!r}")
 
 
 LR_MODES = ("linear",)

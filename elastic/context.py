@@ -22,6 +22,7 @@ from elastic._data import ElasticLoader
 from elastic._protocol import GenerationPlan, StepRecord
 from elastic._lr import ScaleRamp, schedule_factor
 from elastic._state import broadcast_state, state_sha256
+from elastic._step_timer import StepTimer, timed_comm_hook
 from elastic.config import LRScalingConfig
 from elastic.errors import ElasticError
 
@@ -93,6 +94,7 @@ class TrainContext:
         self._raw_model: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._global_batch = 0
+        self._timer = StepTimer()
 
     # ---- identity -------------------------------------------------------------------
     @property
@@ -151,6 +153,7 @@ class TrainContext:
             from torch.nn.parallel import DistributedDataParallel
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             self._model = DistributedDataParallel(model, device_ids=device_ids)
+            self._model.register_comm_hook(None, timed_comm_hook(self._timer))
         return self._model
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -301,17 +304,21 @@ class TrainContext:
         loss = metrics.get("loss")
         loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else (
             float(loss) if loss is not None else 0.0)
-        # One small all-reduce per step carries the mean loss, the rescale flag and the
-        # preemption flag, so every rank leaves the loop at the same step.
-        shared = torch.tensor([loss_value, float(self._stop_requested.is_set()), float(self._preempted.is_set())],
-                              dtype=torch.float64, device=self._comm_device)
-        dist.all_reduce(shared)
-        stop, preempted = bool(shared[1].item() > 0), bool(shared[2].item() > 0)
+        # One small all-gather per step carries every rank's loss, rescale flag, preemption
+        # flag and compute time, so every rank leaves the loop at the same step and rank 0 can
+        # report the mean loss and the ranks' compute times (straggler scoring).
+        mine = torch.tensor([loss_value, float(self._stop_requested.is_set()), float(self._preempted.is_set()),
+                             self._timer.compute_s()], dtype=torch.float64, device=self._comm_device)
+        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(gathered, mine)
+        shared = torch.stack(gathered).cpu()
+        stop, preempted = bool(shared[:, 1].max() > 0), bool(shared[:, 2].max() > 0)
         if self.rank == 0:
             extra = {k: float(v) for k, v in metrics.items() if k != "loss" and isinstance(v, (int, float))}
-            record = StepRecord(step=carry.step, loss=float(shared[0].item()) / self.world_size if loss is not None else None,
+            record = StepRecord(step=carry.step, loss=float(shared[:, 0].sum()) / self.world_size if loss is not None else None,
                                 world_size=self.world_size, time=time.time(), samples_seen=carry.samples_seen,
-                                global_batch=self._global_batch, metrics=extra)
+                                global_batch=self._global_batch, metrics=extra,
+                                compute_s=tuple(round(float(c), 6) for c in shared[:, 3]))
             carry.records.append(record)
             del carry.records[:-10_000]
         every = self._spec.checkpoint_every
@@ -325,6 +332,7 @@ class TrainContext:
                 # FSDP shards cannot be re-broadcast after the group changes: commit them first.
                 self.save_checkpoint(wait=True)
             raise RescaleInterrupt()
+        self._timer.start()
 
     def _finish(self) -> str | None:
         """After the loop: commit the final state and hash the full model (collective)."""

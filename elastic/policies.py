@@ -81,3 +81,25 @@ class ScalingPolicy:
             log.info("scaling policy: %s", decision.reason)
             return decision
         return None
+
+    def decide_eviction(self, *, rank: int, score: float, world_size: int,
+                        min_workers: int) -> ResizeDecision | None:
+        """A rank is flagged as a straggler (`score`: its compute time over the others').
+
+        Default: evict it only when the group goes faster without it. With N ranks and one s
+        times slower, a step takes s with it and 1 without it, but the N-1 others carry the
+        work of N: the group is faster without it when s > N/(N-1). Never below min_workers.
+        """
+        if world_size - 1 < min_workers:
+            log.info("scaling policy: keep straggler rank %d (score %.2f): %d workers is min_workers",
+                     rank, score, world_size)
+            return None
+        breakeven = world_size / (world_size - 1)
+        if score <= breakeven:
+            log.info("scaling policy: keep straggler rank %d: score %.2f <= %d/%d, the group would not "
+                     "go faster without it", rank, score, world_size, world_size - 1)
+            return None
+        decision = ResizeDecision(world_size - 1, f"rank {rank} is a straggler (score {score:.2f} > "
+                                                  f"{world_size}/{world_size - 1}): evict it")
+        log.info("scaling policy: %s", decision.reason)
+        return decision

@@ -24,7 +24,9 @@ def ray_session(_ray_shutdown_at_end):
     import ray
     if not ray.is_initialized():
         # More logical CPUs than cores: up to 4 one-CPU workers fit on this 2-core machine.
-        ray.init(num_cpus=6, include_dashboard=False, configure_logging=True, logging_level="WARNING")
+        # address="local": always a new instance, never a cluster someone started on this machine.
+        ray.init(address="local", num_cpus=6, include_dashboard=False, configure_logging=True,
+                 logging_level="WARNING")
     return ray
 
 

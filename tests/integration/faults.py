@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 import time
 
@@ -61,3 +62,50 @@ def wait_for(condition, timeout_s: float, what: str) -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+class SlowDown(threading.Thread):
+    """Steal a share of the wall time of the worker with `rank` once the run is past `at_step`:
+    SIGSTOP/SIGCONT duty cycles, `slowdown` = period / running time (1.5: stopped a third of
+    the time). The heal (SIGCONT) always runs: at `stop()`, or when the process is gone."""
+
+    def __init__(self, run_dir: str, at_step: int, rank: int, slowdown: float, period_s: float = 0.03):
+        super().__init__(daemon=True)
+        self.run_dir, self.at_step, self.rank = run_dir, at_step, rank
+        self.running_s = period_s / slowdown
+        self.stopped_s = period_s - self.running_s
+        self.pid: int | None = None
+        self.started_at: float | None = None
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            status = read_json(self.run_dir, "status.json") or {}
+            if status.get("state") in ("finished", "failed"):
+                return
+            if status.get("state") == "running" and status.get("step", 0) >= self.at_step:
+                pids = [w["pid"] for w in status.get("workers", []) if w["rank"] == self.rank]
+                if pids:
+                    self.pid = pids[0]
+                    break
+            time.sleep(0.02)   # polling interval of the condition
+        if self.pid is None:
+            return
+        self.started_at = time.time()
+        try:
+            while not self._halt.is_set():
+                os.kill(self.pid, signal.SIGSTOP)
+                time.sleep(self.stopped_s)
+                os.kill(self.pid, signal.SIGCONT)
+                time.sleep(self.running_s)
+        except ProcessLookupError:
+            return                  # evicted and killed
+        finally:
+            try:
+                os.kill(self.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=5)

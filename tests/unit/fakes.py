@@ -69,9 +69,10 @@ class FakeGroup:
         self.views[wid].report = WorkerReport(phase=phase, generation=generation, rank=rank, step=step,
                                               has_state=has_state, records=[], **error)
 
-    def complete_steps(self, wid, first, last, world_size):
+    def complete_steps(self, wid, first, last, world_size, compute_s=()):
         self.views[wid].records = [StepRecord(step=s, loss=1.0 / s, world_size=world_size, time=float(s),
-                                              samples_seen=s * world_size, global_batch=world_size)
+                                              samples_seen=s * world_size, global_batch=world_size,
+                                              compute_s=tuple(compute_s))
                                    for s in range(first, last + 1)]
         report = self.views[wid].report
         self.views[wid].report = replace(report, step=last)
@@ -92,6 +93,9 @@ class FakeRecorder:
 
     def on_recovery(self, recovery):
         self.recoveries.append(recovery)
+
+    def on_straggler(self, flag):
+        self.stragglers = getattr(self, "stragglers", []) + [flag]
 
     def on_checkpoint_fallback(self, fallback):
         self.fallbacks = getattr(self, "fallbacks", []) + [fallback]

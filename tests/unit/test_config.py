@@ -49,6 +49,8 @@ def test_unsupported_storage_scheme(url):
     ({"max_failures": -1}, "max_failures"),
     ({"heartbeat_interval_s": 1.0, "heartbeat_timeout_s": 0.5}, "heartbeat_timeout_s"),
     ({"collective_timeout_s": 0}, "collective_timeout_s"),
+    ({"straggler_window": 2}, "straggler_window"),
+    ({"straggler_threshold": 1.0}, "straggler_threshold"),
 ])
 def test_failure_config_rejects(kwargs, field):
     with pytest.raises(ConfigError, match=field):

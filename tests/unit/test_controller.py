@@ -136,6 +136,26 @@ def test_survivor_stuck_in_a_collective_is_replaced_cold():
     assert controller.state.recovery.rung == "cold"
 
 
+def test_survivor_slow_to_answer_is_not_taken_for_stuck_and_stays_warm():
+    # On a loaded machine a survivor may answer late: without an answer given after the grace
+    # there is no evidence it is stuck, so it is not replaced, and it comes back warm.
+    controller, group, clock, _ = make(capacity=4)
+    members = start(controller, group)
+    group.die(members[0])
+    controller.tick()
+    interrupt(group, [members[1]], 0, 7)       # members[2]'s last answer still says RUNNING
+    controller.tick()
+    clock.advance(2.5)                         # past the grace, but members[2] has not answered since
+    group.views[members[2]].silent_s = 2.6
+    controller.tick()
+    assert controller.state.state == RunState.RECOVERING and not group.killed[1:]
+    group.views[members[2]].silent_s = 0.0     # it answers: it left the broken group too
+    interrupt(group, [members[2]], 0, 7)
+    controller.tick()
+    assert controller.state.state == RunState.RUNNING and controller.state.recovery.rung == "warm"
+    assert set(controller.state.members) >= {members[1], members[2]}
+
+
 def test_max_failures_exhausted_fails_with_the_causes_listed():
     controller, group, clock, _ = make(capacity=10, max_failures=1, min_workers=1, max_workers=2)
     members = start(controller, group)

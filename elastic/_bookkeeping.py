@@ -1,0 +1,91 @@
+"""The controller's bookkeeping: steps, recoveries, straggler flags and status.json.
+
+A mixin of Controller (it reads and updates the controller's fields); kept apart so that
+`_controller` holds only the state machine's decisions.
+"""
+from __future__ import annotations
+
+import logging
+
+from elastic._ray_group import READY
+from elastic._states import PendingRecovery, Running
+
+log = logging.getLogger("elastic.controller")
+
+
+class Bookkeeping:
+    def _confirm_restore(self) -> None:
+        """The step the new generation really restored (a corrupt checkpoint makes it older
+        than the newest manifest the controller planned with)."""
+        st = self.state
+        if not isinstance(st, Running) or st.restore_confirmed:
+            return
+        report = self.views[st.members[0]].report
+        if report is None or report.generation != st.generation or report.restored_step is None:
+            return
+        st.restore_confirmed = True
+        step = st.start_step = report.restored_step
+        self.recorder.correct_generation_start(step)
+        if st.generation == self._first_generation and self.recorder.resumed_from is not None:
+            self.recorder.resumed_from = step
+        if st.recovery is not None:
+            st.recovery.restored_step = step
+        self.step = step
+
+    def _absorb_records(self) -> None:
+        members = set(self._current_members())
+        for view in self.views.values():
+            if view.report is not None:
+                for fallback in view.report.checkpoint_fallbacks:
+                    self.recorder.on_checkpoint_fallback(fallback)
+                if view.report.preempted and view.status == READY and view.wid not in members:
+                    self.group.kill(view.wid, "preempted while spare")
+            for record in view.records:
+                if self._last_record_time is not None and record.step == self.step + 1:
+                    self._step_s = 0.8 * self._step_s + 0.2 * (record.time - self._last_record_time)
+                self._last_record_time = record.time
+                self.recorder.on_step(record)
+                self._score_stragglers(record)
+                self.step = record.step
+                st = self.state
+                if isinstance(st, Running) and st.recovery is not None and record.step > st.recovery.restored_step:
+                    self._close_recovery(st.recovery)
+                    st.recovery = None
+
+    def _score_stragglers(self, record) -> None:
+        st = self.state
+        # The first step of a generation carries its restore: not a step time.
+        if (not isinstance(st, Running) or self.failure.straggler_threshold is None
+                or len(record.compute_s) != len(st.members) or record.step <= st.start_step + 1):
+            return
+        for flag in self.stragglers.observe(record.step, record.compute_s):
+            log.warning("straggler: rank %d (worker %d) computes %.2fx the other ranks' median over the last "
+                        "%d steps (step %d)", flag.rank, st.members[flag.rank], flag.score,
+                        self.failure.straggler_window, flag.step)
+            self.recorder.on_straggler(flag.as_json())
+
+    def _close_recovery(self, recovery: PendingRecovery) -> None:
+        entry = {"cause": recovery.cause, "rung": recovery.rung, "detect_s": recovery.detect_s,
+                 "recover_s": round(self.clock() - recovery.detected_at, 3),
+                 "lost_steps": max(0, recovery.max_step - recovery.restored_step),
+                 "from_world": recovery.from_world, "to_world": recovery.to_world,
+                 "step": recovery.restored_step, "generation": self.generation}
+        log.info("recovery done: %s", entry)
+        self.recorder.on_recovery(entry)
+
+    def _write_status(self, force: bool) -> None:
+        now = self.clock()
+        if force or now - self._last_committed_at > 2.0:
+            self._last_committed_at = now
+            try:
+                self._last_committed = self.checkpoints.latest_step()
+            except Exception:   # noqa: BLE001 - status is best effort; storage errors surface in saves
+                log.debug("could not read the latest checkpoint", exc_info=True)
+        members = self._current_members()
+        workers = [{"rank": rank, "pid": v.info.pid, "node_id": v.info.node_id, "actor_id": v.info.actor_id}
+                   for rank, wid in enumerate(members) if (v := self.views.get(wid)) and v.info]
+        if isinstance(self.state, Running):
+            self.world_size = len(members)
+        self.recorder.write_status(force=force, state=self.state.state.value, generation=self.generation,
+                                   step=self.step, world_size=self.world_size,
+                                   last_committed_step=self._last_committed, workers=workers)

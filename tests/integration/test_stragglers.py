@@ -1,0 +1,76 @@
+"""Stragglers on a real group: a worker slowed from outside is flagged, and evicted only when
+the group goes faster without it (N/(N-1) rule); a clean run raises no flag.
+
+The slowdown is a SIGSTOP/SIGCONT duty cycle. Two workers on this 2-core machine each have a
+core, so stopping one a third of the time makes its compute 1.5x slower. Four workers share
+the two cores: the CPU a stopped worker leaves goes to its peers, so the same duty cycle slows it
+less than it says (measured about 1.3x); the four-worker test stops it half the time, which
+measures about 1.5x. The assertions are on the measured score the rule compares.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+import gpt
+from elastic import CheckpointConfig, ElasticTrainer, FailureConfig, ScalingConfig
+from faults import SlowDown
+
+pytestmark = [pytest.mark.integration]
+
+SMALL = {"model_size": "small", "batch_size": 8}
+
+
+def fit(run_dir, workers, steps, fault=None, config=SMALL):
+    if fault is not None:
+        fault.start()
+    try:
+        result = ElasticTrainer(
+            gpt.train_loop, train_loop_config=config, total_steps=steps, seed=0,
+            scaling=ScalingConfig(min_workers=workers[0], max_workers=workers[1]),
+            checkpoint=CheckpointConfig(storage=run_dir),
+            failure=FailureConfig(heartbeat_timeout_s=10.0, collective_timeout_s=30.0)).fit()
+    finally:
+        if fault is not None:
+            fault.stop()
+    assert result.ok, result.error
+    return result
+
+
+def steps_since(run_dir, wall_time, step):
+    """Completed steps between `wall_time` and the end of `step` (from metrics.jsonl)."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        lines = [json.loads(line) for line in f]
+    first = next(m["step"] for m in lines if m["time"] >= wall_time)
+    return step - first + 1
+
+
+@pytest.mark.timeout(240)
+def test_clean_run_raises_no_straggler_flag(ray_session, run_dir):
+    result = fit(run_dir, (4, 4), 500, config={"model_size": "tiny", "batch_size": 8})
+    assert result.summary["stragglers"] == [] and result.summary["recoveries"] == []
+
+
+@pytest.mark.timeout(240)
+def test_slowed_worker_of_four_is_flagged_and_evicted(ray_session, run_dir):
+    fault = SlowDown(run_dir, at_step=10, rank=2, slowdown=2.0)
+    result = fit(run_dir, (2, 4), 70, fault)
+    s = result.summary
+    flag = s["stragglers"][0]
+    assert flag["rank"] == 2 and flag["score"] > 4 / 3, s["stragglers"]
+    assert steps_since(run_dir, fault.started_at, flag["step"]) <= 20
+    evictions = [r for r in s["recoveries"] if r["cause"] == "straggler"]
+    assert evictions and evictions[0]["from_world"] == 4 and evictions[0]["to_world"] == 3
+    assert evictions[0]["rung"] == "warm" and evictions[0]["lost_steps"] == 0
+
+
+@pytest.mark.timeout(240)
+def test_slowed_worker_of_two_is_flagged_but_not_evicted(ray_session, run_dir):
+    fault = SlowDown(run_dir, at_step=10, rank=1, slowdown=1.5)
+    result = fit(run_dir, (1, 2), 80, fault)
+    s = result.summary
+    assert [f["rank"] for f in s["stragglers"]] == [1], s["stragglers"]
+    assert steps_since(run_dir, fault.started_at, s["stragglers"][0]["step"]) <= 20
+    assert s["recoveries"] == [] and s["world_size_history"] == [[0, 2]]
