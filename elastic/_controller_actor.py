@@ -7,6 +7,7 @@ from typing import Any
 
 from elastic._controller import Controller
 from elastic._ray_group import RayWorkerGroup
+from elastic._ray_metrics import MeteredRecorder
 from elastic._run_record import RunRecorder
 from elastic._states import RunState
 from elastic.config import CheckpointConfig, FailureConfig, ScalingConfig
@@ -42,7 +43,8 @@ class ControllerActor:
                  total_steps: int, config: dict[str, Any], failure_policy, scaling_policy):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         options = dict(checkpoint.storage_options) or None
-        self._recorder = RunRecorder(checkpoint.storage, options, total_steps=total_steps, config=config)
+        self._recorder = MeteredRecorder(
+            RunRecorder(checkpoint.storage, options, total_steps=total_steps, config=config), run=checkpoint.storage)
         self._checkpoints = CheckpointView(checkpoint.storage, options, checkpoint.keep)
         self._controller = Controller(
             RayWorkerGroup(spec, scaling, failure), self._recorder, self._checkpoints, scaling=scaling,

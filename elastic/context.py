@@ -46,6 +46,8 @@ class Carry:
     optimizer: torch.optim.Optimizer | None = None
     checkpoints: Any = None                    # checkpointing.CheckpointManager, created lazily
     last_saved_step: int | None = None
+    save_started: dict[int, float] = field(default_factory=dict)   # step -> wall time its save began
+    exported_commit: int | None = None         # newest commit exported to Ray metrics
     resumed_from: int | None = None
     warm_capable: bool = False                 # carry.model holds the full state (DDP)
     pending_samples: int = 0
@@ -246,10 +248,27 @@ class TrainContext:
                                            {"step": carry.step, "samples_seen": carry.samples_seen,
                                             "world_size": self.world_size, **self._lr_state()})
         manager = self._checkpoints()
+        carry.save_started[carry.step] = time.time()
         manager.save(carry.step, state, generation=self.generation)
         carry.last_saved_step = carry.step
         if wait:
             manager.wait()
+        self._export_commit()
+
+    def _export_commit(self) -> None:
+        """Rank 0: checkpoint seconds and bytes of a commit it has learnt of, to Ray metrics."""
+        carry = self._carry
+        commit = carry.checkpoints.last_commit if carry.checkpoints is not None else None
+        if self.rank != 0 or commit is None or commit.step == carry.exported_commit:
+            return
+        carry.exported_commit = commit.step
+        started = carry.save_started.pop(commit.step, commit.committed_at)
+        carry.save_started = {s: t for s, t in carry.save_started.items() if s > commit.step}
+        try:
+            from elastic._ray_metrics import checkpoint_committed
+            checkpoint_committed(self._spec.storage, commit.committed_at - started, commit.total_bytes)
+        except Exception:   # noqa: BLE001 - metrics are best effort; never fail a step for them
+            log.debug("exporting checkpoint metrics failed", exc_info=True)
 
     # ---- step boundary --------------------------------------------------------------
     def _begin_step(self, global_batch: int) -> None:
@@ -341,6 +360,7 @@ class TrainContext:
             self.save_checkpoint(wait=True)
         if carry.checkpoints is not None:
             carry.checkpoints.wait()
+            self._export_commit()
         if self._model is None:
             return None
         full = _checkpoint_io.full_model_state(self._model) if self._spec.strategy == "fsdp" \

@@ -1,0 +1,57 @@
+"""The run's metrics on Ray's own Prometheus endpoint (ray.util.metrics)."""
+from __future__ import annotations
+
+import socket
+import urllib.request
+
+import pytest
+
+import gpt
+from elastic import CheckpointConfig, ElasticTrainer, ScalingConfig
+from faults import wait_for
+
+pytestmark = [pytest.mark.integration]
+
+
+@pytest.fixture
+def ray_with_metrics_port():
+    import ray
+    ray.shutdown()                      # one Ray per driver: leave the shared local instance
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING",
+             _metrics_export_port=port, _system_config={"metrics_report_interval_ms": 1000})
+    try:
+        yield port
+    finally:
+        ray.shutdown()
+
+
+def scrape(port: int) -> dict[str, float]:
+    """`name -> value` of the elastic_ samples (histograms: their _count), tags dropped."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith("ray_elastic_") and "_bucket{" not in line:
+            name, value = line.split("{")[0], float(line.rsplit(" ", 1)[1])
+            samples[name] = samples.get(name, 0.0) + value
+    return samples
+
+
+@pytest.mark.timeout(180)
+def test_world_size_steps_and_checkpoints_reach_the_prometheus_endpoint(ray_with_metrics_port, run_dir):
+    result = ElasticTrainer(
+        gpt.train_loop, train_loop_config={"model_size": "tiny", "batch_size": 8}, total_steps=40, seed=0,
+        scaling=ScalingConfig(min_workers=2, max_workers=2),
+        checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=10)).fit()
+    assert result.ok
+    seen: dict[str, float] = {}
+
+    def exported() -> bool:
+        seen.update(scrape(ray_with_metrics_port))
+        return seen.get("ray_elastic_steps_total") == 40 and seen.get("ray_elastic_checkpoint_seconds_count", 0) >= 2
+
+    wait_for(exported, 30, "the run's metrics on the Prometheus endpoint")
+    assert seen["ray_elastic_world_size"] == 2 and seen["ray_elastic_steps_per_second"] > 0
+    assert seen["ray_elastic_checkpoint_bytes_total"] > 0
