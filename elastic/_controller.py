@@ -209,12 +209,17 @@ class Controller(Bookkeeping):
                 self._handle_failure(st.members, Failure("collective_error", tuple(comm_ranks),
                                                          "process group broke with no lost peer"), [], 0.0)
         elif finished == len(st.members):
-            self.model_sha256 = self.views[st.members[0]].report.model_sha256
+            self._record_final(self.views[st.members[0]].report)
             self._transition(Finished(), f"all {finished} ranks finished at step {self.step}")
         else:
             self.group.scale_to(self._slot_target())
             if not self._maybe_evict(st):
                 self._maybe_grow(st)
+
+    def _record_final(self, report: WorkerReport) -> None:
+        """The finished state as rank 0 holds it: model hash and data consumed."""
+        self.model_sha256 = report.model_sha256 or self.model_sha256
+        self.recorder.on_final_data(report.samples_seen, report.data_order)
 
     def _maybe_evict(self, st: Running) -> bool:
         """Ask the scaling policy about the slowest flagged straggler (again after a window)."""
@@ -293,7 +298,7 @@ class Controller(Bookkeeping):
             elif report is None or (report.phase == WorkerPhase.RUNNING and report.generation == st.generation):
                 running.append(wid)
             elif report.phase == WorkerPhase.FINISHED and report.step >= self.total_steps:
-                self.model_sha256 = report.model_sha256 or self.model_sha256
+                self._record_final(report)
                 return self._transition(Finished(), "finished while recovering")
             else:
                 settled.append(wid)

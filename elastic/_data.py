@@ -74,7 +74,7 @@ class ElasticLoader:
             step_seed = mix_seed(ctx.seed, "step", step, ctx.rank)
             torch.manual_seed(step_seed)
             random.seed(step_seed)
-            ctx._begin_step(self.global_batch)
+            ctx._begin_step(self.global_batch, ids)
             yield self._collate([self._dataset[i] for i in ids])
             if ctx.step == step:
                 raise ElasticError("ctx.report() must be called once per batch of ctx.prepare_data's loader")

@@ -25,6 +25,7 @@ class StepRecord:
     global_batch: int
     metrics: dict[str, float] = field(default_factory=dict)
     compute_s: tuple[float, ...] = ()      # every rank's own compute time of the step, by rank
+    data_order: str | None = None          # data-order hash after this step (see _state.chain_sample_ids)
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,8 @@ class WorkerReport:
     checkpoint_fallbacks: list[dict] = field(default_factory=list)   # committed steps skipped on load
     model_sha256: str | None = None
     resumed_from: int | None = None
+    samples_seen: int = 0                # global samples consumed by the state in memory
+    data_order: str | None = None        # its data-order hash
 
 
 @dataclass(frozen=True)

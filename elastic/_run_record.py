@@ -38,6 +38,7 @@ class RunRecorder:
         self._last_write = 0.0
         self._metrics_dirty = False
         self.resumed_from: int | None = None
+        self._data: tuple[int, str | None] | None = None   # (samples_seen, data_order) after the newest step
 
     @property
     def url(self) -> str:
@@ -78,6 +79,7 @@ class RunRecorder:
                 for lost in [s for s in table if s > record.step]:
                     del table[lost]
         self._newest_step = record.step
+        self._data = (record.samples_seen, record.data_order)
         previous = self._last_step_time or record.time
         self._step_seconds[record.step] = max(0.0, record.time - previous)
         self._last_step_time = record.time
@@ -89,6 +91,10 @@ class RunRecorder:
             "global_batch": record.global_batch, "accum_steps": int(record.metrics.get("accum_steps", 1)),
             "samples_seen": record.samples_seen, "compute_s": list(record.compute_s)}
         self._metrics_dirty = True
+
+    def on_final_data(self, samples_consumed: int, data_order: str | None) -> None:
+        """The finished run's data as rank 0 holds it (authoritative over step records)."""
+        self._data = (samples_consumed, data_order)
 
     def on_recovery(self, recovery: dict[str, Any]) -> None:
         self._recoveries.append(recovery)
@@ -138,6 +144,8 @@ class RunRecorder:
             "goodput": round(min(1.0, kept / wall_s), 4) if wall_s > 0 else None,
             "resumed_from": self.resumed_from, "stragglers": self._stragglers,
             "checkpoint_fallbacks": self._fallbacks,
+            "samples_consumed": self._data[0] if self._data else None,
+            "data_order_sha256": self._data[1] if self._data else None,
             "config": self._config, "error": error,
         }
         self.flush_metrics()

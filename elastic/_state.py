@@ -112,3 +112,19 @@ def mix_seed(*parts: Any) -> int:
     """A 63-bit seed from (seed, step, rank, ...), stable across processes and Python runs."""
     digest = hashlib.sha256(repr(parts).encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+DATA_ORDER_START = "0" * 64
+
+
+def chain_sample_ids(digest: str, ids) -> str:
+    """Extend the data-order hash by `ids`, one sample at a time.
+
+    Per sample, not per step, so the hash depends only on the ordered list of consumed samples:
+    the same samples in the same order give the same hash at any world size (the global batch,
+    hence the grouping into steps, changes with it).
+    """
+    h = bytes.fromhex(digest)
+    for sample in ids:
+        h = hashlib.sha256(h + int(sample).to_bytes(8, "little", signed=True)).digest()
+    return h.hex()

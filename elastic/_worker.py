@@ -136,7 +136,7 @@ class TrainWorker:
             self._stop_requested.set()
 
     def poll(self) -> WorkerReport:
-        with self._lock:
+        with self._lock, self._carry.records_lock:
             records, self._carry.records = self._carry.records, []
             carry, plan, error = self._carry, self._plan, self._error or {}
             return WorkerReport(
@@ -149,7 +149,8 @@ class TrainWorker:
                 restored_step=carry.restored[1] if plan and carry.restored and carry.restored[0] == plan.generation
                 else None,
                 checkpoint_fallbacks=list(carry.load_fallbacks),
-                model_sha256=self._model_sha256, resumed_from=carry.resumed_from)
+                model_sha256=self._model_sha256, resumed_from=carry.resumed_from,
+                samples_seen=carry.samples_seen, data_order=carry.data_order)
 
     def shutdown(self) -> None:
         if self._carry.checkpoints is not None:

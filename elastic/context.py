@@ -21,7 +21,7 @@ from elastic import _checkpoint_io
 from elastic._data import ElasticLoader
 from elastic._protocol import GenerationPlan, StepRecord
 from elastic._lr import ScaleRamp, schedule_factor
-from elastic._state import broadcast_state, state_sha256
+from elastic._state import DATA_ORDER_START, broadcast_state, chain_sample_ids, state_sha256
 from elastic._step_timer import StepTimer, timed_comm_hook
 from elastic.config import LRScalingConfig
 from elastic.errors import ElasticError
@@ -42,6 +42,7 @@ class Carry:
 
     step: int = 0
     samples_seen: int = 0
+    data_order: str = DATA_ORDER_START        # chained hash of every consumed sample id, in order
     model: nn.Module | None = None            # unwrapped module of the last generation (warm source)
     optimizer: torch.optim.Optimizer | None = None
     checkpoints: Any = None                    # checkpointing.CheckpointManager, created lazily
@@ -52,6 +53,7 @@ class Carry:
     warm_capable: bool = False                 # carry.model holds the full state (DDP)
     pending_samples: int = 0
     records: list[StepRecord] = field(default_factory=list)
+    records_lock: threading.Lock = field(default_factory=threading.Lock)   # the poll drains records
     load_fallbacks: list[dict] = field(default_factory=list)   # checkpoints skipped as corrupt
     restored: tuple[int, int] | None = None                    # (generation, step) of the last restore
     base_lr: float | None = None                               # LR rule: LR at base_world_size
@@ -97,6 +99,7 @@ class TrainContext:
         self._optimizer: torch.optim.Optimizer | None = None
         self._global_batch = 0
         self._timer = StepTimer()
+        self._step_ids: list[int] = []             # sample ids this rank reads at this step
 
     # ---- identity -------------------------------------------------------------------
     @property
@@ -205,7 +208,8 @@ class TrainContext:
                 raise ElasticError(f"rank {src} was chosen as warm source but holds no state")
             state = {"model": carry.model.state_dict(),
                      "optim": carry.optimizer.state_dict() if carry.optimizer is not None else None,
-                     "step": carry.step, "samples_seen": carry.samples_seen, "lr": self._lr_state()}
+                     "step": carry.step, "samples_seen": carry.samples_seen, "data_order": carry.data_order,
+                     "lr": self._lr_state()}
         state = broadcast_state(state, src, self._comm_device)
         self._set_lr_state(state["lr"])
         if model is not None:
@@ -213,20 +217,23 @@ class TrainContext:
         if optimizer is not None and state["optim"] is not None:
             optimizer.load_state_dict(state["optim"])
         carry.step, carry.samples_seen = int(state["step"]), int(state["samples_seen"])
+        carry.data_order = str(state["data_order"])
 
     def _restore_checkpoint(self, model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> None:
         carry = self._carry
-        state = _checkpoint_io.build_state(model, optimizer, {"step": 0, "samples_seen": 0, **self._lr_state()})
+        state = _checkpoint_io.build_state(model, optimizer, {"step": 0, "samples_seen": 0,
+                                                              "data_order": DATA_ORDER_START, **self._lr_state()})
         loaded = self._checkpoints().load_latest(state)
         if loaded is None:
             log.warning("rank %d: no committed checkpoint under %s; starting fresh", self.rank, self._spec.storage)
-            carry.step, carry.samples_seen = 0, 0
+            carry.step, carry.samples_seen, carry.data_order = 0, 0, DATA_ORDER_START
             return
         _checkpoint_io.apply_state(model, optimizer, state)
         carry.load_fallbacks.extend(dict(s) for s in loaded.skipped)
         self._set_lr_state(state["extra"])
         carry.step = int(state["extra"]["step"])
         carry.samples_seen = int(state["extra"]["samples_seen"])
+        carry.data_order = str(state["extra"]["data_order"])
         carry.last_saved_step = carry.step
         if self.generation == 0 and carry.resumed_from is None:
             carry.resumed_from = carry.step
@@ -246,7 +253,8 @@ class TrainContext:
         carry = self._carry
         state = _checkpoint_io.build_state(self._model, self._optimizer,
                                            {"step": carry.step, "samples_seen": carry.samples_seen,
-                                            "world_size": self.world_size, **self._lr_state()})
+                                            "data_order": carry.data_order, "world_size": self.world_size,
+                                            **self._lr_state()})
         manager = self._checkpoints()
         carry.save_started[carry.step] = time.time()
         manager.save(carry.step, state, generation=self.generation)
@@ -271,8 +279,9 @@ class TrainContext:
             log.debug("exporting checkpoint metrics failed", exc_info=True)
 
     # ---- step boundary --------------------------------------------------------------
-    def _begin_step(self, global_batch: int) -> None:
+    def _begin_step(self, global_batch: int, sample_ids: list[int]) -> None:
         self._global_batch = global_batch
+        self._step_ids = list(sample_ids)
         self._carry.pending_samples = global_batch
         self._apply_lr()
 
@@ -326,20 +335,27 @@ class TrainContext:
         # One small all-gather per step carries every rank's loss, rescale flag, preemption
         # flag and compute time, so every rank leaves the loop at the same step and rank 0 can
         # report the mean loss and the ranks' compute times (straggler scoring).
+        # The sample ids each rank read ride along (exact in float64 below 2**53), so every rank
+        # chains the ids the whole group consumed, in global order, into the data-order hash.
         mine = torch.tensor([loss_value, float(self._stop_requested.is_set()), float(self._preempted.is_set()),
-                             self._timer.compute_s()], dtype=torch.float64, device=self._comm_device)
+                             self._timer.compute_s(), *self._step_ids], dtype=torch.float64, device=self._comm_device)
         gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(gathered, mine)
         shared = torch.stack(gathered).cpu()
         stop, preempted = bool(shared[:, 1].max() > 0), bool(shared[:, 2].max() > 0)
+        if self._step_ids:
+            carry.data_order = chain_sample_ids(carry.data_order, shared[:, 4:].reshape(-1).long().tolist())
+            self._step_ids = []
         if self.rank == 0:
             extra = {k: float(v) for k, v in metrics.items() if k != "loss" and isinstance(v, (int, float))}
             record = StepRecord(step=carry.step, loss=float(shared[:, 0].sum()) / self.world_size if loss is not None else None,
                                 world_size=self.world_size, time=time.time(), samples_seen=carry.samples_seen,
                                 global_batch=self._global_batch, metrics=extra,
-                                compute_s=tuple(round(float(c), 6) for c in shared[:, 3]))
-            carry.records.append(record)
-            del carry.records[:-10_000]
+                                compute_s=tuple(round(float(c), 6) for c in shared[:, 3]),
+                                data_order=carry.data_order)
+            with carry.records_lock:
+                carry.records.append(record)
+                del carry.records[:-10_000]
         every = self._spec.checkpoint_every
         if every is not None and carry.step % every == 0 and carry.step < self.total_steps:
             self.save_checkpoint()

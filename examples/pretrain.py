@@ -28,6 +28,16 @@ def parse_workers(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"--workers must be MIN:MAX or N, got {text!r}") from None
 
 
+def parse_fail_at(text: str) -> tuple[int, int]:
+    rank, sep, step = text.partition(":")
+    try:
+        if sep and int(rank) >= 0 and int(step) >= 1:
+            return int(rank), int(step)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"--fail-at must be RANK:STEP (rank >= 0, step >= 1), got {text!r}")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--storage", required=True, help="run directory: local path, file://, or s3://bucket/prefix")
@@ -43,7 +53,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cpus-per-worker", type=float, default=1.0)
     p.add_argument("--sync-checkpoints", action="store_true", help="block training while a checkpoint uploads")
     p.add_argument("--quiet", action="store_true", help="no live progress line")
+    p.add_argument("--fail-at", type=parse_fail_at, metavar="RANK:STEP",
+                   help="fault injection (chaos tests): the loop of rank RANK raises InjectedUserError at step "
+                        "STEP, in the run's first generation only; by default a user error fails the run")
     return p.parse_args(argv)
+
+
+class InjectedUserError(Exception):
+    """Raised on purpose by --fail-at: a bug in user code, as the runtime sees it."""
+
+
+class _FailAt:
+    """The TrainContext as the loop sees it, except that report() raises at the armed step."""
+
+    def __init__(self, ctx, step: int):
+        self._ctx, self._step = ctx, step
+
+    def __getattr__(self, name):
+        return getattr(self._ctx, name)
+
+    def report(self, **metrics):
+        if self._ctx.step + 1 == self._step:     # ctx.step counts completed steps
+            raise InjectedUserError(f"--fail-at: rank {self._ctx.rank} fails at step {self._step}")
+        return self._ctx.report(**metrics)
+
+
+def failing_loop(rank: int, step: int, generation: int):
+    def train_loop(ctx):
+        armed = ctx.rank == rank and ctx.generation == generation
+        gpt.train_loop(_FailAt(ctx, step) if armed else ctx)
+    return train_loop
 
 
 class ProgressLine:
@@ -75,10 +114,19 @@ def main(argv: list[str] | None = None) -> int:
     if not os.environ.get("RAY_ADDRESS"):
         import ray
         # Logical CPUs: one per worker even on a small machine, so max_workers always fits.
-        ray.init(num_cpus=max(os.cpu_count() or 1, int(high * args.cpus_per_worker)),
+        # address="local": a Ray of its own, even when another one runs on this machine (the
+        # cluster to join is given by RAY_ADDRESS, as `ray job submit` does).
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(high * args.cpus_per_worker)),
                  include_dashboard=False)
+    train_loop = gpt.train_loop
+    if args.fail_at is not None:
+        from checkpointing import read_fence
+        # The run's first generation follows the newest one on storage (generations keep
+        # growing across runs on the same storage).
+        fence = read_fence(args.storage)
+        train_loop = failing_loop(*args.fail_at, generation=0 if fence is None else fence + 1)
     trainer = ElasticTrainer(
-        gpt.train_loop,
+        train_loop,
         train_loop_config={"model_size": args.model_size, "batch_size": args.batch_size, "lr": args.lr},
         scaling=ScalingConfig(min_workers=low, max_workers=high, strategy=args.strategy,
                               resources_per_worker={"CPU": args.cpus_per_worker}),

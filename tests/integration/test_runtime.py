@@ -5,6 +5,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 
 import pytest
 import torch
@@ -27,6 +28,17 @@ def trainer(run_dir, *, workers=(2, 2), steps=40, every=None, strategy="ddp", lo
         checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=every),
         failure=FailureConfig(heartbeat_timeout_s=heartbeat_timeout_s, max_failures=max_failures,
                               collective_timeout_s=30.0, rendezvous_timeout_s=60.0))
+
+
+def expected_data_order(samples: int, seed: int = 0, n_samples: int = 100_000) -> str:
+    """The data-order hash of exactly the first `samples` samples of the example's global order,
+    computed here from the loader's order function, not by the run."""
+    from types import SimpleNamespace
+
+    from elastic._data import ElasticLoader
+    from elastic._state import DATA_ORDER_START, chain_sample_ids
+    loader = ElasticLoader(SimpleNamespace(seed=seed, world_size=1, total_steps=1), range(n_samples), batch_size=1)
+    return chain_sample_ids(DATA_ORDER_START, [loader._dataset_index(g) for g in range(samples)])
 
 
 def fit_with_fault(run_dir, fault: SignalAtStep | None, **kwargs):
@@ -70,9 +82,21 @@ def test_sigkill_recovers_warm_then_grows_back(ray_session, run_dir):
     sizes = [w for _, w in s["world_size_history"]]
     assert sizes[0] == 3 and 2 in sizes and sizes[-1] == 3, s["world_size_history"]
     assert not pid_alive(fault.pid)
+    # Exactly once through 3 -> 2 -> 3: the consumed samples are the global order's first ones.
+    assert s["samples_consumed"] == 24 * _steps_at(s, 3) + 16 * _steps_at(s, 2)
+    assert s["data_order_sha256"] == expected_data_order(s["samples_consumed"])
     # Running again on the same storage resumes, although the fence moved on with the recoveries.
     again = fit_with_fault(run_dir, None, workers=(2, 3), steps=520, every=100)
     assert again.ok and again.summary["resumed_from"] == 500 and again.final_step == 520
+    assert again.summary["samples_consumed"] == s["samples_consumed"] + 24 * _steps_at(again.summary, 3) \
+        + 16 * _steps_at(again.summary, 2)
+    assert again.summary["data_order_sha256"] == expected_data_order(again.summary["samples_consumed"])
+
+
+def _steps_at(summary, world_size):
+    """Kept steps run at `world_size`, from the world-size history."""
+    history = summary["world_size_history"] + [[summary["final_step"], None]]
+    return sum(b[0] - a[0] for a, b in zip(history, history[1:]) if a[1] == world_size)
 
 
 @pytest.mark.timeout(240)
@@ -84,19 +108,35 @@ def test_kill_with_replacement_is_bitwise_identical_to_a_clean_run(ray_session, 
     assert faulty.ok and [r["cause"] for r in faulty.summary["recoveries"]] == ["worker_died"]
     assert {w for _, w in faulty.summary["world_size_history"]} == {2}
     assert faulty.summary["model_sha256"] == clean.summary["model_sha256"]
+    for key in ("samples_consumed", "data_order_sha256"):
+        assert faulty.summary[key] == clean.summary[key]
+    assert clean.summary["samples_consumed"] == 300 * 16
+    assert clean.summary["data_order_sha256"] == expected_data_order(300 * 16), clean.summary
 
 
 @pytest.mark.timeout(180)
 def test_sigstop_is_detected_within_the_heartbeat_timeout_and_replaced(ray_session, run_dir,
                                                                        _no_stray_stopped_workers):
     fault = SignalAtStep(run_dir, at_step=40, sig=signal.SIGSTOP, rank=1)
-    result = fit_with_fault(run_dir, fault, workers=(2, 2), steps=400, heartbeat_timeout_s=3.0)
+    result = fit_with_fault(run_dir, fault, workers=(3, 3), steps=400, every=50, heartbeat_timeout_s=3.0)
     _no_stray_stopped_workers.append(fault.pid)
     assert result.ok and result.final_step == 400
     (recovery,) = result.summary["recoveries"]
     assert recovery["cause"] == "hang" and recovery["detect_s"] <= 3.0 + 2.0
-    assert recovery["to_world"] == 2            # the stopped worker was replaced
-    wait_for(lambda: not pid_alive(fault.pid), 10, "the stopped worker to be killed")
+    assert recovery["rung"] == "warm" and recovery["to_world"] == 3   # the stopped worker was replaced
+    # Wake the stopped worker as an operator would: it must not write or commit anything.
+    woken_at = time.time()
+    try:
+        os.kill(fault.pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
+    wait_for(lambda: not pid_alive(fault.pid), 10, "the stopped worker to exit")
+    from checkpointing import CheckpointManager
+    for commit in CheckpointManager(run_dir).committed():
+        assert commit.committed_at < fault.sent_at or commit.generation >= 1, commit
+    stale = [os.path.join(d, f) for d, _, files in os.walk(os.path.join(run_dir, "checkpoints"))
+             for f in files if "g000000" in d and os.path.getmtime(os.path.join(d, f)) >= woken_at]
+    assert stale == []
 
 
 @pytest.mark.timeout(180)

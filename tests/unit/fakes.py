@@ -94,6 +94,9 @@ class FakeRecorder:
     def on_recovery(self, recovery):
         self.recoveries.append(recovery)
 
+    def on_final_data(self, samples_consumed, data_order):
+        self.final_data = (samples_consumed, data_order)
+
     def on_straggler(self, flag):
         self.stragglers = getattr(self, "stragglers", []) + [flag]
 
