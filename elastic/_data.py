@@ -74,7 +74,9 @@ class ElasticLoader:
             step_seed = mix_seed(ctx.seed, "step", step, ctx.rank)
             torch.manual_seed(step_seed)
             random.seed(step_seed)
-            ctx._begin_step(self.global_batch, ids)
+            # The whole group's ids of this step, in global order (every rank computes the same).
+            group_ids = [i for r in range(ctx.world_size) for i in self.sample_ids(ctx.samples_seen, r)]
+            ctx._begin_step(self.global_batch, group_ids)
             yield self._collate([self._dataset[i] for i in ids])
             if ctx.step == step:
                 raise ElasticError("ctx.report() must be called once per batch of ctx.prepare_data's loader")

@@ -99,7 +99,7 @@ class TrainContext:
         self._optimizer: torch.optim.Optimizer | None = None
         self._global_batch = 0
         self._timer = StepTimer()
-        self._step_ids: list[int] = []             # sample ids this rank reads at this step
+        self._step_ids: list[int] = []             # sample ids the whole group reads at this step
 
     # ---- identity -------------------------------------------------------------------
     @property
@@ -324,6 +324,11 @@ class TrainContext:
         carry.step += 1
         carry.samples_seen += carry.pending_samples
         carry.pending_samples = 0
+        # The step's samples count as consumed with the step itself, before the collective below:
+        # if it fails, the state that survives has this step, so its hash must have its samples.
+        if self._step_ids:
+            carry.data_order = chain_sample_ids(carry.data_order, self._step_ids)
+            self._step_ids = []
         if carry.model is None and self._raw_model is not None:
             carry.model, carry.optimizer = self._raw_model, self._optimizer
             carry.warm_capable = self._spec.strategy == "ddp"
@@ -335,17 +340,12 @@ class TrainContext:
         # One small all-gather per step carries every rank's loss, rescale flag, preemption
         # flag and compute time, so every rank leaves the loop at the same step and rank 0 can
         # report the mean loss and the ranks' compute times (straggler scoring).
-        # The sample ids each rank read ride along (exact in float64 below 2**53), so every rank
-        # chains the ids the whole group consumed, in global order, into the data-order hash.
         mine = torch.tensor([loss_value, float(self._stop_requested.is_set()), float(self._preempted.is_set()),
-                             self._timer.compute_s(), *self._step_ids], dtype=torch.float64, device=self._comm_device)
+                             self._timer.compute_s()], dtype=torch.float64, device=self._comm_device)
         gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(gathered, mine)
         shared = torch.stack(gathered).cpu()
         stop, preempted = bool(shared[:, 1].max() > 0), bool(shared[:, 2].max() > 0)
-        if self._step_ids:
-            carry.data_order = chain_sample_ids(carry.data_order, shared[:, 4:].reshape(-1).long().tolist())
-            self._step_ids = []
         if self.rank == 0:
             extra = {k: float(v) for k, v in metrics.items() if k != "loss" and isinstance(v, (int, float))}
             record = StepRecord(step=carry.step, loss=float(shared[:, 0].sum()) / self.world_size if loss is not None else None,

@@ -49,7 +49,9 @@ def steps_since(run_dir, wall_time, step):
 
 @pytest.mark.timeout(240)
 def test_clean_run_raises_no_straggler_flag(ray_session, run_dir):
-    result = fit(run_dir, (4, 4), 500, config={"model_size": "tiny", "batch_size": 8})
+    # The small model: with the tiny one a step's compute is ~15 ms, and scheduling noise on 2
+    # shared cores alone reached window scores of 1.4.
+    result = fit(run_dir, (4, 4), 500)
     assert result.summary["stragglers"] == [] and result.summary["recoveries"] == []
 
 
