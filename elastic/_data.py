@@ -69,13 +69,14 @@ class ElasticLoader:
         ctx = self._ctx
         while ctx.step < ctx.total_steps:
             step = ctx.step
-            ids = self.sample_ids(ctx.samples_seen, ctx.rank)
+            # The whole group's ids of this step, in global order (every rank computes the same);
+            # this rank's are its slice of them.
+            group_ids = [self._dataset_index(g) for g in range(ctx.samples_seen, ctx.samples_seen + self.global_batch)]
+            ids = group_ids[ctx.rank * self.batch_size:(ctx.rank + 1) * self.batch_size]
             # Randomness inside the step (dropout, ...) depends only on (seed, step, rank).
             step_seed = mix_seed(ctx.seed, "step", step, ctx.rank)
             torch.manual_seed(step_seed)
             random.seed(step_seed)
-            # The whole group's ids of this step, in global order (every rank computes the same).
-            group_ids = [i for r in range(ctx.world_size) for i in self.sample_ids(ctx.samples_seen, r)]
             ctx._begin_step(self.global_batch, group_ids)
             yield self._collate([self._dataset[i] for i in ids])
             if ctx.step == step:

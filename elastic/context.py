@@ -281,7 +281,7 @@ class TrainContext:
     # ---- step boundary --------------------------------------------------------------
     def _begin_step(self, global_batch: int, sample_ids: list[int]) -> None:
         self._global_batch = global_batch
-        self._step_ids = list(sample_ids)
+        self._step_ids = sample_ids
         self._carry.pending_samples = global_batch
         self._apply_lr()
 
