@@ -4,7 +4,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 PYTHON3 ?= python3
 
-.PHONY: install run test test-unit bench clean
+.PHONY: install run test test-unit bench bench-full clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON3) -m venv $(VENV)
@@ -25,8 +25,27 @@ test: install
 test-unit: install
 	$(PY) -m pytest tests/unit
 
+# Side-by-side benchmarks (benchmarks/peers.py): each writes its JSON line to $(BENCH_OUT)/NAME.json
+# and a PNG to $(BENCH_OUT)/NAME.png. `bench` is a quick set (about 8 minutes on 2 cores);
+# `bench-full` the settings reported in BENCHMARKS.md (about 30 minutes; R2 waits out its cap).
+BENCH_OUT ?= runs/bench
+PEERS     := $(PY) benchmarks/peers.py
 bench: install
-	$(PY) benchmarks/recovery.py
+	$(PEERS) recovery --trials 1 --steps 80 --plot $(BENCH_OUT)/r1.png --out $(BENCH_OUT)/r1.json
+	$(PEERS) recovery --trials 1 --steps 80 --signal STOP --heartbeat-timeout 3 --cap-s 30 \
+	    --plot $(BENCH_OUT)/r2.png --out $(BENCH_OUT)/r2.json
+	$(PEERS) throughput --steps 80 --reps 2 --plot $(BENCH_OUT)/o1.png --out $(BENCH_OUT)/o1.json
+	$(PEERS) checkpoint --mb 64 --reps 2 --plot $(BENCH_OUT)/c1_dcp.png --out $(BENCH_OUT)/c1_dcp.json
+
+bench-full: install
+	$(PEERS) recovery --trials 3 --plot $(BENCH_OUT)/r1.png --out $(BENCH_OUT)/r1.json
+	$(PEERS) recovery --trials 2 --signal STOP --heartbeat-timeout 3 --cap-s 120 \
+	    --plot $(BENCH_OUT)/r2.png --out $(BENCH_OUT)/r2.json
+	$(PEERS) recovery --trials 2 --signal STOP --heartbeat-timeout 3 --raytrain-health-timeout 3 \
+	    --plot $(BENCH_OUT)/r2_tuned.png --out $(BENCH_OUT)/r2_tuned.json
+	$(PEERS) throughput --workers 2 --steps 150 --reps 6 --plot $(BENCH_OUT)/o1.png --out $(BENCH_OUT)/o1.json
+	$(PEERS) throughput --workers 4 --steps 100 --reps 2 --plot $(BENCH_OUT)/o1_w4.png --out $(BENCH_OUT)/o1_w4.json
+	$(PEERS) checkpoint --mb 256 --reps 3 --plot $(BENCH_OUT)/c1_dcp.png --out $(BENCH_OUT)/c1_dcp.json
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

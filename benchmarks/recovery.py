@@ -69,7 +69,7 @@ def trial(args: argparse.Namespace, run_dir: str) -> dict:
     failures = [r for r in summary["recoveries"] if r["cause"] != "scale_up"]
     if not result.ok or "signal_time" not in fault or not failures:
         raise SystemExit(f"trial did not produce a recovery: status={result.status} fault={fault} "
-                         f"recoveries={summary['recoveries']}")
+                         f"recoveries={summary['recoveries']} error={result.error!r}")
     recovery = failures[0]
     metrics = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     next_step = next(m for m in metrics if m["step"] == recovery["step"] + 1)
@@ -78,7 +78,7 @@ def trial(args: argparse.Namespace, run_dir: str) -> dict:
     return {"recovery_s": round(next_step["time"] - fault["signal_time"], 3),
             "lost_steps": recovery["lost_steps"], "detect_s": recovery["detect_s"], "rung": recovery["rung"],
             "cause": recovery["cause"], "from_world": recovery["from_world"], "to_world": recovery["to_world"],
-            "step_s": round(step_s, 4)}
+            "step_s": round(step_s, 4), "restored_step": recovery["step"], "signal_time": fault["signal_time"]}
 
 
 def main() -> int:
@@ -97,7 +97,8 @@ def main() -> int:
     args = p.parse_args()
 
     import ray
-    ray.init(num_cpus=max(os.cpu_count() or 1, args.workers + 2), include_dashboard=False,
+    # address="local": a new instance even when another Ray runs on this (shared) machine.
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, args.workers + 2), include_dashboard=False,
              logging_level="WARNING", log_to_driver=args.verbose)
     trials = []
     try:

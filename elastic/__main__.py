@@ -1,7 +1,9 @@
 """The operator CLI, `elastic` (or `python -m elastic`): look at a run from outside.
 
     elastic status URL [--watch]   live view of <URL>/status.json
-    elastic report URL             the summary and the recoveries table of a finished run
+    elastic report URL [--plot [PATH]]   the summary and the recoveries table of a finished run;
+                                   --plot draws loss, world size and LR over time (default PATH:
+                                   <URL>/report.png)
     elastic ckpt list|verify|gc URL   committed checkpoints (same as `python -m checkpointing`)
 """
 from __future__ import annotations
@@ -42,10 +44,41 @@ def cmd_status(args: argparse.Namespace) -> int:
         time.sleep(args.interval)
 
 
+_DEFAULT_PLOT = "<storage>/report.png"
+
+
+def _write_plot(url: str, summary: dict | None, target: str) -> int:
+    """Render metrics.jsonl (+ recoveries) to `target`, or to <url>/report.png through Storage."""
+    from elastic import _report_plot
+    storage = Storage(url)
+    try:
+        text = storage.read_bytes(storage.path("metrics.jsonl")).decode()
+    except FileNotFoundError:
+        print(f"no metrics.jsonl under {url}: nothing to plot", file=sys.stderr)
+        return 2
+    try:
+        png, drawn = _report_plot.render(_report_plot.parse_metrics(text), summary, title=url)
+    except (ValueError, RuntimeError) as error:
+        print(f"cannot plot: {error}", file=sys.stderr)
+        return 2
+    if target == _DEFAULT_PLOT:
+        path = storage.path("report.png")
+        storage.write_atomic(path, png)
+        target = storage.url_for(path)
+    else:
+        with open(target, "wb") as f:
+            f.write(png)
+    print(f"plot: {target} ({drawn['points']} steps, {len(drawn['recoveries_marked'])} recoveries marked)",
+          file=sys.stderr)
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     summary = _read_json(args.url, "summary.json")
     if summary is None:
         print(f"no summary.json under {args.url}: the run has not ended (try `elastic status`)", file=sys.stderr)
+        return 2
+    if args.plot is not None and _write_plot(args.url, summary, args.plot) != 0:
         return 2
     if args.json:
         print(json.dumps(summary, indent=1))
@@ -80,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     report = sub.add_parser("report", help="summary and recoveries of a run")
     report.add_argument("url")
     report.add_argument("--json", action="store_true", help="print summary.json as is")
+    report.add_argument("--plot", nargs="?", const=_DEFAULT_PLOT, metavar="PATH",
+                        help="also draw loss, world size and LR over time with recoveries marked, as a PNG "
+                             "(default PATH: <URL>/report.png; needs matplotlib)")
     report.set_defaults(run=cmd_report)
     sub.add_parser("ckpt", help="list|verify|gc URL: committed checkpoints")
     args = parser.parse_args(argv)

@@ -1,0 +1,246 @@
+"""Faults as data: one frozen dataclass per kind of fault, with its target and parameters.
+
+A fault says *what* goes wrong, never how: the injectors (chaos/injectors/) know how to cause
+it and how to heal it. Keeping faults as plain values makes a schedule printable, comparable
+and reproducible from its seed, and lets the history record exactly what was asked for.
+
+Targets name workers the way an operator would before looking at the cluster:
+  "one"       one worker, picked at injection time by the schedule's seeded generator
+  "minority"  floor((n-1)/2) workers (at least one): a quorum always survives
+  "all"       every worker of the current generation
+  "rank:K"    the worker with rank K in the current generation
+For node faults the target picks workers the same way and hits the nodes that host them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+_TARGET_RE = re.compile(r"^(one|minority|all|rank:\d+)$")
+
+# Recovery causes written by the runtime into summary.json (elastic.policies.INFRA_CAUSES);
+# repeated here because chaos/ drives the runtime from outside and does not import it.
+LOST_WORKER_CAUSES = ("worker_died", "node_lost", "hang", "collective_error", "partition")
+
+
+def _check_target(target: str) -> None:
+    if not _TARGET_RE.match(target):
+        raise ValueError(f"fault target {target!r}: use 'one', 'minority', 'all' or 'rank:K'")
+
+
+def _check_positive(name: str, value: float) -> None:
+    if value <= 0:
+        raise ValueError(f"{name}={value}: must be > 0")
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """What the run must show for a fault: `required` recoveries with one of `causes`,
+    `optional` ones that may appear, or (`fails_run`) the run failing with a typed error."""
+
+    required: bool
+    causes: tuple[str, ...] = ()
+    fails_run: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fault:
+    """Base of every fault. `kind` names it in schedules, histories and reports."""
+
+    kind: ClassVar[str] = "fault"
+    duration_s: float = 0.0          # how long the fault lasts before its heal; 0: instantaneous
+
+    def expectation(self, heartbeat_timeout_s: float) -> Expectation:
+        return Expectation(required=False)
+
+    def describe(self) -> str:
+        fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                           if getattr(self, f.name) != f.default)
+        return f"{self.kind}({fields})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, **dataclasses.asdict(self)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class KillWorker(Fault):
+    """SIGKILL to worker processes: a crash with no warning."""
+
+    kind: ClassVar[str] = "kill_worker"
+    target: str = "one"
+
+    def __post_init__(self) -> None:
+        _check_target(self.target)
+
+    def expectation(self, heartbeat_timeout_s: float) -> Expectation:
+        return Expectation(required=True, causes=("worker_died", "collective_error", "hang"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class KillNode(Fault):
+    """A whole Ray node leaves the cluster (all its processes die); the heal adds a fresh node,
+    the way an autoscaler replaces a lost machine."""
+
+    kind: ClassVar[str] = "kill_node"
+    target: str = "one"
+
+    def __post_init__(self) -> None:
+        _check_target(self.target)
+
+    def expectation(self, heartbeat_timeout_s: float) -> Expectation:
+        return Expectation(required=True, causes=("node_lost", "worker_died", "collective_error", "hang"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hang(Fault):
+    """SIGSTOP for `duration_s`, then SIGCONT: a frozen process (swapping VM, debugger, GC)."""
+
+    kind: ClassVar[str] = "hang"
+    target: str = "one"
+    duration_s: float = 15.0
+
+    def __post_init__(self) -> None:
+        _check_target(self.target)
+        _check_positive("duration_s", self.duration_s)
+
+    def expectation(self, heartbeat_timeout_s: float) -> Expectation:
+        # A freeze shorter than the heartbeat timeout (with a margin for a loaded machine) is
+        # allowed to go unnoticed; a longer one must be detected and recovered.
+        required = self.duration_s >= heartbeat_timeout_s + 3.0
+        return Expectation(required=required, causes=("hang", "collective_error", "worker_died"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Slow(Fault):
+    """CPU stolen for `duration_s`: SIGSTOP/SIGCONT duty cycles, stopped `stopped_share` of
+    every `period_s`. A straggler, not a failure: no recovery needed unless the runtime evicts it."""
+
+    kind: ClassVar[str] = "slow"
+    target: str = "one"
+    duration_s: float = 10.0
+    stopped_share: float = 0.7
+    period_s: float = 0.2
+
+    def __post_init__(self) -> None:
+        _check_target(self.target)
+        _check_positive("duration_s", self.duration_s)
+        _check_positive("period_s", self.period_s)
+        if not 0 < self.stopped_share < 1:
+            raise ValueError(f"stopped_share={self.stopped_share}: must be between 0 and 1")
+
+    def expectation(self, heartbeat_timeout_s: float) -> Expectation:
+        return Expectation(required=False, causes=("straggler", "hang", "collective_error"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Partition(Fault):
+    """The network link of the target workers' nodes is cut for `duration_s`, then restored."""
+
+    kind: ClassVar[str] = "partition"
+    target: str = "one"
+    duration_s: float = 20.0
+
+    def __post_init__(self) -> None:
+        _check_target(self.target)
+        _check_positive("duration_s", self.duration_s)
+
+    def expectation(self, heartbeat_timeout_s: float) -> Expectation:
+        return Expectation(required=self.duration_s >= heartbeat_timeout_s + 3.0,
+                           causes=LOST_WORKER_CAUSES)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StorageOutage(Fault):
+    """Object storage refuses writes (HTTP 503 to PUT/POST/DELETE) for `duration_s`.
+    Saves may be retried, fail and be counted, or surface as `storage_error`: none is required."""
+
+    kind: ClassVar[str] = "storage_outage"
+    duration_s: float = 8.0
+
+    def __post_init__(self) -> None:
+        _check_positive("duration_s", self.duration_s)
+
+    def expectation(self, heartbeat_timeout_s: float) -> Expectation:
+        return Expectation(required=False, causes=("storage_error",))
+
+
+@dataclass(frozen=True, kw_only=True)
+class CrashBeforeCommit(Fault):
+    """Rank 0 is killed while a step directory holds shards but no COMMITTED manifest: the
+    half-written checkpoint must never be loaded. Waits up to `within_s` for such a moment."""
+
+    kind: ClassVar[str] = "crash_before_commit"
+    within_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        _check_positive("within_s", self.within_s)
+
+    def expectation(self, heartbeat_timeout_s: float) -> Expectation:
+        return Expectation(required=True, causes=("worker_died", "collective_error", "hang"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class CorruptCheckpoint(Fault):
+    """Bytes flipped in a shard of the newest committed checkpoint (once an older one exists).
+    With `force_load`, every worker is then killed, so the next restore must read storage and
+    meet the rotted checkpoint first: it must fall back to an older one."""
+
+    kind: ClassVar[str] = "corrupt_checkpoint"
+    force_load: bool = True
+    within_s: float = 60.0           # wait this long for two committed checkpoints to exist
+
+    def __post_init__(self) -> None:
+        _check_positive("within_s", self.within_s)
+
+    def expectation(self, heartbeat_timeout_s: float) -> Expectation:
+        return Expectation(required=self.force_load,
+                           causes=("worker_died", "collective_error", "hang", "node_lost"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Preempt(Fault):
+    """SIGTERM to a worker: a preemption notice (spot reclaim, node drain)."""
+
+    kind: ClassVar[str] = "preempt"
+    target: str = "one"
+
+    def __post_init__(self) -> None:
+        _check_target(self.target)
+
+    def expectation(self, heartbeat_timeout_s: float) -> Expectation:
+        return Expectation(required=True, causes=("preempted", "worker_died"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class UserError(Fault):
+    """The user's loop raises on `rank` at `step` (first generation only). Armed when the job
+    starts (`--fail-at RANK:STEP` of the main job), not signalled: the run must fail fast with
+    the user's exception, naming the rank."""
+
+    kind: ClassVar[str] = "user_error"
+    rank: int = 0
+    step: int = 100
+
+    def __post_init__(self) -> None:
+        if self.rank < 0 or self.step < 1:
+            raise ValueError(f"user_error rank={self.rank} step={self.step}: rank >= 0 and step >= 1")
+
+    def expectation(self, heartbeat_timeout_s: float) -> Expectation:
+        return Expectation(required=True, causes=("user_error",), fails_run=True)
+
+
+FAULT_TYPES: dict[str, type[Fault]] = {cls.kind: cls for cls in (
+    KillWorker, KillNode, Hang, Slow, Partition, StorageOutage, CrashBeforeCommit, CorruptCheckpoint,
+    Preempt, UserError)}
+
+
+def fault_from_dict(data: dict[str, Any]) -> Fault:
+    data = dict(data)
+    kind = data.pop("kind")
+    try:
+        cls = FAULT_TYPES[kind]
+    except KeyError:
+        raise ValueError(f"unknown fault kind {kind!r}; known: {', '.join(sorted(FAULT_TYPES))}") from None
+    return cls(**data)

@@ -1,0 +1,97 @@
+"""Faults on worker processes by signal: kill (SIGKILL), preempt (SIGTERM), hang (SIGSTOP until
+the heal's SIGCONT) and slow (SIGSTOP/SIGCONT duty cycles until the heal)."""
+from __future__ import annotations
+
+import random
+import signal
+import threading
+
+from chaos.faults import Fault
+from chaos.injectors import Active, Injector
+from chaos.procs import Proc
+
+
+def _detail(workers: list[dict], procs: list[Proc], sent: list[bool]) -> dict:
+    return {"ranks": [w["rank"] for w in workers], "pids": [p.pid for p in procs],
+            "nodes": sorted({w.get("node_id") for w in workers if w.get("node_id")}),
+            "signalled": sum(sent)}
+
+
+class _OneSignal(Injector):
+    sig = signal.SIGKILL
+
+    def invoke(self, fault: Fault, rng: random.Random) -> Active:
+        workers = self.targets(fault.target, rng)
+        procs = self.procs(workers)
+        sent = [p.signal(self.sig) for p in procs]
+        return Active(fault, _detail(workers, procs, sent))
+
+
+class KillWorkerInjector(_OneSignal):
+    """Nothing to heal: the runtime replaces the worker; that is what is under test."""
+
+    kind = "kill_worker"
+    sig = signal.SIGKILL
+
+
+class PreemptInjector(_OneSignal):
+    """SIGTERM is a notice: the worker commits and leaves on its own; nothing to heal."""
+
+    kind = "preempt"
+    sig = signal.SIGTERM
+
+
+class HangInjector(Injector):
+    kind = "hang"
+
+    def invoke(self, fault: Fault, rng: random.Random) -> Active:
+        workers = self.targets(fault.target, rng)
+        procs = self.procs(workers)
+        sent = [p.signal(signal.SIGSTOP) for p in procs]
+        return Active(fault, _detail(workers, procs, sent), state=procs)
+
+    def heal(self, active: Active) -> dict:
+        # The runtime has usually killed a hung worker by now; SIGCONT only the survivors.
+        resumed = [p.pid for p in active.state if p.signal(signal.SIGCONT)]
+        return {"resumed": resumed}
+
+
+class SlowInjector(Injector):
+    """Steals CPU: the target is stopped `stopped_share` of every `period_s` until healed.
+    Each stop is far shorter than a heartbeat timeout, so this is a straggler, not a hang."""
+
+    kind = "slow"
+
+    def invoke(self, fault: Fault, rng: random.Random) -> Active:
+        workers = self.targets(fault.target, rng)
+        procs = self.procs(workers)
+        stop = threading.Event()
+        cycles = {"n": 0}
+        stopped_s = fault.period_s * fault.stopped_share
+        running_s = fault.period_s - stopped_s
+
+        def duty_cycle() -> None:
+            # The waits here are the fault itself (time stolen from the process), not
+            # synchronisation: Event.wait returns at once when the heal sets `stop`.
+            while not stop.is_set():
+                for p in procs:
+                    p.signal(signal.SIGSTOP)
+                stop.wait(stopped_s)
+                for p in procs:
+                    p.signal(signal.SIGCONT)
+                cycles["n"] += 1
+                stop.wait(running_s)
+
+        thread = threading.Thread(target=duty_cycle, name=f"chaos-slow-{procs[0].pid}", daemon=True)
+        thread.start()
+        detail = _detail(workers, procs, [True] * len(procs))
+        detail.update(stopped_share=fault.stopped_share, period_s=fault.period_s)
+        return Active(fault, detail, state=(stop, thread, procs, cycles))
+
+    def heal(self, active: Active) -> dict:
+        stop, thread, procs, cycles = active.state
+        stop.set()
+        thread.join(timeout=5)
+        for p in procs:
+            p.signal(signal.SIGCONT)
+        return {"cycles": cycles["n"]}

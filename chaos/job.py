@@ -1,0 +1,106 @@
+"""The job under test: its command line, and the process that runs it.
+
+Any script that follows the main job's contract works (examples/pretrain.py by default):
+`SCRIPT --storage URL --workers MIN:MAX --steps N --checkpoint-every K --seed S`, plus the
+optional flags the runner passes when it needs them (`--model-size`, `--heartbeat-timeout`,
+`--quiet`, and `--fail-at RANK:STEP` for a UserError fault). The job runs in its own session,
+so stopping it stops the embedded Ray it may have started too.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+DEFAULT_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "pretrain.py")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    storage: str
+    workers: str = "3:3"
+    steps: int = 1000
+    checkpoint_every: int = 25
+    seed: int = 0
+    model_size: str | None = "tiny"
+    heartbeat_timeout_s: float | None = 10.0
+    script: str = DEFAULT_SCRIPT
+    extra_args: tuple[str, ...] = ()
+    fail_at: tuple[int, int] | None = None     # (rank, step): the job's --fail-at
+
+    def argv(self) -> list[str]:
+        argv = [sys.executable, self.script, "--storage", self.storage, "--workers", self.workers,
+                "--steps", str(self.steps), "--checkpoint-every", str(self.checkpoint_every),
+                "--seed", str(self.seed), "--quiet"]
+        if self.model_size:
+            argv += ["--model-size", self.model_size]
+        if self.heartbeat_timeout_s is not None:
+            argv += ["--heartbeat-timeout", str(self.heartbeat_timeout_s)]
+        if self.fail_at is not None:
+            argv += ["--fail-at", f"{self.fail_at[0]}:{self.fail_at[1]}"]
+        return argv + list(self.extra_args)
+
+    def replace(self, **changes) -> "JobSpec":
+        return dataclasses.replace(self, **changes)
+
+    def identity(self) -> dict:
+        """What makes two runs comparable (everything but where they store)."""
+        d = dataclasses.asdict(self)
+        d.pop("storage")
+        d.pop("fail_at")
+        return d
+
+
+@dataclass
+class JobProcess:
+    spec: JobSpec
+    env: dict[str, str]
+    log_path: str
+    prefix: list[str] = field(default_factory=list)    # e.g. `ip netns exec NS` (chaos.netns)
+    proc: subprocess.Popen | None = None
+    started_at: float = 0.0
+    ended_at: float | None = None
+    _log: object = field(default=None, repr=False)
+    _code: int | None = field(default=None, repr=False)
+
+    def start(self) -> "JobProcess":
+        self._log = open(self.log_path, "ab")
+        self.started_at = time.time()
+        self.proc = subprocess.Popen(self.prefix + self.spec.argv(), env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        return self
+
+    def poll(self) -> int | None:
+        code = self.proc.poll()
+        if code is not None and self.ended_at is None:
+            self.ended_at = time.time()
+        return code
+
+    def stop(self, grace_s: float = 20.0) -> int:
+        """SIGTERM to the job's whole process group, SIGKILL after `grace_s`. Idempotent."""
+        if self._code is not None:
+            return self._code
+        if self.poll() is None:
+            self._signal_group(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        # Whatever it started in its session (an embedded Ray) goes with it.
+        self._signal_group(signal.SIGKILL)
+        code = self._code = self.proc.wait(timeout=30)
+        self.poll()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        return code
+
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass

@@ -1,0 +1,244 @@
+"""A Ray cluster whose nodes live in their own network namespaces, so links can be cut.
+
+    host:  bridge chx<id>b, 10.213.N.1/24 (the runner, the S3 proxy)
+    head:  netns chx<id>h, 10.213.N.2: GCS, the job's driver and controller (never cut)
+    node k: netns chx<id>nK, 10.213.N.(10+K), one CPU, joined with `ray start --block`
+
+A node's link is its veth pair to the bridge; `cut` sets the host end down (every packet to
+and from that node is lost, as with a failed switch port) and `reconnect` sets it up again.
+Killing a node kills every process in its namespace. Node processes share the machine's pid
+namespace, so the pids in status.json are signalled as usual.
+
+Needs root, iproute2, veth and bridge support; `netns_unsupported_reason()` says what is
+missing. Every name starts with "chx", so `python -m chaos heal` can remove what a killed
+runner left behind.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+from chaos.services import wait_until
+
+log = logging.getLogger("chaos.netns")
+
+PREFIX = "chx"
+RAY_PORT = 6379
+OBJECT_STORE_BYTES = 128 * 1024 * 1024
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
+
+
+def netns_unsupported_reason() -> str | None:
+    """None when namespaced clusters can be built here, else why not."""
+    if sys.platform != "linux":
+        return "network namespaces are Linux only"
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None:
+        return "iproute2 (`ip`) is not installed"
+    probe = f"{PREFIX}probe{os.getpid() % 10000}"
+    try:
+        for args in (("netns", "add", probe), ("link", "add", probe + "b", "type", "bridge")):
+            result = _ip(*args, check=False)
+            if result.returncode != 0:
+                return f"`ip {' '.join(args)}` failed: {result.stderr.strip()}"
+        return None
+    finally:
+        _ip("link", "del", probe + "b", check=False)
+        _ip("netns", "del", probe, check=False)
+
+
+def _auth_mode() -> str:
+    """One auth mode for every node and the driver: a worker node started without it would not
+    send the head's token. Token auth when a token exists (as a local `ray.init()` creates),
+    else none: the cluster is only reachable on this machine's private bridge."""
+    if os.environ.get("RAY_AUTH_MODE"):
+        return os.environ["RAY_AUTH_MODE"]
+    token = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+    return "token" if os.environ.get("RAY_AUTH_TOKEN") or os.path.exists(token) else "disabled"
+
+
+def _ray_bin() -> str:
+    candidate = os.path.join(os.path.dirname(sys.executable), "ray")
+    return candidate if os.path.exists(candidate) else "ray"
+
+
+class NetnsCluster:
+    supports_partition = True
+
+    def __init__(self, nodes: int, log_dir: str | None = None):
+        self.n_nodes = nodes
+        self.id = f"{os.getpid() % 100000:05d}"
+        self.subnet = 1 + os.getpid() % 250
+        self.host_ip = f"10.213.{self.subnet}.1"
+        self.head_ip = f"10.213.{self.subnet}.2"
+        self.bridge = f"{PREFIX}{self.id}b"
+        self.head_ns = f"{PREFIX}{self.id}h"
+        self._procs: dict[str, subprocess.Popen] = {}     # namespace -> its `ray start --block`
+        self._removed: set[str] = set()
+        self._next = 0
+        self.log_dir = log_dir or f"/tmp/{PREFIX}{self.id}-logs"      # `ray start` output per node
+        self.auth_mode = _auth_mode()
+
+    # ---- life cycle ------------------------------------------------------------------------
+    def start(self) -> "NetnsCluster":
+        os.makedirs(self.log_dir, exist_ok=True)
+        _ip("link", "add", self.bridge, "type", "bridge")
+        _ip("addr", "add", f"{self.host_ip}/24", "dev", self.bridge)
+        _ip("link", "set", self.bridge, "up")
+        self._make_ns(self.head_ns, self.head_ip, "h")
+        self._ray(self.head_ns, ["--head", f"--node-ip-address={self.head_ip}", f"--port={RAY_PORT}",
+                                 "--num-cpus=0", "--include-dashboard=false"])
+        for _ in range(self.n_nodes):
+            self.add_node()
+        return self
+
+    @property
+    def address(self) -> str:
+        return f"{self.head_ip}:{RAY_PORT}"
+
+    def env(self) -> dict[str, str]:
+        return {"RAY_ADDRESS": self.address, "RAY_AUTH_MODE": self.auth_mode}
+
+    def exec_prefix(self) -> list[str]:
+        """The job's driver runs in the head's namespace, next to the GCS it joins."""
+        return ["ip", "netns", "exec", self.head_ns]
+
+    def node_ids(self) -> list[str]:
+        return [ns for ns, p in self._procs.items() if ns != self.head_ns and ns not in self._removed]
+
+    def node_of(self, worker: dict) -> str | None:
+        result = _ip("netns", "identify", str(worker["pid"]), check=False)
+        name = result.stdout.strip()
+        return name if name in self.node_ids() else None
+
+    def add_node(self) -> str:
+        k = self._next
+        self._next += 1
+        ns = f"{PREFIX}{self.id}n{k}"
+        ip = f"10.213.{self.subnet}.{10 + k}"
+        self._make_ns(ns, ip, f"n{k}")
+        self._ray(ns, [f"--address={self.address}", f"--node-ip-address={ip}", "--num-cpus=1",
+                       f"--temp-dir=/tmp/{ns}"])
+        return ns
+
+    def remove_node(self, ns: str) -> None:
+        """The machine dies: every process in the namespace at once, then its link."""
+        self._kill_ns(ns)
+        self._removed.add(ns)
+        _ip("netns", "del", ns, check=False)
+        _ip("link", "del", self._veth(ns), check=False)
+
+    def cut(self, ns: str) -> None:
+        _ip("link", "set", self._veth(ns), "down")
+
+    def reconnect(self, ns: str) -> str:
+        _ip("link", "set", self._veth(ns), "up", check=False)
+        return ns
+
+    def maintain(self) -> list[str]:
+        """Replace nodes whose Ray died on its own (a node declared dead during a long cut shuts
+        itself down when it comes back): the autoscaler's job, so capacity stays constant."""
+        replaced = []
+        for ns in self.node_ids():
+            if self._procs[ns].poll() is not None:
+                log.info("node %s died; replacing it", ns)
+                self.remove_node(ns)
+                replaced.append(self.add_node())
+        return replaced
+
+    def shutdown(self) -> None:
+        for ns in list(self._procs):
+            if ns != self.head_ns:
+                self._kill_ns(ns)
+        if self.head_ns in self._procs:
+            self._kill_ns(self.head_ns)
+        for ns in self._procs:
+            _ip("netns", "del", ns, check=False)
+            # The pair goes with its namespace, but only once the kernel has reaped it.
+            _ip("link", "del", self._veth(ns), check=False)
+        _ip("link", "del", self.bridge, check=False)
+        for ns in self._procs:
+            if ns != self.head_ns:
+                shutil.rmtree(f"/tmp/{ns}", ignore_errors=True)        # the node's --temp-dir
+        self._procs.clear()
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def _veth(self, ns: str) -> str:
+        return ns + "v"          # host end of the node's veth pair (names stay under 16 chars)
+
+    def _make_ns(self, ns: str, ip: str, tag: str) -> None:
+        veth, peer = ns + "v", ns + "p"
+        _ip("netns", "add", ns)
+        _ip("link", "add", veth, "type", "veth", "peer", "name", peer)
+        _ip("link", "set", peer, "netns", ns)
+        _ip("link", "set", veth, "master", self.bridge)
+        _ip("link", "set", veth, "up")
+        for args in (("link", "set", "lo", "up"), ("link", "set", peer, "name", "eth0"),
+                     ("addr", "add", f"{ip}/24", "dev", "eth0"), ("link", "set", "eth0", "up"),
+                     ("route", "add", "default", "via", self.host_ip)):
+            _ip("-n", ns, *args)
+
+    def _ray(self, ns: str, args: list[str]) -> None:
+        log_path = os.path.join(self.log_dir, f"{ns}.log")
+        with open(log_path, "ab") as out:
+            proc = subprocess.Popen(["ip", "netns", "exec", ns, _ray_bin(), "start", "--block",
+                                     "--disable-usage-stats", f"--object-store-memory={OBJECT_STORE_BYTES}", *args],
+                                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, env=self._node_env())
+        self._procs[ns] = proc
+
+        def started() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(f"`ray start` in {ns} exited with {proc.returncode}; see {log_path}")
+            with open(log_path, errors="replace") as f:
+                return "Ray runtime started" in f.read()
+        wait_until(started, 120, f"Ray to start in namespace {ns}", interval_s=0.2)
+
+    def _node_env(self) -> dict[str, str]:
+        # gloo picks its interface from the hostname, which resolves to 127.0.0.1: unreachable
+        # from another namespace. Workers inherit this from their raylet.
+        return dict(os.environ, RAY_AUTH_MODE=self.auth_mode, GLOO_SOCKET_IFNAME="eth0")
+
+    def _kill_ns(self, ns: str) -> None:
+        result = _ip("netns", "pids", ns, check=False)
+        for pid in (int(p) for p in result.stdout.split() if p.strip().isdigit()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc = self._procs.get(ns)
+        if proc is not None:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                log.warning("`ray start` of %s did not exit", ns)
+
+
+def cleanup_leftovers() -> dict:
+    """Remove every chx* namespace (killing its processes), link and bridge."""
+    removed = {"namespaces": [], "links": []}
+    for line in _ip("netns", "list", check=False).stdout.splitlines():
+        ns = line.split()[0] if line.strip() else ""
+        if ns.startswith(PREFIX):
+            for pid in _ip("netns", "pids", ns, check=False).stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            _ip("netns", "del", ns, check=False)
+            removed["namespaces"].append(ns)
+    for line in _ip("-o", "link", "show", check=False).stdout.splitlines():
+        name = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
+        if name.startswith(PREFIX):
+            _ip("link", "del", name, check=False)
+            removed["links"].append(name)
+    return removed
+

@@ -1,0 +1,132 @@
+"""Named scenarios: a schedule builder plus the job and cluster shape it is meant for.
+
+Every scenario is a function of the seed: `SCENARIOS[name].schedule(seed)` always gives the same
+faults at the same times. Default shapes keep min == max workers, so recoveries restore the
+same world size and the final model can be compared with a fault-free reference run (the
+runtime guarantees equal model_sha256 for an equal world-size history); `--workers` overrides
+that, and the comparison is then skipped whenever the world sizes differ.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+from chaos.faults import (CorruptCheckpoint, CrashBeforeCommit, Hang, KillNode, KillWorker, Partition, Preempt,
+                          Slow, StorageOutage, UserError)
+from chaos.schedule import Schedule, fixed, randomized
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scenario:
+    name: str
+    description: str
+    build: Callable[["Scenario", int], Schedule]
+    steps: int                                # default --steps: long enough for the schedule
+    workers: str = "3:3"
+    checkpoint_every: int = 25
+    heartbeat_timeout_s: float = 10.0
+    model_size: str = "tiny"
+    nodes: int | None = None                  # runner-owned Ray cluster of this many 1-CPU nodes
+    namespaced: bool = False                  # ... each node in its own network namespace
+    restarts: int = 0                         # job restarts allowed after a typed failure
+    job_timeout_s: float = 900.0
+
+    def schedule(self, seed: int) -> Schedule:
+        return self.build(self, seed)
+
+
+def _spread(rng: random.Random, faults: list, gap_s: float, start_s: float = 3.0) -> list:
+    """(time, fault) pairs about `gap_s` apart, jittered by the seed."""
+    t, out = start_s, []
+    for fault in faults:
+        out.append((round(t, 2), fault))
+        t += rng.uniform(0.7 * gap_s, 1.3 * gap_s)
+    return out
+
+
+def _smoke(sc: Scenario, seed: int) -> Schedule:
+    rng = random.Random(seed)
+    hb = sc.heartbeat_timeout_s
+    faults = [KillWorker(target="one"), Preempt(target="one"), Hang(target="one", duration_s=hb + 6),
+              CrashBeforeCommit(within_s=20), CorruptCheckpoint(force_load=True), StorageOutage(duration_s=4),
+              KillNode(target="one")]
+    return fixed(_spread(rng, faults, gap_s=3.0), seed=seed)
+
+
+def _kill_storm(sc: Scenario, seed: int) -> Schedule:
+    menu = [(3.0, lambda r: KillWorker(target="one")), (1.0, lambda r: KillWorker(target="minority"))]
+    return randomized(seed, menu, count=12, mean_interval_s=5.0, min_interval_s=1.5, start_s=5.0,
+                      wait_for_recovery=False)
+
+
+def _hang(sc: Scenario, seed: int) -> Schedule:
+    hb = sc.heartbeat_timeout_s
+    menu = [(3.0, lambda r: Hang(target="one", duration_s=round(r.uniform(hb + 4, hb + 12), 1))),
+            (1.0, lambda r: Hang(target="one", duration_s=round(r.uniform(0.5, hb / 2), 1)))]
+    return randomized(seed, menu, count=5, mean_interval_s=12.0, jitter=0.3, start_s=5.0)
+
+
+def _stragglers(sc: Scenario, seed: int) -> Schedule:
+    menu = [(1.0, lambda r: Slow(target="one", duration_s=round(r.uniform(8, 15), 1),
+                                 stopped_share=round(r.uniform(0.5, 0.85), 2)))]
+    return randomized(seed, menu, count=4, mean_interval_s=18.0, jitter=0.3, start_s=5.0)
+
+
+def _storage(sc: Scenario, seed: int) -> Schedule:
+    rng = random.Random(seed)
+    faults = [StorageOutage(duration_s=round(rng.uniform(4, 12), 1)), CrashBeforeCommit(),
+              CorruptCheckpoint(), StorageOutage(duration_s=round(rng.uniform(4, 12), 1)),
+              CrashBeforeCommit(), CorruptCheckpoint(), StorageOutage(duration_s=round(rng.uniform(4, 12), 1))]
+    rng.shuffle(faults)
+    return fixed(_spread(rng, faults, gap_s=12.0, start_s=5.0), seed=seed)
+
+
+def _partition(sc: Scenario, seed: int) -> Schedule:
+    hb = sc.heartbeat_timeout_s
+    menu = [(1.0, lambda r: Partition(target="one", duration_s=round(r.uniform(hb + 5, hb + 15), 1)))]
+    return randomized(seed, menu, count=3, mean_interval_s=20.0, jitter=0.3, start_s=5.0)
+
+
+MIXED_MENU = [
+    (3.0, lambda r: KillWorker(target=r.choice(["one", "one", "minority"]))),
+    (1.5, lambda r: KillNode(target="one")),
+    (1.5, lambda r: Hang(target="one", duration_s=round(r.uniform(16, 24), 1))),
+    (1.5, lambda r: Slow(target="one", duration_s=round(r.uniform(8, 15), 1), stopped_share=round(r.uniform(0.5, 0.85), 2))),
+    (1.5, lambda r: Preempt(target="one")),
+    (1.5, lambda r: StorageOutage(duration_s=round(r.uniform(4, 12), 1))),
+    (1.0, lambda r: CrashBeforeCommit()),
+    (1.0, lambda r: CorruptCheckpoint()),
+    (1.0, lambda r: Partition(target="one", duration_s=round(r.uniform(16, 24), 1))),
+]
+
+
+def _mixed(sc: Scenario, seed: int, count: int = 50) -> Schedule:
+    # The user error comes first, alone (it is armed in the run's first generation): that
+    # attempt fails fast with it, the runner restarts the job, which resumes from its last
+    # checkpoint, and the campaign runs on the restarted job.
+    return randomized(seed, MIXED_MENU, count=count, mean_interval_s=25.0, jitter=0.2, start_s=10.0,
+                      launch_faults=(UserError(rank=seed % 3, step=3 * sc.checkpoint_every),))
+
+
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
+    # Two workers: the smallest elastic group, and cheap on a CI machine. (With three or more
+    # ranks the runtime's model_sha256 currently drifts after a re-formed group; the campaigns
+    # below run three, so they keep showing that.)
+    Scenario(name="smoke", description="one fault each of 7 kinds, a few seconds apart, on 2 workers and 3 nodes",
+             build=_smoke, steps=800, workers="2:2", checkpoint_every=20, heartbeat_timeout_s=6.0, nodes=3,
+             job_timeout_s=420),
+    Scenario(name="kill-storm", description="12 SIGKILLs, ~5 s apart, landing during recoveries too",
+             build=_kill_storm, steps=3000, job_timeout_s=600),
+    Scenario(name="hang", description="5 SIGSTOP freezes: most outlast the heartbeat timeout, some do not",
+             build=_hang, steps=3000, heartbeat_timeout_s=6.0),
+    Scenario(name="stragglers", description="4 CPU-stealing duty cycles of 8-15 s on one rank (no recovery expected)",
+             build=_stragglers, steps=2500),
+    Scenario(name="storage", description="S3 write outages, crashes between shards and commit, rotted shards",
+             build=_storage, steps=3500),
+    Scenario(name="partition", description="3 link cuts of one node's network namespace, 15-25 s each",
+             build=_partition, steps=3000, heartbeat_timeout_s=6.0, nodes=4, namespaced=True),
+    Scenario(name="mixed", description="a user error, then 50 faults of 9 kinds, one every 20-30 s",
+             build=_mixed, steps=2000, model_size="small", checkpoint_every=50, nodes=4, namespaced=True,
+             restarts=4, job_timeout_s=3600),
+)}

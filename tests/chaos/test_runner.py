@@ -1,0 +1,99 @@
+"""The runner end to end on a fake job (no Ray, seconds): a correct run passes, a deliberately
+broken one is caught, and `python -m chaos run` exits non-zero for it."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from chaos.__main__ import main
+from chaos.faults import KillWorker, Preempt, UserError
+from chaos.procs import alive
+from chaos.runner import RunOptions, run
+from chaos.scenarios import SCENARIOS, Scenario
+from chaos.schedule import fixed
+
+pytestmark = pytest.mark.timeout(120)
+
+FAKE_JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_job.py")
+
+
+def fake_scenario(restarts: int = 0, user_error: bool = False) -> Scenario:
+    def build(sc, seed):
+        launch = (UserError(rank=0, step=60),) if user_error else ()
+        return fixed([(0.3, KillWorker(target="one")), (0.6, Preempt(target="rank:0"))], seed=seed,
+                      launch_faults=launch)
+    return Scenario(name="fake", description="fake job", build=build, steps=100, workers="1:1", checkpoint_every=10,
+                    heartbeat_timeout_s=5.0, restarts=restarts, job_timeout_s=60)
+
+
+def options(tmp_path, *extra: str, **kw) -> RunOptions:
+    return RunOptions(scenario=kw.pop("scenario", fake_scenario()), seed=3, storage=str(tmp_path / "run"),
+                      out_dir=str(tmp_path / "out"), script=FAKE_JOB, extra_args=extra, **kw)
+
+
+def verdicts(outcome) -> dict:
+    return {v.name: v.status for v in outcome.verdicts}
+
+
+def test_a_correct_run_passes_and_is_reported(tmp_path):
+    outcome = run(options(tmp_path))
+    assert outcome.ok, outcome.report["invariants"]
+    assert verdicts(outcome)["model_matches_reference"] == "pass"
+    report = json.load(open(tmp_path / "out" / "chaos_report.json"))
+    assert report["faults_injected"] == 2 and report["kinds_injected"] == ["kill_worker", "preempt"]
+    assert [f["outcome"] for f in report["faults"]] == ["recovered", "recovered"]
+    assert [r["cause"] for r in report["recoveries"]] == ["worker_died", "preempted"]
+    assert os.path.getsize(tmp_path / "out" / "chaos_report.png") > 0
+    pids = [pid for f in report["faults"] for pid in f["detail"]["pids"]]
+    assert pids and not any(alive(p) for p in pids)
+
+
+def test_a_run_that_loses_committed_steps_is_caught(tmp_path):
+    outcome = run(options(tmp_path, "--break=rollback"))
+    assert not outcome.ok
+    assert verdicts(outcome)["committed_steps_kept"] == "fail"
+
+
+def test_a_run_whose_model_differs_from_the_reference_is_caught(tmp_path):
+    outcome = run(options(tmp_path, "--break=sha"))
+    assert verdicts(outcome)["model_matches_reference"] == "fail"
+
+
+def test_the_cli_exits_non_zero_on_a_violated_invariant(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(SCENARIOS, "fake", fake_scenario())
+    code = main(["run", "fake", "--seed", "1", "--storage", str(tmp_path / "run"), "--out", str(tmp_path / "out"),
+                 "--job", FAKE_JOB, "--job-arg=--break=untyped", "--reference", "none"])
+    assert code == 1
+    assert "terminates_typed" in capsys.readouterr().out
+
+
+def test_an_armed_user_error_fails_the_attempt_and_the_restart_finishes_the_run(tmp_path):
+    outcome = run(options(tmp_path, scenario=fake_scenario(restarts=1, user_error=True), reference="none"))
+    assert outcome.ok, outcome.report["invariants"]
+    attempts = outcome.report["attempts"]
+    assert [a["status"] for a in attempts] == ["failed", "finished"]
+    assert attempts[0]["error"] == "InjectedUserError" and attempts[1]["resumed_from"] >= 50
+    user = next(f for f in outcome.report["faults"] if f["kind"] == "user_error")
+    assert user["outcome"] == "failed as expected"
+
+
+def test_a_non_empty_storage_is_refused(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "status.json").write_text("{}")
+    code = main(["run", "smoke", "--storage", str(tmp_path / "run"), "--out", str(tmp_path / "out")])
+    assert code == 2
+
+
+def test_a_job_that_ends_before_its_schedule_is_run_again_for_longer(tmp_path):
+    def build(sc, seed):
+        return fixed([(0.2, KillWorker(target="one")), (4.0, KillWorker(target="one"))], seed=seed)
+    sc = Scenario(name="short", description="fake job shorter than its schedule", build=build, steps=40,
+                  workers="1:1", checkpoint_every=10, heartbeat_timeout_s=5.0, job_timeout_s=60)
+    outcome = run(options(tmp_path, scenario=sc))
+    assert outcome.ok, outcome.report["invariants"]
+    attempts = outcome.report["attempts"]
+    assert len(attempts) >= 2 and all(a["status"] == "finished" for a in attempts)
+    assert attempts[-1]["steps"] > 40 and attempts[-1]["resumed_from"] is not None
+    assert outcome.report["faults_injected"] == 2
