@@ -157,7 +157,12 @@ class TrainContext:
         else:
             from torch.nn.parallel import DistributedDataParallel
             device_ids = [self.device.index] if self.device.type == "cuda" else None
-            self._model = DistributedDataParallel(model, device_ids=device_ids)
+            # DDP normally re-buckets gradients by their ready order after a wrapper's first step.
+            # Every generation builds a new wrapper, so a recovered run would reduce one step with
+            # the initial layout where the fault-free run used the rebuilt one; with 3+ ranks the
+            # ring allreduce then sums elements in another order and the models drift apart.
+            # find_unused_parameters turns the rebuild off: one fixed layout in every generation.
+            self._model = DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=True)
             self._model.register_comm_hook(None, timed_comm_hook(self._timer))
         return self._model
 

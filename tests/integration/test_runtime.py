@@ -99,19 +99,20 @@ def _steps_at(summary, world_size):
     return sum(b[0] - a[0] for a, b in zip(history, history[1:]) if a[1] == world_size)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_kill_with_replacement_is_bitwise_identical_to_a_clean_run(ray_session, tmp_path):
-    clean = fit_with_fault(str(tmp_path / "clean"), None, workers=(2, 2), steps=300)
+    # Three ranks: with two, a+b == b+a, so a changed reduction order could not show.
+    clean = fit_with_fault(str(tmp_path / "clean"), None, workers=(3, 3), steps=150)
     faulty_dir = str(tmp_path / "faulty")
     faulty = fit_with_fault(faulty_dir, SignalAtStep(faulty_dir, at_step=60, sig=signal.SIGKILL, rank=1),
-                            workers=(2, 2), steps=300)
+                            workers=(3, 3), steps=150)
     assert faulty.ok and [r["cause"] for r in faulty.summary["recoveries"]] == ["worker_died"]
-    assert {w for _, w in faulty.summary["world_size_history"]} == {2}
+    assert {w for _, w in faulty.summary["world_size_history"]} == {3}
     assert faulty.summary["model_sha256"] == clean.summary["model_sha256"]
     for key in ("samples_consumed", "data_order_sha256"):
         assert faulty.summary[key] == clean.summary[key]
-    assert clean.summary["samples_consumed"] == 300 * 16
-    assert clean.summary["data_order_sha256"] == expected_data_order(300 * 16), clean.summary
+    assert clean.summary["samples_consumed"] == 150 * 24
+    assert clean.summary["data_order_sha256"] == expected_data_order(150 * 24), clean.summary
 
 
 @pytest.mark.timeout(180)
