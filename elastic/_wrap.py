@@ -50,7 +50,8 @@ class PowerSGDCompression:
         self._steps = 0   # steps this DDP instance has communicated
 
     def hook(self, state, bucket):
-        if bucket.index() == 0 and self._steps >= 1 and self._pending is not None:
+        # Buckets are launched from the highest index down; bucket 0 (`is_last`) ends a step.
+        if self._steps >= 1 and self._pending is not None:
             self._install(self._pending)
             self._pending = None
         if bucket.is_last():
