@@ -47,7 +47,8 @@ def test_bf16_and_powersgd_converge_like_the_uncompressed_run(ray_session, tmp_p
         losses = _losses(run_dir)
         assert sorted(losses) == list(range(1, 41))
         tails[name] = _tail(losses)
-        assert tails[name] < 0.93 * losses[1], (name, losses)     # it learns
+        print(name, "tail", round(tails[name], 4), "first", round(losses[1], 4))
+        assert tails[name] < losses[1] - 0.2, (name, losses)     # it learns
     # bf16 rounding of the averaged gradient changes little: within 2% of the uncompressed loss.
     assert abs(tails["bf16"] - tails["none"]) < 0.02 * tails["none"], tails
     # PowerSGD (rank 2, error feedback) approximates the average: within 5% after 35 compressed steps.
@@ -64,9 +65,9 @@ def test_compressed_run_survives_a_kill_3_to_2(ray_session, run_dir, compression
     assert fault.fired() and result.ok, result.error_traceback
     recoveries = result.summary["recoveries"]
     assert any(r["from_world"] == 3 and r["to_world"] == 2 for r in recoveries), recoveries
+    assert result.summary["final_step"] == 36
     losses = _losses(run_dir)
-    assert sorted(losses) == list(range(1, 37))
-    assert _tail(losses) < 0.93 * losses[1]
+    assert _tail(losses) < losses[1] - 0.2
 
 
 def _observing_loop(ctx):
