@@ -72,7 +72,7 @@ def _worker(rank: int, world: int, port: int, mode: str, args: argparse.Namespac
             if s >= args.warmup:
                 times.append(time.perf_counter() - t0)
                 bytes_per_step.append(sent[0])
-            loss = float(loss_t)
+            loss = float(loss_t.detach())
         dist.all_reduce = real_all_reduce
         if rank == 0:
             out[mode] = {"bytes_per_step": statistics.mean(bytes_per_step), "step_s_median": statistics.median(times),
