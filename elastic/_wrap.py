@@ -18,6 +18,7 @@ import io
 import logging
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -43,7 +44,6 @@ class PowerSGDCompression:
             process_group=None, matrix_approximation_rank=scaling.powersgd_rank,
             start_powerSGD_iter=scaling.powersgd_warmup_steps, use_error_feedback=True, warm_start=True,
             random_seed=seed % (2 ** 32))
-        import numpy as np
         self._fresh = {"iter": 0, "rng": np.random.RandomState(seed % (2 ** 32)).get_state(),
                        "error_dict": {}, "p_memory_dict": {}, "q_memory_dict": {}}
         self._pending: dict[str, Any] | None = None

@@ -72,7 +72,7 @@ def _train(model, optimizer, steps, *, start=0, precision=None):
         precision.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 
