@@ -7,6 +7,9 @@ With DDP the gradient all-reduce of a bucket is launched by a communication hook
 the bucket's gradients are ready on this rank; the last launch is the end of this rank's
 backward. Waiting happens after that (in the reducer's final wait), so compute time is the time
 from the previous step boundary to the last launch: data, forward and backward, all local.
+Compression hooks (bf16, PowerSGD; elastic._wrap) run inside the timed hook, after its stamp:
+their collectives never count as compute; the compression arithmetic of the buckets launched
+before the last one does (it runs on the training thread between stamps), alike on every rank.
 Without a hook (FSDP, or a model that is not wrapped) it falls back to the time until the rank
 enters the step-boundary collective; for FSDP that includes waits in its all-gathers, which
 evens the ranks out: a slow FSDP rank goes unflagged rather than a healthy one flagged.

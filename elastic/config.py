@@ -11,6 +11,8 @@ from typing import Any
 from elastic.errors import ConfigError, StorageConfigError
 
 STRATEGIES = ("ddp", "fsdp")
+PRECISIONS = ("fp32", "bf16", "fp16")
+GRAD_COMPRESSIONS = (None, "bf16", "powersgd")
 STORAGE_SCHEMES = ("file", "memory", "s3", "")
 
 
@@ -34,6 +36,25 @@ class ScalingConfig:
     """Ray resources reserved for each worker (its placement-group bundle)."""
     strategy: str = "ddp"
     """"ddp" (replicated; warm recovery from any survivor) or "fsdp" (FSDP2 fully_shard)."""
+    precision: str = "fp32"
+    """"fp32"; "bf16": autocast to bfloat16 around `ctx.autocast()` (CPU and GPU; FSDP casts
+    parameters with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) instead); "fp16":
+    float16 with a GradScaler, GPU only: the loop calls `ctx.backward(loss)`."""
+    grad_compression: str | None = None
+    """DDP gradient compression through a communication hook: None, "bf16" (half the bytes) or
+    "powersgd" (low-rank, with error feedback; reset after every rescale)."""
+    powersgd_rank: int = 1
+    """PowerSGD matrix approximation rank: higher sends more and approximates better."""
+    powersgd_warmup_steps: int = 10
+    """Steps of plain all-reduce before PowerSGD compresses, from the start and again after every
+    rescale (its error feedback restarts from zero); at least 2 (DDP rebuilds its buckets after
+    the first step)."""
+    fsdp_reshard_after_forward: bool = True
+    """FSDP2: free gathered parameters after forward (ZeRO-3); False keeps them to backward
+    (ZeRO-2-like: less communication, more memory)."""
+    fsdp_cpu_offload: bool = False
+    """FSDP2: keep sharded parameters, gradients and optimizer state in host memory
+    (CPUOffloadPolicy); the optimizer step runs on the CPU."""
 
     def __post_init__(self) -> None:
         _require(isinstance(self.min_workers, int) and self.min_workers >= 1,
@@ -46,6 +67,27 @@ class ScalingConfig:
         _require(all(v >= 0 for v in self.resources_per_worker.values()),
                  f"ScalingConfig.resources_per_worker has a negative amount: {self.resources_per_worker}")
         object.__setattr__(self, "resources_per_worker", dict(self.resources_per_worker))
+        self._check_precision_and_memory()
+
+    def _check_precision_and_memory(self) -> None:
+        _require(self.precision in PRECISIONS,
+                 f"ScalingConfig.precision must be one of {PRECISIONS}, got {self.precision!r}")
+        _require(self.precision != "fp16" or self.use_gpu,
+                 "ScalingConfig.precision='fp16' needs use_gpu=True (a GradScaler on CPU is not supported); "
+                 "use precision='bf16' on CPU")
+        _require(self.grad_compression in GRAD_COMPRESSIONS,
+                 f"ScalingConfig.grad_compression must be one of {GRAD_COMPRESSIONS}, got {self.grad_compression!r}")
+        _require(self.grad_compression is None or self.strategy == "ddp",
+                 f"ScalingConfig.grad_compression={self.grad_compression!r} works through DDP communication "
+                 f"hooks; with strategy='fsdp' set grad_compression=None (FSDP reduces in reduce_dtype)")
+        _require(isinstance(self.powersgd_rank, int) and self.powersgd_rank >= 1,
+                 f"ScalingConfig.powersgd_rank must be an int >= 1, got {self.powersgd_rank!r}")
+        _require(isinstance(self.powersgd_warmup_steps, int) and self.powersgd_warmup_steps >= 2,
+                 f"ScalingConfig.powersgd_warmup_steps must be an int >= 2 (DDP rebuilds buckets after "
+                 f"its first step), got {self.powersgd_warmup_steps!r}")
+        _require(self.strategy == "fsdp" or (self.fsdp_reshard_after_forward and not self.fsdp_cpu_offload),
+                 "ScalingConfig.fsdp_reshard_after_forward / fsdp_cpu_offload apply to strategy='fsdp' only; "
+                 "set strategy='fsdp' or leave them at their defaults")
 
     @property
     def cpus_per_worker(self) -> float:

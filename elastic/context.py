@@ -17,13 +17,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from elastic import _checkpoint_io
+from elastic import _checkpoint_io, _wrap
 from elastic._data import ElasticLoader
 from elastic._protocol import GenerationPlan, StepRecord
 from elastic._lr import ScaleRamp, schedule_factor
-from elastic._state import DATA_ORDER_START, broadcast_state, chain_sample_ids, state_sha256
-from elastic._step_timer import StepTimer, timed_comm_hook
-from elastic.config import LRScalingConfig
+from elastic._precision import Precision
+from elastic._state import DATA_ORDER_START, broadcast_state, chain_sample_ids, mix_seed, state_sha256
+from elastic._step_timer import StepTimer
+from elastic.config import LRScalingConfig, ScalingConfig
 from elastic.errors import ElasticError
 
 log = logging.getLogger("elastic.context")
@@ -58,6 +59,7 @@ class Carry:
     restored: tuple[int, int] | None = None                    # (generation, step) of the last restore
     base_lr: float | None = None                               # LR rule: LR at base_world_size
     lr_ramp: ScaleRamp | None = None                           # LR rule: batch-size scale and its ramp
+    grad_scaler: Any = None                                    # fp16: torch.amp.GradScaler
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,7 @@ class RunSpec:
     cpus_per_worker: float
     collective_timeout_s: float
     lr: LRScalingConfig | None = None
+    scaling: ScalingConfig | None = None      # precision, compression, FSDP options (None: defaults)
 
 
 class TrainContext:
@@ -100,6 +103,11 @@ class TrainContext:
         self._global_batch = 0
         self._timer = StepTimer()
         self._step_ids: list[int] = []             # sample ids the whole group reads at this step
+        self._scaling = spec.scaling or ScalingConfig(strategy=spec.strategy, use_gpu=spec.use_gpu)
+        if carry.grad_scaler is None:
+            carry.grad_scaler = Precision.new_scaler(self._scaling.precision, device)
+        self._precision = Precision(self._scaling.precision, spec.strategy, device, carry.grad_scaler)
+        self._compression: _wrap.PowerSGDCompression | None = None
 
     # ---- identity -------------------------------------------------------------------
     @property
@@ -138,37 +146,32 @@ class TrainContext:
 
     # ---- preparation ----------------------------------------------------------------
     def prepare_model(self, model: nn.Module, *, shard_modules: list[nn.Module] | None = None) -> nn.Module:
-        """Move the model to this rank's device and wrap it: DDP, or FSDP2 `fully_shard`.
+        """Move the model to this rank's device and wrap it: DDP (with the gradient compression
+        hook of ScalingConfig), or FSDP2 `fully_shard` (with its precision and memory options).
 
         With FSDP, each module in `shard_modules` (default: every child of every ModuleList,
         i.e. the transformer blocks) becomes its own shard unit, then the root.
         """
         model = model.to(self.device)
         self._raw_model = model
-        if self._spec.strategy == "fsdp":
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
-            mesh = init_device_mesh(self.device.type, (self.world_size,))
-            units = shard_modules if shard_modules is not None else [
-                child for m in model.modules() if isinstance(m, nn.ModuleList) for child in m]
-            for unit in units:
-                fully_shard(unit, mesh=mesh)
-            self._model = fully_shard(model, mesh=mesh)
-        else:
-            from torch.nn.parallel import DistributedDataParallel
-            device_ids = [self.device.index] if self.device.type == "cuda" else None
-            # DDP normally re-buckets gradients by their ready order after a wrapper's first step.
-            # Every generation builds a new wrapper, so a recovered run would reduce one step with
-            # the initial layout where the fault-free run used the rebuilt one; with 3+ ranks the
-            # ring allreduce then sums elements in another order and the models drift apart.
-            # find_unused_parameters turns the rebuild off: one fixed layout in every generation.
-            self._model = DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=True)
-            self._model.register_comm_hook(None, timed_comm_hook(self._timer))
+        # The same PowerSGD seed on every rank: its random projections must match across ranks.
+        self._model, self._compression = _wrap.wrap_model(
+            model, device=self.device, world_size=self.world_size, scaling=self._scaling, timer=self._timer,
+            seed=mix_seed(self.seed, "powersgd"), shard_modules=shard_modules)
         return self._model
+
+    def autocast(self):
+        """Around forward and loss: autocast to ScalingConfig.precision (see elastic._precision)."""
+        return self._precision.autocast()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """`loss.backward()`, scaled by the GradScaler under fp16 (required there)."""
+        self._precision.backward(loss)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Register the optimizer so its state is restored, broadcast and checkpointed."""
         self._optimizer = optimizer
+        self._precision.prepare_optimizer(optimizer)
         rule = self._spec.lr
         if rule is not None:
             first = optimizer.param_groups[0]["lr"]
@@ -214,9 +217,10 @@ class TrainContext:
             state = {"model": carry.model.state_dict(),
                      "optim": carry.optimizer.state_dict() if carry.optimizer is not None else None,
                      "step": carry.step, "samples_seen": carry.samples_seen, "data_order": carry.data_order,
-                     "lr": self._lr_state()}
+                     "lr": self._lr_state(), "precision": self._precision.state()}
         state = broadcast_state(state, src, self._comm_device)
         self._set_lr_state(state["lr"])
+        self._precision.load_state(state["precision"])
         if model is not None:
             model.load_state_dict(state["model"])
         if optimizer is not None and state["optim"] is not None:
@@ -226,9 +230,11 @@ class TrainContext:
 
     def _restore_checkpoint(self, model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> None:
         carry = self._carry
-        state = _checkpoint_io.build_state(model, optimizer, {"step": 0, "samples_seen": 0,
-                                                              "data_order": DATA_ORDER_START, **self._lr_state()})
-        loaded = self._checkpoints().load_latest(state)
+        extra = {"step": 0, "samples_seen": 0, "data_order": DATA_ORDER_START, **self._lr_state(),
+                 **self._precision.state()}
+        state, loaded = _wrap.load_with_compression_state(
+            self._checkpoints(), self._compression, self.rank, self.world_size, self._comm_device,
+            lambda with_keys: _checkpoint_io.build_state(model, optimizer, {**extra, **with_keys}))
         if loaded is None:
             log.warning("rank %d: no committed checkpoint under %s; starting fresh", self.rank, self._spec.storage)
             carry.step, carry.samples_seen, carry.data_order = 0, 0, DATA_ORDER_START
@@ -236,6 +242,7 @@ class TrainContext:
         _checkpoint_io.apply_state(model, optimizer, state)
         carry.load_fallbacks.extend(dict(s) for s in loaded.skipped)
         self._set_lr_state(state["extra"])
+        self._precision.load_state(state["extra"])
         carry.step = int(state["extra"]["step"])
         carry.samples_seen = int(state["extra"]["samples_seen"])
         carry.data_order = str(state["extra"]["data_order"])
@@ -259,7 +266,8 @@ class TrainContext:
         state = _checkpoint_io.build_state(self._model, self._optimizer,
                                            {"step": carry.step, "samples_seen": carry.samples_seen,
                                             "data_order": carry.data_order, "world_size": self.world_size,
-                                            **self._lr_state()})
+                                            **self._lr_state(), **self._precision.state(),
+                                            **_wrap.compression_extra(self._compression, self.rank)})
         manager = self._checkpoints()
         carry.save_started[carry.step] = time.time()
         manager.save(carry.step, state, generation=self.generation)

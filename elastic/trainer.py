@@ -103,7 +103,7 @@ class ElasticTrainer:
                        storage=c.storage, storage_options=dict(c.storage_options), checkpoint_every=c.every_n_steps,
                        keep=c.keep, async_save=c.async_save, max_consecutive_failures=c.max_consecutive_failures,
                        cpus_per_worker=self.scaling.cpus_per_worker,
-                       collective_timeout_s=self.failure.collective_timeout_s, lr=self.lr)
+                       collective_timeout_s=self.failure.collective_timeout_s, lr=self.lr, scaling=self.scaling)
 
     def _check_storage(self) -> None:
         from checkpointing.storage import Storage

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 MODEL_SIZES = {
@@ -52,9 +53,13 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    """`activation_checkpointing`: each block recomputes its activations in backward
+    (torch.utils.checkpoint) instead of keeping them: less memory for about one more forward."""
+
+    def __init__(self, cfg: GPTConfig, *, activation_checkpointing: bool = False):
         super().__init__()
         self.cfg = cfg
+        self.activation_checkpointing = activation_checkpointing
         self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
         self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
@@ -64,7 +69,10 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
         for block in self.blocks:
-            x = block(x)
+            if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         return self.head(self.ln_f(x))
 
 
@@ -91,19 +99,21 @@ class SyntheticTokens(torch.utils.data.Dataset):
 
 
 def train_loop(ctx) -> None:
-    """The example's loop; `ctx.config` may hold model_size, batch_size, lr, n_samples."""
+    """The example's loop; `ctx.config` may hold model_size, batch_size, lr, n_samples and
+    activation_checkpointing. Precision comes from ScalingConfig through ctx.autocast/backward."""
     cfg = dict(ctx.config or {})
     model_cfg = GPTConfig.named(cfg.get("model_size", "small"))
-    model = ctx.prepare_model(GPT(model_cfg))
+    model = ctx.prepare_model(GPT(model_cfg, activation_checkpointing=bool(cfg.get("activation_checkpointing"))))
     optimizer = ctx.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=cfg.get("lr", 3e-3)))
     data = SyntheticTokens(cfg.get("n_samples", 100_000), model_cfg.seq_len, model_cfg.vocab, seed=ctx.seed)
     loader = ctx.prepare_data(data, batch_size=cfg.get("batch_size", 8))
     ctx.restore(model=model, optimizer=optimizer)
     for batch in loader:
         batch = batch.to(ctx.device)
-        logits = model(batch[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
-        loss.backward()
+        with ctx.autocast():
+            logits = model(batch[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
+        ctx.backward(loss)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         ctx.report(loss=loss, lr=optimizer.param_groups[0]["lr"])

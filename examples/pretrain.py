@@ -53,6 +53,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cpus-per-worker", type=float, default=1.0)
     p.add_argument("--sync-checkpoints", action="store_true", help="block training while a checkpoint uploads")
     p.add_argument("--quiet", action="store_true", help="no live progress line")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="bf16 autocast (CPU or GPU), fp16 with loss scaling (GPU only)")
+    p.add_argument("--grad-compression", choices=("none", "bf16", "powersgd"), default="none",
+                   help="DDP gradient compression hook")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each transformer block's activations in backward")
+    p.add_argument("--fsdp-reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
+                   help="FSDP: free gathered parameters after forward (--no-...: ZeRO-2-like)")
+    p.add_argument("--fsdp-cpu-offload", action="store_true", help="FSDP: keep shards and optimizer state on the CPU")
     p.add_argument("--fail-at", type=parse_fail_at, metavar="RANK:STEP",
                    help="fault injection (chaos tests): the loop of rank RANK raises InjectedUserError at step "
                         "STEP, in the run's first generation only; by default a user error fails the run")
@@ -127,9 +136,13 @@ def main(argv: list[str] | None = None) -> int:
         train_loop = failing_loop(*args.fail_at, generation=0 if fence is None else fence + 1)
     trainer = ElasticTrainer(
         train_loop,
-        train_loop_config={"model_size": args.model_size, "batch_size": args.batch_size, "lr": args.lr},
+        train_loop_config={"model_size": args.model_size, "batch_size": args.batch_size, "lr": args.lr,
+                           "activation_checkpointing": args.activation_checkpointing},
         scaling=ScalingConfig(min_workers=low, max_workers=high, strategy=args.strategy,
-                              resources_per_worker={"CPU": args.cpus_per_worker}),
+                              resources_per_worker={"CPU": args.cpus_per_worker}, precision=args.precision,
+                              grad_compression=None if args.grad_compression == "none" else args.grad_compression,
+                              fsdp_reshard_after_forward=args.fsdp_reshard_after_forward,
+                              fsdp_cpu_offload=args.fsdp_cpu_offload),
         checkpoint=CheckpointConfig(storage=args.storage, every_n_steps=args.checkpoint_every,
                                     async_save=not args.sync_checkpoints),
         failure=FailureConfig(heartbeat_timeout_s=args.heartbeat_timeout),
