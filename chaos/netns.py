@@ -94,6 +94,12 @@ class NetnsCluster:
         _ip("link", "add", self.bridge, "type", "bridge")
         _ip("addr", "add", f"{self.host_ip}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
+        # Packets from the namespaces to anywhere but the bridge's subnet stop at the host, even
+        # where the machine forwards IP between its other interfaces.
+        forwarding = f"/proc/sys/net/ipv4/conf/{self.bridge}/forwarding"
+        if os.path.exists(forwarding):
+            with open(forwarding, "w") as f:
+                f.write("0")
         self._make_ns(self.head_ns, self.head_ip, "h")
         # Its own temp dir: in the default /tmp/ray the head would leave its address in
         # ray_current_cluster, where a plain `ray.init()` on this machine would look for a cluster.
