@@ -113,6 +113,11 @@ def test_cut_link_run_goes_on_and_the_healed_worker_is_fenced(netns_cluster, dri
                 and s.get("generation", -1) > generation)
 
     wait_for(lambda: running(3, 2 * EVERY), 150, "the run to train with 3 workers")
+    first = _status(run_dir)
+    # A checkpoint of this generation is committed: its files are there when the check looks.
+    wait_for(lambda: running(3, 0) and _status(run_dir)["generation"] == first["generation"]
+             and (_status(run_dir).get("last_committed_step") or 0) >= first["step"], 60,
+             "a checkpoint committed by the 3-worker generation")
     before = _status(run_dir)
     nodes = {w["rank"]: netns_cluster.node_of(w) for w in before["workers"]}
     assert len(set(nodes.values())) == 3 and None not in nodes.values(), nodes   # one worker per node
