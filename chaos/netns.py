@@ -28,6 +28,7 @@ log = logging.getLogger("chaos.netns")
 
 PREFIX = "chx"
 RAY_PORT = 6379
+ETC_NETNS = "/etc/netns"     # per-namespace files that `ip netns exec` mounts over /etc
 OBJECT_STORE_BYTES = 128 * 1024 * 1024
 
 
@@ -93,11 +94,21 @@ class NetnsCluster:
         _ip("link", "add", self.bridge, "type", "bridge")
         _ip("addr", "add", f"{self.host_ip}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
+        # Packets from the namespaces to anywhere but the bridge's subnet stop at the host, even
+        # where the machine forwards IP between its other interfaces.
+        forwarding = f"/proc/sys/net/ipv4/conf/{self.bridge}/forwarding"
+        if os.path.exists(forwarding):
+            with open(forwarding, "w") as f:
+                f.write("0")
         self._make_ns(self.head_ns, self.head_ip, "h")
+        # Its own temp dir: in the default /tmp/ray the head would leave its address in
+        # ray_current_cluster, where a plain `ray.init()` on this machine would look for a cluster.
         self._ray(self.head_ns, ["--head", f"--node-ip-address={self.head_ip}", f"--port={RAY_PORT}",
-                                 "--num-cpus=0", "--include-dashboard=false"])
-        for _ in range(self.n_nodes):
-            self.add_node()
+                                 "--num-cpus=0", "--include-dashboard=false", f"--temp-dir=/tmp/{self.head_ns}"])
+        self._wait_started(self.head_ns)
+        # Started together: most of a node's start is spent waiting, not computing.
+        for ns in [self._add_node() for _ in range(self.n_nodes)]:
+            self._wait_started(ns)
         return self
 
     @property
@@ -120,6 +131,11 @@ class NetnsCluster:
         return name if name in self.node_ids() else None
 
     def add_node(self) -> str:
+        ns = self._add_node()
+        self._wait_started(ns)
+        return ns
+
+    def _add_node(self) -> str:
         k = self._next
         self._next += 1
         ns = f"{PREFIX}{self.id}n{k}"
@@ -166,9 +182,11 @@ class NetnsCluster:
             _ip("link", "del", self._veth(ns), check=False)
         _ip("link", "del", self.bridge, check=False)
         for ns in self._procs:
-            if ns != self.head_ns:
-                shutil.rmtree(f"/tmp/{ns}", ignore_errors=True)        # the node's --temp-dir
+            shutil.rmtree(f"/tmp/{ns}", ignore_errors=True)        # the node's --temp-dir
+            shutil.rmtree(os.path.join(ETC_NETNS, ns), ignore_errors=True)
         self._procs.clear()
+        # What a start that failed half-way made before its `ray start` was recorded.
+        cleanup_leftovers(f"{PREFIX}{self.id}")
 
     # ---- helpers -----------------------------------------------------------------------------
     def _veth(self, ns: str) -> str:
@@ -183,8 +201,14 @@ class NetnsCluster:
         _ip("link", "set", veth, "up")
         for args in (("link", "set", "lo", "up"), ("link", "set", peer, "name", "eth0"),
                      ("addr", "add", f"{ip}/24", "dev", "eth0"), ("link", "set", "eth0", "up"),
-                     ("route", "add", "default", "via", self.host_ip)):
+                     ("route", "add", "default", "via", self.host_ip)):   # Ray finds its IP by this route
             _ip("-n", ns, *args)
+        # `ip netns exec` mounts this over /etc/resolv.conf: gloo looks up its peers' names, and
+        # the machine's DNS server is not reachable from here; a query would wait out its
+        # timeout (seconds per connection) and would leave the namespace. This one fails at once.
+        os.makedirs(os.path.join(ETC_NETNS, ns), exist_ok=True)
+        with open(os.path.join(ETC_NETNS, ns, "resolv.conf"), "w") as f:
+            f.write("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
 
     def _ray(self, ns: str, args: list[str]) -> None:
         log_path = os.path.join(self.log_dir, f"{ns}.log")
@@ -194,6 +218,9 @@ class NetnsCluster:
                                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True, env=self._node_env())
         self._procs[ns] = proc
+
+    def _wait_started(self, ns: str) -> None:
+        proc, log_path = self._procs[ns], os.path.join(self.log_dir, f"{ns}.log")
 
         def started() -> bool:
             if proc.poll() is not None:
@@ -222,12 +249,12 @@ class NetnsCluster:
                 log.warning("`ray start` of %s did not exit", ns)
 
 
-def cleanup_leftovers() -> dict:
-    """Remove every chx* namespace (killing its processes), link and bridge."""
+def cleanup_leftovers(prefix: str = PREFIX) -> dict:
+    """Remove every namespace (killing its processes), link and bridge named `prefix`*."""
     removed = {"namespaces": [], "links": []}
     for line in _ip("netns", "list", check=False).stdout.splitlines():
         ns = line.split()[0] if line.strip() else ""
-        if ns.startswith(PREFIX):
+        if ns.startswith(prefix):
             for pid in _ip("netns", "pids", ns, check=False).stdout.split():
                 try:
                     os.kill(int(pid), signal.SIGKILL)
@@ -235,9 +262,16 @@ def cleanup_leftovers() -> dict:
                     pass
             _ip("netns", "del", ns, check=False)
             removed["namespaces"].append(ns)
+    for name in os.listdir(ETC_NETNS) if os.path.isdir(ETC_NETNS) else []:
+        if name.startswith(prefix):
+            shutil.rmtree(os.path.join(ETC_NETNS, name), ignore_errors=True)
+    try:
+        os.rmdir(ETC_NETNS)        # only when empty: other users of `ip netns` keep theirs
+    except OSError:
+        pass
     for line in _ip("-o", "link", "show", check=False).stdout.splitlines():
         name = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
-        if name.startswith(PREFIX):
+        if name.startswith(prefix):
             _ip("link", "del", name, check=False)
             removed["links"].append(name)
     return removed

@@ -121,7 +121,9 @@ class ElasticTrainer:
         from elastic._controller_actor import ControllerActor
 
         self._check_storage()
-        _ship_user_module_by_value(self._train_loop)
+        # The controller unpickles the policies: a user's policy class travels like the loop.
+        for user_code in (self._train_loop, type(self.failure_policy), type(self.scaling_policy)):
+            _ship_user_module_by_value(user_code)
         if not ray.is_initialized():
             ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=True)
         here = ray.get_runtime_context().get_node_id()
@@ -152,8 +154,9 @@ class ElasticTrainer:
 
 
 def _ship_user_module_by_value(function: Callable[..., Any]) -> None:
-    """Pickle the user's loop module by value when workers could not import it by name
-    (a script beside the driver, a test file); installed packages still travel by reference."""
+    """Pickle the module of the user's loop (or policy class) by value when workers could not
+    import it by name (a script beside the driver, a test file); installed packages still travel
+    by reference."""
     import sys
     import sysconfig
 

@@ -15,7 +15,7 @@ import os
 import pytest
 
 import gpt
-from elastic import CheckpointConfig, ElasticTrainer, FailureConfig, ScalingConfig
+from elastic import CheckpointConfig, ElasticTrainer, FailureConfig, ScalingConfig, ScalingPolicy
 from faults import SlowDown
 
 pytestmark = [pytest.mark.integration]
@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.integration]
 SMALL = {"model_size": "small", "batch_size": 8}
 
 
-def fit(run_dir, workers, steps, fault=None, config=SMALL):
+def fit(run_dir, workers, steps, fault=None, config=SMALL, scaling_policy=None):
     if fault is not None:
         fault.start()
     try:
@@ -31,7 +31,8 @@ def fit(run_dir, workers, steps, fault=None, config=SMALL):
             gpt.train_loop, train_loop_config=config, total_steps=steps, seed=0,
             scaling=ScalingConfig(min_workers=workers[0], max_workers=workers[1]),
             checkpoint=CheckpointConfig(storage=run_dir),
-            failure=FailureConfig(heartbeat_timeout_s=10.0, collective_timeout_s=30.0)).fit()
+            failure=FailureConfig(heartbeat_timeout_s=10.0, collective_timeout_s=30.0),
+            scaling_policy=scaling_policy).fit()
     finally:
         if fault is not None:
             fault.stop()
@@ -76,3 +77,34 @@ def test_slowed_worker_of_two_is_flagged_but_not_evicted(ray_session, run_dir):
     assert [f["rank"] for f in s["stragglers"]] == [1], s["stragglers"]
     assert steps_since(run_dir, fault.started_at, s["stragglers"][0]["step"]) <= 20
     assert s["recoveries"] == [] and s["world_size_history"] == [[0, 2]]
+
+
+class NeverEvict(ScalingPolicy):
+    """A user's policy: stragglers are kept whatever they cost. It leaves a mark on storage each
+    time it is asked, which shows it ran inside the controller (another process)."""
+
+    def __init__(self, run_dir: str):
+        self.asked_path = os.path.join(run_dir, "never_evict.jsonl")
+
+    def decide_eviction(self, *, rank, score, world_size, min_workers):
+        with open(self.asked_path, "a") as f:
+            f.write(json.dumps({"rank": rank, "score": score, "world_size": world_size}) + "\n")
+        return None
+
+
+@pytest.mark.timeout(240)
+def test_a_user_policy_that_never_evicts_is_obeyed(ray_session, run_dir):
+    # The same fault that the default policy answers with an eviction (test above).
+    os.makedirs(run_dir)
+    policy = NeverEvict(run_dir)
+    fault = SlowDown(run_dir, at_step=10, rank=2, slowdown=2.0)
+    result = fit(run_dir, (2, 4), 70, fault, scaling_policy=policy)
+    s = result.summary
+    assert s["stragglers"][0]["rank"] == 2, s["stragglers"]
+    with open(policy.asked_path) as f:
+        asked = [json.loads(line) for line in f]
+    # Asked about rank 2 at a score the default policy evicts at (> 4/3), and kept it.
+    assert {(a["rank"], a["world_size"]) for a in asked} == {(2, 4)}, asked
+    assert max(a["score"] for a in asked) > 4 / 3, asked
+    assert [r for r in s["recoveries"] if r["cause"] != "scale_up"] == [], s["recoveries"]
+    assert s["world_size_history"][-1][1] == 4 and result.final_step == 70, s["world_size_history"]
