@@ -17,7 +17,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import gpt  # noqa: E402
-from elastic import CheckpointConfig, ElasticTrainer, FailureConfig, ScalingConfig  # noqa: E402
+from elastic import (CheckpointConfig, DatasetError, ElasticTrainer, FailureConfig, ScalingConfig,  # noqa: E402
+                     StorageError)
 
 
 def parse_workers(text: str) -> tuple[int, int]:
@@ -49,6 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-size", choices=sorted(gpt.MODEL_SIZES), default="small")
     p.add_argument("--batch-size", type=int, default=8, help="samples per worker per step")
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--data", metavar="URL",
+                   help="folder of Parquet token shards (local, file:// or s3://); default: a synthetic corpus "
+                        "written under <storage>/corpus/ on the first run and reused on resume")
     p.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds before a silent worker is declared hung")
     p.add_argument("--cpus-per-worker", type=float, default=1.0)
     p.add_argument("--sync-checkpoints", action="store_true", help="block training while a checkpoint uploads")
@@ -108,8 +112,31 @@ class ProgressLine:
             self.last_print = time.monotonic()
 
 
+def prepare_corpus(args: argparse.Namespace) -> str:
+    """The corpus URL of the run, checked here so a bad --data fails before any worker starts."""
+    from elastic import ParquetTokens
+    model_cfg = gpt.GPTConfig.named(args.model_size)
+    url = args.data
+    if url is None:
+        url = args.storage.rstrip("/") + "/corpus"
+    if "://" not in url:
+        url = os.path.abspath(url)      # the workers may run in another directory
+    if args.data is None:
+        if gpt.ensure_synthetic_corpus(url, model_cfg.seq_len, model_cfg.vocab, seed=args.seed) and not args.quiet:
+            print(f"wrote a synthetic corpus to {url}", flush=True)
+    dataset = ParquetTokens(url, model_cfg.seq_len)
+    if not args.quiet:
+        print(f"data: {dataset!r}", flush=True)
+    return url
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        data_url = prepare_corpus(args)
+    except (DatasetError, StorageError) as e:
+        print(f"data: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     low, high = args.workers
     if not os.environ.get("RAY_ADDRESS"):
         import ray
@@ -127,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         train_loop = failing_loop(*args.fail_at, generation=0 if fence is None else fence + 1)
     trainer = ElasticTrainer(
         train_loop,
-        train_loop_config={"model_size": args.model_size, "batch_size": args.batch_size, "lr": args.lr},
+        train_loop_config={"model_size": args.model_size, "batch_size": args.batch_size, "lr": args.lr,
+                           "data": data_url},
         scaling=ScalingConfig(min_workers=low, max_workers=high, strategy=args.strategy,
                               resources_per_worker={"CPU": args.cpus_per_worker}),
         checkpoint=CheckpointConfig(storage=args.storage, every_n_steps=args.checkpoint_every,
