@@ -47,8 +47,9 @@ class ParquetTokens(torch.utils.data.Dataset):
         seq_len: model context; every row must hold ``seq_len + 1`` tokens.
         column: name of the token column.
         pairs: return ``(input, target)`` = ``(x[:-1], x[1:])`` instead of the whole row.
-        cache_row_groups: decoded row groups kept per process (LRU); sequential access reads
-            each row group once.
+        cache_bytes: budget of the per-process LRU cache of decoded row groups (the most recent
+            one is always kept); sequential access reads each row group once. Shuffled access
+            reads a whole row group per miss: keep row groups small (a few thousand rows).
         storage_options: fsspec options (endpoint, credentials); default: ``AWS_*`` variables.
 
     ``dataset[i]`` is a LongTensor of ``seq_len + 1`` tokens (or the pair); ``len(dataset)`` is
@@ -57,13 +58,13 @@ class ParquetTokens(torch.utils.data.Dataset):
     """
 
     def __init__(self, url: str, seq_len: int, *, column: str = "tokens", pairs: bool = False,
-                 cache_row_groups: int = 8, storage_options: dict | None = None):
+                 cache_bytes: int = 64 << 20, storage_options: dict | None = None):
         if seq_len < 1:
             raise DatasetError(f"ParquetTokens: seq_len must be >= 1, got {seq_len}")
-        if cache_row_groups < 1:
-            raise DatasetError(f"ParquetTokens: cache_row_groups must be >= 1, got {cache_row_groups}")
+        if cache_bytes < 0:
+            raise DatasetError(f"ParquetTokens: cache_bytes must be >= 0, got {cache_bytes}")
         self.url, self.seq_len, self.column, self.pairs = url.rstrip("/"), seq_len, column, pairs
-        self.cache_row_groups = cache_row_groups
+        self.cache_bytes = cache_bytes
         self.storage_options = dict(storage_options or {})
         self._reset_process_state()
         names = [n for n in self._store().listdir(self._store().root) if n.endswith(SUFFIX)]
@@ -91,11 +92,12 @@ class ParquetTokens(torch.utils.data.Dataset):
         self._storage: Storage | None = None
         self._meta: dict[int, pq.FileMetaData] = {}
         self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._cached_bytes = 0
         self.reads = 0          # row groups read from storage by this process (for tests, tuning)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for key in ("_storage", "_meta", "_cache", "_pid", "reads"):
+        for key in ("_storage", "_meta", "_cache", "_cached_bytes", "_pid", "reads"):
             state.pop(key)
         return state
 
@@ -169,7 +171,7 @@ class ParquetTokens(torch.utils.data.Dataset):
             raise IndexError(f"sample {index} out of range for a corpus of {n} samples")
         index %= n
         group = bisect.bisect_right(self._starts, index) - 1
-        row = torch.from_numpy(self._row_group(group)[index - self._starts[group]].copy())
+        row = torch.from_numpy(self._row_group(group)[index - self._starts[group]].astype(np.int64))
         return (row[:-1], row[1:]) if self.pairs else row
 
     def _row_group(self, group: int) -> np.ndarray:
@@ -180,8 +182,9 @@ class ParquetTokens(torch.utils.data.Dataset):
             return rows
         rows = self._read_row_group(group)
         self._cache[group] = rows
-        while len(self._cache) > self.cache_row_groups:
-            self._cache.popitem(last=False)
+        self._cached_bytes += rows.nbytes
+        while self._cached_bytes > self.cache_bytes and len(self._cache) > 1:
+            self._cached_bytes -= self._cache.popitem(last=False)[1].nbytes
         return rows
 
     def _read_row_group(self, group: int) -> np.ndarray:
@@ -208,11 +211,12 @@ class ParquetTokens(torch.utils.data.Dataset):
         if len(values) != expected * (self.seq_len + 1):
             raise DatasetError(f"shard {where!r}, row group {g}: {len(values)} tokens for {expected} rows "
                                f"(null rows?): rewrite the shard")
-        return values.astype(np.int64, copy=False).reshape(expected, self.seq_len + 1)
+        # Kept in the file's integer type (int32 for most corpora): half the cache of int64.
+        return values.reshape(expected, self.seq_len + 1)
 
     def cache_info(self) -> dict[str, int]:
-        """Row groups read from storage and held in the cache by this process."""
-        return {"reads": self.reads, "cached": len(self._cache), "capacity": self.cache_row_groups}
+        """Row groups read from storage by this process, and those (and their bytes) cached."""
+        return {"reads": self.reads, "cached": len(self._cache), "bytes": self._cached_bytes}
 
     def __repr__(self) -> str:
         return (f"ParquetTokens({self.url!r}, seq_len={self.seq_len}, shards={len(self.shards)}, "

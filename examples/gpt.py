@@ -132,8 +132,7 @@ def make_dataset(cfg: dict, model_cfg: GPTConfig, seed: int):
     """The Parquet corpus at cfg["data"] if given, else the in-memory synthetic tokens."""
     if cfg.get("data"):
         from elastic import ParquetTokens
-        # Shuffled reads jump between row groups: cache enough of them for a small corpus.
-        return ParquetTokens(cfg["data"], model_cfg.seq_len, cache_row_groups=cfg.get("cache_row_groups", 64))
+        return ParquetTokens(cfg["data"], model_cfg.seq_len)
     return SyntheticTokens(cfg.get("n_samples", 100_000), model_cfg.seq_len, model_cfg.vocab, seed=seed)
 
 

@@ -16,6 +16,7 @@ from elastic._data import ElasticLoader
 pytestmark = pytest.mark.timeout(60)
 
 SEQ = 6
+GROUP_BYTES = 4 * (SEQ + 1) * 4     # a full row group: 4 rows of int32 tokens
 
 
 def rows(start: int, n: int) -> np.ndarray:
@@ -52,14 +53,14 @@ def test_rows_across_shard_and_row_group_boundaries(corpus):
 
 
 def test_sequential_access_reads_each_row_group_once(corpus):
-    ds = ParquetTokens(corpus, SEQ, cache_row_groups=1)
+    ds = ParquetTokens(corpus, SEQ, cache_bytes=0)       # keeps only the newest row group
     assert [int(ds[i][0]) for i in range(30)] == list(range(30))
     # 10 rows in groups of 4 -> 3 groups, 7 -> 2, 13 -> 4: nine row groups in all.
-    assert ds.cache_info() == {"reads": 9, "cached": 1, "capacity": 1}
+    assert ds.cache_info() == {"reads": 9, "cached": 1, "bytes": (SEQ + 1) * 4}   # the newest group: 1 row (13 = 4+4+4+1)
 
 
 def test_the_cache_is_lru_and_bounded(corpus):
-    ds = ParquetTokens(corpus, SEQ, cache_row_groups=2)
+    ds = ParquetTokens(corpus, SEQ, cache_bytes=2 * GROUP_BYTES)
     for i in (0, 10, 0, 10, 1, 11):                 # two row groups, alternating: read once each
         ds[i]
     assert ds.cache_info()["reads"] == 2
@@ -67,7 +68,7 @@ def test_the_cache_is_lru_and_bounded(corpus):
     ds[11]
     assert ds.cache_info()["reads"] == 3
     ds[0]
-    assert ds.cache_info() == {"reads": 4, "cached": 2, "capacity": 2}
+    assert ds.cache_info() == {"reads": 4, "cached": 2, "bytes": 2 * GROUP_BYTES}
 
 
 def test_pickles_without_its_filesystem_and_reopens_it(corpus):
