@@ -3,7 +3,8 @@
     python examples/pretrain.py --storage runs/pretrain --workers 2:3 --steps 200 --checkpoint-every 50
 
 Starts a local Ray instance (or joins the cluster in RAY_ADDRESS), checkpoints to --storage and
-resumes from it when run again. Kill a worker (its pid is in <storage>/status.json) and watch
+resumes from it when run again. Trains on the Parquet token corpus at --data URL, or on a
+synthetic one written under <storage>/corpus/ on the first run and reused afterwards. Kill a worker (its pid is in <storage>/status.json) and watch
 the run re-form and go on. Exit code 0 when the run finished.
 """
 from __future__ import annotations
