@@ -2,6 +2,7 @@
 as a Parquet corpus), and the train loop used by examples/pretrain.py, the tests and the benchmarks."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -106,10 +107,13 @@ def synthetic_shard(rows: int, seq_len: int, vocab: int, seed: int, shard: int) 
 
 def write_synthetic_corpus(url: str, seq_len: int, vocab: int, *, shards: int = 8, rows_per_shard: int = 1024,
                            seed: int = 0, storage_options: dict | None = None) -> dict:
-    """Write a synthetic corpus of `shards` Parquet shards under `url` (CORPUS.json last)."""
+    """Write a synthetic corpus of `shards` Parquet shards under `url` (CORPUS.json last).
+
+    One row group per shard: a new worker reads the whole (small) corpus in a few requests, and
+    the dataset's cache holds all of it."""
     from elastic import write_token_shards
     return write_token_shards(url, (synthetic_shard(rows_per_shard, seq_len, vocab, seed, s) for s in range(shards)),
-                              row_group_size=128, storage_options=storage_options,
+                              row_group_size=rows_per_shard, storage_options=storage_options,
                               extra={"generator": "examples/gpt.py synthetic", "vocab": vocab, "seed": seed})
 
 
@@ -128,11 +132,18 @@ def ensure_synthetic_corpus(url: str, seq_len: int, vocab: int, seed: int = 0) -
     return True
 
 
+@functools.lru_cache(maxsize=2)
+def _parquet_tokens(url: str, seq_len: int):
+    # Kept across generations: a survivor of a rescale re-enters train_loop in the same process
+    # and keeps its index and row-group cache instead of reading the corpus again.
+    from elastic import ParquetTokens
+    return ParquetTokens(url, seq_len)
+
+
 def make_dataset(cfg: dict, model_cfg: GPTConfig, seed: int):
     """The Parquet corpus at cfg["data"] if given, else the in-memory synthetic tokens."""
     if cfg.get("data"):
-        from elastic import ParquetTokens
-        return ParquetTokens(cfg["data"], model_cfg.seq_len)
+        return _parquet_tokens(cfg["data"], model_cfg.seq_len)
     return SyntheticTokens(cfg.get("n_samples", 100_000), model_cfg.seq_len, model_cfg.vocab, seed=seed)
 
 

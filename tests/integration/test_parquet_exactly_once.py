@@ -41,24 +41,25 @@ def test_kill_then_resume_at_another_world_size_consumes_what_a_clean_run_does(s
     env, data = s3_env["env"], ("--data", corpus, "--checkpoint-every", "10")
 
     faulty = str(tmp_path / "faulty")
-    fault = SignalAtStep(faulty, at_step=12, sig=signal.SIGKILL, rank=1)
+    # Early in a long first run: status.json must show the run past at_step while it still runs.
+    fault = SignalAtStep(faulty, at_step=10, sig=signal.SIGKILL, rank=1)
     fault.start()
-    first = main_job(faulty, env, *data, "--workers", "2:2", "--steps", "30")
+    first = main_job(faulty, env, *data, "--workers", "2:2", "--steps", "100")
     fault.join(timeout=5)
     assert fault.fired(), f"the fault never fired (run ended at step {first['final_step']})"
-    assert [r["cause"] for r in first["recoveries"]] == ["worker_died"] and first["final_step"] == 30
-    second = main_job(faulty, env, *data, "--workers", "3:3", "--steps", "50")
-    assert second["resumed_from"] == 30 and second["world_size_history"] == [[30, 3]]
+    assert [r["cause"] for r in first["recoveries"]] == ["worker_died"] and first["final_step"] == 100
+    second = main_job(faulty, env, *data, "--workers", "3:3", "--steps", "120")
+    assert second["resumed_from"] == 100 and second["world_size_history"] == [[100, 3]]
     assert not os.path.exists(os.path.join(faulty, "corpus"))     # --data given: nothing generated
     metrics = [json.loads(line) for line in open(os.path.join(faulty, "metrics.jsonl"))]
-    assert [m["step"] for m in metrics if m["step"] > 30] == list(range(31, 51))
+    assert [m["step"] for m in metrics if m["step"] > 100] == list(range(101, 121))
 
-    clean = main_job(str(tmp_path / "clean"), env, *data, "--workers", "2:2", "--steps", "60")
-    assert clean["recoveries"] == [] and clean["samples_consumed"] == 60 * 16
-    # 30 steps x 2 x 8, then 20 steps x 3 x 8: the same 960 samples as 60 clean steps x 2 x 8.
-    assert second["samples_consumed"] == clean["samples_consumed"] == 960
+    clean = main_job(str(tmp_path / "clean"), env, *data, "--workers", "2:2", "--steps", "130")
+    assert clean["recoveries"] == [] and clean["samples_consumed"] == 130 * 16
+    # 100 steps x 2 x 8, then 20 steps x 3 x 8: the same 2080 samples as 130 clean steps x 2 x 8.
+    assert second["samples_consumed"] == clean["samples_consumed"] == 2080
     assert second["data_order_sha256"] == clean["data_order_sha256"]
-    assert clean["data_order_sha256"] == expected_data_order(960, n_samples=ROWS)
+    assert clean["data_order_sha256"] == expected_data_order(2080, n_samples=ROWS)
 
 
 @pytest.mark.timeout(60)
