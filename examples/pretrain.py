@@ -43,6 +43,9 @@ def parse_fail_at(text: str) -> tuple[int, int]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--storage", required=True, help="run directory: local path, file://, or s3://bucket/prefix")
+    p.add_argument("--data", metavar="URL",
+                   help="folder of Parquet token shards (local, file:// or s3://); default: a synthetic corpus "
+                        "written under <storage>/corpus/ on the first run and reused on resume")
     p.add_argument("--workers", type=parse_workers, default=(2, 2), help="MIN:MAX workers (default 2:2)")
     p.add_argument("--steps", type=int, default=200, help="total optimizer steps of the run")
     p.add_argument("--checkpoint-every", type=int, default=50, help="commit a checkpoint every K steps")
@@ -51,9 +54,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-size", choices=sorted(gpt.MODEL_SIZES), default="small")
     p.add_argument("--batch-size", type=int, default=8, help="samples per worker per step")
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--data", metavar="URL",
-                   help="folder of Parquet token shards (local, file:// or s3://); default: a synthetic corpus "
-                        "written under <storage>/corpus/ on the first run and reused on resume")
     p.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds before a silent worker is declared hung")
     p.add_argument("--cpus-per-worker", type=float, default=1.0)
     p.add_argument("--sync-checkpoints", action="store_true", help="block training while a checkpoint uploads")
