@@ -30,6 +30,11 @@ class TooManyFailuresError(ElasticError):
     """More infrastructure failures than `FailureConfig.max_failures` allows."""
 
 
+class DatasetError(ElasticError):
+    """A dataset cannot be used as given: no shards, a missing or corrupt shard, rows of another
+    length than the model's; the message names the file and what to change."""
+
+
 class UserCodeError(ElasticError):
     """The user's train_loop raised; carries the original type name and traceback.
 

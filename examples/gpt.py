@@ -1,10 +1,12 @@
-"""A small GPT-style model, a synthetic token dataset with learnable structure, and the train loop
-used by examples/pretrain.py, the tests and the benchmarks."""
+"""A small GPT-style model, a synthetic token dataset with learnable structure (in memory, or written
+as a Parquet corpus), and the train loop used by examples/pretrain.py, the tests and the benchmarks."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
@@ -98,14 +100,70 @@ class SyntheticTokens(torch.utils.data.Dataset):
         return x
 
 
+def synthetic_shard(rows: int, seq_len: int, vocab: int, seed: int, shard: int) -> np.ndarray:
+    """`rows` sequences of seq_len + 1 tokens with the same per-sample rule as SyntheticTokens
+    (vectorised, so a corpus of many thousand samples is written in well under a second)."""
+    rng = np.random.default_rng([seed, shard])
+    a = rng.integers(0, 4, rows) * 2 + 1
+    b = rng.integers(1, 8, rows)
+    x = np.empty((rows, seq_len + 1), dtype=np.int64)
+    x[:, 0] = rng.integers(0, vocab, rows)
+    for t in range(seq_len):
+        x[:, t + 1] = (a * x[:, t] + b) % vocab
+    return x
+
+
+def write_synthetic_corpus(url: str, seq_len: int, vocab: int, *, shards: int = 8, rows_per_shard: int = 1024,
+                           seed: int = 0, storage_options: dict | None = None) -> dict:
+    """Write a synthetic corpus of `shards` Parquet shards under `url` (CORPUS.json last).
+
+    One row group per shard: a new worker reads the whole (small) corpus in a few requests, and
+    the dataset's cache holds all of it."""
+    from elastic import write_token_shards
+    return write_token_shards(url, (synthetic_shard(rows_per_shard, seq_len, vocab, seed, s) for s in range(shards)),
+                              row_group_size=rows_per_shard, storage_options=storage_options,
+                              extra={"generator": "examples/gpt.py synthetic", "vocab": vocab, "seed": seed})
+
+
+def ensure_synthetic_corpus(url: str, seq_len: int, vocab: int, seed: int = 0) -> bool:
+    """Write the corpus unless `url` already holds a finished one; True if it was written now.
+
+    A folder without the CORPUS.json marker is a write that did not finish: it is removed and
+    written again (the content is a pure function of the arguments)."""
+    from checkpointing.storage import Storage
+    from elastic import read_corpus_marker
+    if read_corpus_marker(url) is not None:
+        return False
+    store = Storage(url)
+    store.rm(store.root)
+    write_synthetic_corpus(url, seq_len, vocab, seed=seed)
+    return True
+
+
+@functools.lru_cache(maxsize=2)
+def _parquet_tokens(url: str, seq_len: int):
+    # Kept across generations: a survivor of a rescale re-enters train_loop in the same process
+    # and keeps its index and row-group cache instead of reading the corpus again.
+    from elastic import ParquetTokens
+    return ParquetTokens(url, seq_len)
+
+
+def make_dataset(cfg: dict, model_cfg: GPTConfig, seed: int):
+    """The Parquet corpus at cfg["data"] if given, else the in-memory synthetic tokens."""
+    if cfg.get("data"):
+        return _parquet_tokens(cfg["data"], model_cfg.seq_len)
+    return SyntheticTokens(cfg.get("n_samples", 100_000), model_cfg.seq_len, model_cfg.vocab, seed=seed)
+
+
 def train_loop(ctx) -> None:
-    """The example's loop; `ctx.config` may hold model_size, batch_size, lr, n_samples and
-    activation_checkpointing. Precision comes from ScalingConfig through ctx.autocast/backward."""
+    """The example's loop; `ctx.config` may hold model_size, batch_size, lr, n_samples,
+    activation_checkpointing and data (URL of a Parquet token corpus). Precision comes from
+    ScalingConfig through ctx.autocast/backward."""
     cfg = dict(ctx.config or {})
     model_cfg = GPTConfig.named(cfg.get("model_size", "small"))
     model = ctx.prepare_model(GPT(model_cfg, activation_checkpointing=bool(cfg.get("activation_checkpointing"))))
     optimizer = ctx.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=cfg.get("lr", 3e-3)))
-    data = SyntheticTokens(cfg.get("n_samples", 100_000), model_cfg.seq_len, model_cfg.vocab, seed=ctx.seed)
+    data = make_dataset(cfg, model_cfg, ctx.seed)
     loader = ctx.prepare_data(data, batch_size=cfg.get("batch_size", 8))
     ctx.restore(model=model, optimizer=optimizer)
     for batch in loader:

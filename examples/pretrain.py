@@ -3,7 +3,8 @@
     python examples/pretrain.py --storage runs/pretrain --workers 2:3 --steps 200 --checkpoint-every 50
 
 Starts a local Ray instance (or joins the cluster in RAY_ADDRESS), checkpoints to --storage and
-resumes from it when run again. Kill a worker (its pid is in <storage>/status.json) and watch
+resumes from it when run again. Trains on the Parquet token corpus at --data URL, or on a
+synthetic one written under <storage>/corpus/ on the first run and reused afterwards. Kill a worker (its pid is in <storage>/status.json) and watch
 the run re-form and go on. Exit code 0 when the run finished.
 """
 from __future__ import annotations
@@ -17,7 +18,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import gpt  # noqa: E402
-from elastic import CheckpointConfig, ElasticTrainer, FailureConfig, ScalingConfig  # noqa: E402
+from elastic import (CheckpointConfig, DatasetError, ElasticTrainer, FailureConfig, ScalingConfig,  # noqa: E402
+                     StorageError)
 
 
 def parse_workers(text: str) -> tuple[int, int]:
@@ -41,6 +43,9 @@ def parse_fail_at(text: str) -> tuple[int, int]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--storage", required=True, help="run directory: local path, file://, or s3://bucket/prefix")
+    p.add_argument("--data", metavar="URL",
+                   help="folder of Parquet token shards (local, file:// or s3://); default: a synthetic corpus "
+                        "written under <storage>/corpus/ on the first run and reused on resume")
     p.add_argument("--workers", type=parse_workers, default=(2, 2), help="MIN:MAX workers (default 2:2)")
     p.add_argument("--steps", type=int, default=200, help="total optimizer steps of the run")
     p.add_argument("--checkpoint-every", type=int, default=50, help="commit a checkpoint every K steps")
@@ -117,8 +122,31 @@ class ProgressLine:
             self.last_print = time.monotonic()
 
 
+def prepare_corpus(args: argparse.Namespace) -> str:
+    """The corpus URL of the run, checked here so a bad --data fails before any worker starts."""
+    from elastic import ParquetTokens
+    model_cfg = gpt.GPTConfig.named(args.model_size)
+    url = args.data
+    if url is None:
+        url = args.storage.rstrip("/") + "/corpus"
+    if "://" not in url:
+        url = os.path.abspath(url)      # the workers may run in another directory
+    if args.data is None:
+        if gpt.ensure_synthetic_corpus(url, model_cfg.seq_len, model_cfg.vocab, seed=args.seed) and not args.quiet:
+            print(f"wrote a synthetic corpus to {url}", flush=True)
+    dataset = ParquetTokens(url, model_cfg.seq_len)
+    if not args.quiet:
+        print(f"data: {dataset!r}", flush=True)
+    return url
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        data_url = prepare_corpus(args)
+    except (DatasetError, StorageError) as e:
+        print(f"data: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     low, high = args.workers
     if not os.environ.get("RAY_ADDRESS"):
         import ray
@@ -137,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer = ElasticTrainer(
         train_loop,
         train_loop_config={"model_size": args.model_size, "batch_size": args.batch_size, "lr": args.lr,
-                           "activation_checkpointing": args.activation_checkpointing},
+                           "activation_checkpointing": args.activation_checkpointing, "data": data_url},
         scaling=ScalingConfig(min_workers=low, max_workers=high, strategy=args.strategy,
                               resources_per_worker={"CPU": args.cpus_per_worker}, precision=args.precision,
                               grad_compression=None if args.grad_compression == "none" else args.grad_compression,

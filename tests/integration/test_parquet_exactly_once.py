@@ -1,0 +1,77 @@
+"""Exactly-once data from a Parquet corpus on S3: the main job with --data, a worker killed, then
+a resume as a separate run at another world size, consumes exactly the samples of a fault-free
+single run, in the same order."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import gpt
+from elastic import DatasetError, ParquetTokens, write_token_shards
+from faults import SignalAtStep, read_json
+from test_runtime import expected_data_order
+
+pytestmark = [pytest.mark.integration]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROWS = 3 * 100          # fewer samples than the runs consume: they go through several epochs
+
+
+def main_job(storage: str, env: dict, *args: str) -> dict:
+    command = [sys.executable, "examples/pretrain.py", "--storage", storage, "--model-size", "tiny",
+               "--batch-size", "8", "--quiet", *args]
+    full_env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | env
+    done = subprocess.run(command, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return read_json(storage, "summary.json")
+
+
+@pytest.mark.timeout(780)
+def test_kill_then_resume_at_another_world_size_consumes_what_a_clean_run_does(s3_env, tmp_path):
+    corpus = f"s3://{s3_env['bucket']}/corpus"
+    gpt.write_synthetic_corpus(corpus, seq_len=16, vocab=64, shards=3, rows_per_shard=100)
+    assert len(ParquetTokens(corpus, 16)) == ROWS
+    env, data = s3_env["env"], ("--data", corpus, "--checkpoint-every", "10")
+
+    faulty = str(tmp_path / "faulty")
+    # Early in a long first run: status.json must show the run past at_step while it still runs.
+    fault = SignalAtStep(faulty, at_step=10, sig=signal.SIGKILL, rank=1)
+    fault.start()
+    first = main_job(faulty, env, *data, "--workers", "2:2", "--steps", "100")
+    fault.join(timeout=5)
+    assert fault.fired(), f"the fault never fired (run ended at step {first['final_step']})"
+    assert [r["cause"] for r in first["recoveries"]] == ["worker_died"] and first["final_step"] == 100
+    second = main_job(faulty, env, *data, "--workers", "3:3", "--steps", "120")
+    assert second["resumed_from"] == 100 and second["world_size_history"] == [[100, 3]]
+    assert not os.path.exists(os.path.join(faulty, "corpus"))     # --data given: nothing generated
+    metrics = [json.loads(line) for line in open(os.path.join(faulty, "metrics.jsonl"))]
+    assert [m["step"] for m in metrics if m["step"] > 100] == list(range(101, 121))
+
+    clean = main_job(str(tmp_path / "clean"), env, *data, "--workers", "2:2", "--steps", "130")
+    assert clean["recoveries"] == [] and clean["samples_consumed"] == 130 * 16
+    # 100 steps x 2 x 8, then 20 steps x 3 x 8: the same 2080 samples as 130 clean steps x 2 x 8.
+    assert second["samples_consumed"] == clean["samples_consumed"] == 2080
+    assert second["data_order_sha256"] == clean["data_order_sha256"]
+    assert clean["data_order_sha256"] == expected_data_order(2080, n_samples=ROWS)
+
+
+@pytest.mark.timeout(60)
+def test_dataset_on_s3_reads_lazily_pickles_and_lists_fresh(s3_env):
+    url = f"s3://{s3_env['bucket']}/tokens"
+    write_token_shards(url, [np.full((5, 5), k) for k in range(2)], row_group_size=2)
+    ds = ParquetTokens(url + "/", 4)
+    assert len(ds) == 10 and ds.cache_info()["reads"] == 0
+    copy = pickle.loads(pickle.dumps(ds))
+    assert [int(copy[i][0]) for i in range(10)] == [0] * 5 + [1] * 5
+    assert copy.cache_info()["reads"] == 6                 # 3 row groups per shard, each read once
+    write_token_shards(url, [np.full((5, 5), k) for k in range(3)], row_group_size=2)
+    assert len(ParquetTokens(url, 4)) == 15                # a new listing, not a cached one
+    with pytest.raises(DatasetError, match=r"s3://.*shard-00000.parquet.*seq_len=8 needs 9"):
+        ParquetTokens(url, 8)
