@@ -124,6 +124,8 @@ def test_a_rank_lost_at_the_first_checkpoint_releases_the_survivors(ray_session,
     # The checkpoint side group is formed with the generation, so the survivors' next collective
     # fails at once instead of waiting on the store for the dead rank (for collective_timeout_s,
     # set here beyond this test's timeout so that waiting it out cannot pass).
+    from ray import cloudpickle
+    cloudpickle.register_pickle_by_value(gpt)    # the loop below calls the example's, which workers cannot import
     result = fit_with_fault(run_dir, None, loop=dies_as_the_first_save_starts, workers=(2, 3), steps=40, every=10,
                             collective_timeout_s=300.0)
     s = result.summary
