@@ -90,3 +90,17 @@ def test_a_resume_drops_lines_past_its_step_and_a_torn_line(tmp_path):
     recorder.on_step(record(9, 9))
     recorder.flush_metrics()
     assert steps_on_disk(tmp_path) == list(range(1, 10))
+
+
+def test_an_object_store_gets_the_appended_lines_too():
+    from checkpointing.storage import Storage
+    url = "memory://record-append-test"
+    recorder = RunRecorder(url, None, total_steps=10, config={})
+    recorder.on_generation_start(0, 2)
+    for first, last in ((1, 3), (4, 5)):
+        for step in range(first, last + 1):
+            recorder.on_step(record(step, step))
+        recorder.flush_metrics()
+    storage = Storage(url)
+    text = storage.read_bytes(storage.path("metrics.jsonl")).decode()
+    assert [json.loads(line)["step"] for line in text.splitlines()] == [1, 2, 3, 4, 5]
