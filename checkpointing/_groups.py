@@ -2,8 +2,9 @@
 
 Internal. The training thread drives collectives on the default group at the same time as a
 background upload runs, so the upload must not touch it. Every rank creates a separate gloo
-group over the default group's ranks, collectively, in the training thread (inside save/load,
-which every rank calls at the same step boundary); DCP planning, the file-record gather and the
+group over the default group's ranks, collectively, in the training thread (in
+`CheckpointManager.bind_group` right after the default group forms, else inside the first
+save/load, which every rank calls at the same step boundary); DCP planning, the file-record gather and the
 commit broadcast of one save run on it. Gloo also lets these object collectives work when the
 default group is NCCL. The group is recreated when the default group changes (a rescale).
 """

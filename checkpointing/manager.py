@@ -186,6 +186,16 @@ class CheckpointManager:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def bind_group(self) -> None:
+        """Collective: create the side group for the current default group now.
+
+        Call it on every rank right after forming the default group. Otherwise the first save
+        creates it, and a peer lost at that moment leaves the others waiting on the store for
+        collective_timeout_s; created with the group, its connections fail as soon as the peer
+        is gone (and a runtime that cuts the group's connections on failure can cut these too).
+        """
+        self._group.view()
+
     # ---- loading and inspection --------------------------------------------------------------
     def load_latest(self, state: dict) -> mf.LoadResult | None:
         """Collective: load the newest verified committed checkpoint into `state` in place."""

@@ -178,6 +178,31 @@ class Storage:
         except Exception as e:
             raise self._error("write", path, e) from e
 
+    def append(self, path: str, data: bytes) -> None:
+        """Add `data` at the end of the file (created if missing), without rewriting the rest.
+
+        Local: one write of the whole chunk, then fsync (a reader may briefly see a torn last
+        line). Object stores cannot append: the object is replaced by one holding the old and the
+        new bytes (s3fs copies the old part server-side once it is over 5 MiB), so a reader sees
+        the old or the new object.
+        """
+        try:
+            if self.is_local:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                try:
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view):]
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            else:
+                with self.fs.open(path, "ab") as f:
+                    f.write(data)
+        except Exception as e:
+            raise self._error("append", path, e) from e
+
     def rm(self, path: str, recursive: bool = True) -> None:
         try:
             self.fs.invalidate_cache(path)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 
-from elastic._ray_group import READY
+from elastic._ray_group import DEAD, READY
 from elastic._states import PendingRecovery, Running
 
 log = logging.getLogger("elastic.controller")
@@ -31,26 +31,45 @@ class Bookkeeping:
         if st.recovery is not None:
             st.recovery.restored_step = step
         self.step = step
+        self._note_restore(st.generation, step)
 
     def _absorb_records(self) -> None:
         members = set(self._current_members())
+        fresh = {}
         for view in self.views.values():
             if view.report is not None:
                 for fallback in view.report.checkpoint_fallbacks:
                     self.recorder.on_checkpoint_fallback(fallback)
                 if view.report.preempted and view.status == READY and view.wid not in members:
                     self.group.kill(view.wid, "preempted while spare")
+            # Every rank reports every step it completed: take each step once, from whichever
+            # rank has it (rank 0 may have died with steps it never reported).
             for record in view.records:
-                if self._last_record_time is not None and record.step == self.step + 1:
-                    self._step_s = 0.8 * self._step_s + 0.2 * (record.time - self._last_record_time)
-                self._last_record_time = record.time
-                self.recorder.on_step(record)
-                self._score_stragglers(record)
-                self.step = record.step
-                st = self.state
-                if isinstance(st, Running) and st.recovery is not None and record.step > st.recovery.restored_step:
-                    self._close_recovery(st.recovery)
-                    st.recovery = None
+                if record.step > self._recorded_step and self._kept(record):
+                    fresh.setdefault(record.step, record)
+        for step in sorted(fresh):
+            record = fresh[step]
+            if self._last_record_time is not None and record.step == self.step + 1:
+                self._step_s = 0.8 * self._step_s + 0.2 * (record.time - self._last_record_time)
+            self._last_record_time = record.time
+            self.recorder.on_step(record)
+            self._score_stragglers(record)
+            self.step = self._recorded_step = record.step
+            st = self.state
+            if isinstance(st, Running) and st.recovery is not None and record.step > st.recovery.restored_step:
+                self._close_recovery(st.recovery)
+                st.recovery = None
+
+    def _kept(self, record) -> bool:
+        """False for a step that a later generation discarded (it restored an earlier step)."""
+        return all(record.step <= step for generation, step in self._restored.items() if generation > record.generation)
+
+    def _note_restore(self, generation: int, step: int) -> None:
+        """Generation `generation` starts from `step`: the steps recorded past it are discarded."""
+        self._restored[generation] = step
+        if step < self._recorded_step:
+            self._recorded_step = step
+            self.recorder.rollback_to(step)
 
     def _score_stragglers(self, record) -> None:
         st = self.state
@@ -64,12 +83,47 @@ class Bookkeeping:
                         self.failure.straggler_window, flag.step)
             self.recorder.on_straggler(flag.as_json())
 
+    def _recovery_for(self, failure, from_world: int, max_step: int, detect_s: float) -> PendingRecovery:
+        """The recovery that handles `failure`: the one still open (the re-formed group has not
+        completed a step yet) absorbs it, else a new one."""
+        recovery = getattr(self.state, "recovery", None)
+        if recovery is None:
+            recovery = PendingRecovery(failure.cause, self.clock(), round(detect_s, 3), from_world, max_step)
+        recovery.max_step = max(recovery.max_step, max_step)
+        self._note_failure(recovery, failure.cause, list(failure.ranks))
+        return recovery
+
+    def _lost_while_recovering(self, st, wid: int) -> None:
+        """A survivor died or hung during the recovery: kill it (hung) and note the failure once."""
+        if wid in st.lost:
+            return
+        st.lost.add(wid)
+        view = self.views[wid]
+        if view.status == DEAD:
+            cause = "node_lost" if (view.death or "").startswith("node lost") else "worker_died"
+        else:
+            cause = "hang"
+            self.group.kill(wid, "hang during recovery")
+            st.recovery.rung = "cold"
+        rank = view.report.rank if view.report is not None else None
+        self._note_failure(st.recovery, cause, [] if rank is None else [rank])
+
+    def _note_failure(self, recovery: PendingRecovery, cause: str, ranks: list) -> None:
+        recovery.failures.append({"cause": cause, "ranks": ranks, "detected_at": round(self._wall(self.clock()), 3)})
+
+    def _wall(self, t: float) -> float:
+        """Unix seconds of the controller clock's time `t`."""
+        return self.wall_clock() - (self.clock() - t)
+
     def _close_recovery(self, recovery: PendingRecovery) -> None:
+        now = self.clock()
         entry = {"cause": recovery.cause, "rung": recovery.rung, "detect_s": recovery.detect_s,
-                 "recover_s": round(self.clock() - recovery.detected_at, 3),
+                 "recover_s": round(now - recovery.detected_at, 3),
                  "lost_steps": max(0, recovery.max_step - recovery.restored_step),
                  "from_world": recovery.from_world, "to_world": recovery.to_world,
-                 "step": recovery.restored_step, "generation": self.generation}
+                 "step": recovery.restored_step, "generation": self.generation,
+                 "detected_at": round(self._wall(recovery.detected_at), 3), "recovered_at": round(self._wall(now), 3),
+                 "failures": list(recovery.failures)}
         log.info("recovery done: %s", entry)
         self.recorder.on_recovery(entry)
 

@@ -13,6 +13,17 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict)
 
 
+def open_manager(carry: Any, spec: Any) -> Any:
+    """The worker's CheckpointManager (it lives in the worker's Carry across generations)."""
+    if carry.checkpoints is None:
+        from checkpointing import CheckpointManager
+        carry.checkpoints = CheckpointManager(
+            spec.storage, keep=spec.keep, storage_options=spec.storage_options or None,
+            async_save=spec.async_save, max_consecutive_failures=spec.max_consecutive_failures,
+            collective_timeout_s=spec.collective_timeout_s)
+    return carry.checkpoints
+
+
 def build_state(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
                 extra: dict[str, Any]) -> dict[str, Any]:
     state: dict[str, Any] = {"extra": dict(extra)}

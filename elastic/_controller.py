@@ -48,13 +48,13 @@ class Controller(Bookkeeping):
     def __init__(self, group: WorkerGroup, recorder: Any, checkpoints: CheckpointView, *,
                  scaling: ScalingConfig, failure: FailureConfig, total_steps: int,
                  failure_policy: FailurePolicy | None = None, scaling_policy: ScalingPolicy | None = None,
-                 clock: Callable[[], float] = time.monotonic,
+                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
                  callbacks: tuple[Callable[[RunState, RunState, str], None], ...] = ()):
         self.group, self.recorder, self.checkpoints = group, recorder, checkpoints
         self.scaling, self.failure, self.total_steps = scaling, failure, total_steps
         self.failure_policy = failure_policy or FailurePolicy()
         self.scaling_policy = scaling_policy or ScalingPolicy()
-        self.clock = clock
+        self.clock, self.wall_clock = clock, wall_clock
         self.callbacks = callbacks
         self.state: AnyState = Scheduling(since=clock())
         self.generation = -1
@@ -63,6 +63,8 @@ class Controller(Bookkeeping):
         self._step_s = 0.0                       # smoothed seconds per step
         self._last_record_time: float | None = None
         self.step = 0
+        self._recorded_step = 0                  # newest step handed to the run record
+        self._restored: dict[int, int] = {}      # generation -> the step it restored
         self.infra_failures = 0
         self.failures: list[Failure] = []
         self.error: dict[str, Any] | None = None
@@ -146,7 +148,7 @@ class Controller(Bookkeeping):
             return RestorePlan("fresh")
         self.recorder.resumed_from = latest
         self.recorder.load_previous_metrics(latest)
-        self.step = latest
+        self.step = self._recorded_step = latest
         return RestorePlan("checkpoint", step=latest)
 
     def _on_starting(self) -> None:
@@ -165,6 +167,7 @@ class Controller(Bookkeeping):
         if st.recovery is not None:
             st.recovery.to_world, st.recovery.restored_step = world, st.restore.step
         self.recorder.on_generation_start(st.restore.step, world)
+        self._note_restore(self.generation, st.restore.step)
         self.stragglers.reset(world)
         self._eviction_asked = {}
         self._transition(Running(self.generation, st.members, st.recovery, start_step=st.restore.step),
@@ -278,7 +281,7 @@ class Controller(Bookkeeping):
         self.group.request_stop(survivors, self.generation)
         self.group.scale_to(self._slot_target())
         max_step = max([self.step] + [self.views[w].report.step for w in members if self.views[w].report])
-        recovery = PendingRecovery(failure.cause, self.clock(), round(detect_s, 3), len(members), max_step)
+        recovery = self._recovery_for(failure, len(members), max_step, detect_s)
         self._transition(Recovering(self.generation, survivors, self._recovery_deadline(), recovery),
                          f"{failure.cause} on ranks {list(failure.ranks)}; {decision.reason}")
 
@@ -290,11 +293,9 @@ class Controller(Bookkeeping):
         settled, running = [], []
         for wid in st.survivors:
             view, report = self.views[wid], self.views[wid].report
-            if view.status == DEAD:
+            if view.status == DEAD or view.silent_s > self.failure.heartbeat_timeout_s:
+                self._lost_while_recovering(st, wid)
                 continue
-            if view.silent_s > self.failure.heartbeat_timeout_s:
-                self.group.kill(wid, "hang during recovery")
-                st.recovery.rung = "cold"
             elif report is None or (report.phase == WorkerPhase.RUNNING and report.generation == st.generation):
                 running.append(wid)
             elif report.phase == WorkerPhase.FINISHED and report.step >= self.total_steps:
@@ -316,6 +317,7 @@ class Controller(Bookkeeping):
             if len(stuck) < len(running) and self.clock() < st.deadline:
                 return
             for wid in running:
+                st.lost.add(wid)      # a consequence of the failure being handled, not one of its own
                 lag = self.clock() - self.views[wid].silent_s - (st.first_settled_at or self.clock())
                 self.group.kill(wid, f"still in the broken collective {lag:.1f}s after its peers left "
                                      f"(last answer {self.views[wid].silent_s:.1f}s ago)")
@@ -323,6 +325,7 @@ class Controller(Bookkeeping):
         for wid in st.evict:
             if wid in settled:
                 settled.remove(wid)
+                st.lost.add(wid)
                 self.group.kill(wid, "straggler evicted")
         self._reform(st, settled)
 

@@ -15,7 +15,11 @@ class WorkerPhase(str, enum.Enum):
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One completed step as seen by rank 0 (the source of metrics.jsonl)."""
+    """One completed step (the source of metrics.jsonl).
+
+    Every rank builds it from the step's all-gathered values, so any rank can tell the controller
+    of a step whose rank 0 died before it was polled.
+    """
 
     step: int
     loss: float | None
@@ -26,6 +30,7 @@ class StepRecord:
     metrics: dict[str, float] = field(default_factory=dict)
     compute_s: tuple[float, ...] = ()      # every rank's own compute time of the step, by rank
     data_order: str | None = None          # data-order hash after this step (see _state.chain_sample_ids)
+    generation: int = 0                    # the generation that ran the step
 
 
 @dataclass(frozen=True)
@@ -37,7 +42,7 @@ class WorkerReport:
     rank: int | None
     step: int                      # steps completed by the state held in memory
     has_state: bool                # model/optimizer state of `step` is in memory (warm source)
-    records: list[StepRecord]      # steps completed since the previous poll (rank 0 only)
+    records: list[StepRecord]      # steps this rank completed since the previous poll (every rank)
     error_type: str | None = None
     error_message: str | None = None
     error_traceback: str | None = None

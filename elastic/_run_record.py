@@ -1,7 +1,10 @@
 """The run's record on storage: status.json (live), metrics.jsonl (per step), summary.json (end).
 
-Owned by the controller. Every file is rewritten whole and atomically (one PUT on S3), so a
-reader never sees a torn file. Rewrites are throttled to `min_interval_s` except on transitions.
+Owned by the controller. status.json and summary.json are rewritten whole and atomically (one
+PUT on S3), so a reader never sees a torn file; rewrites are throttled to `min_interval_s` except
+on transitions. metrics.jsonl grows by appending the new lines at the same pace; it is rewritten
+only when lines already written must go (steps discarded by a rollback, a resume from an earlier
+step than the file reaches, a torn line left by a crash).
 """
 from __future__ import annotations
 
@@ -25,7 +28,9 @@ class RunRecorder:
         self._config = config
         self._min_interval_s = min_interval_s
         self._started_at = time.time()
-        self._metrics: dict[int, dict[str, Any]] = {}
+        self._unwritten: list[dict[str, Any]] = []    # metrics lines not on storage yet, by step
+        self._written_through = 0                     # newest step of the lines on storage
+        self._keep_through: int | None = None         # lines on storage past this step must go
         self._newest_step = 0                         # highest step recorded (or loaded on resume)
         self._step_seconds: dict[int, float] = {}   # duration of the kept attempt of each step
         self._last_step_time: float | None = None
@@ -36,7 +41,6 @@ class RunRecorder:
         self._losses: list[float] = []
         self._status: dict[str, Any] = {}
         self._last_write = 0.0
-        self._metrics_dirty = False
         self.resumed_from: int | None = None
         self._data: tuple[int, str | None] | None = None   # (samples_seen, data_order) after the newest step
 
@@ -50,17 +54,28 @@ class RunRecorder:
 
     def load_previous_metrics(self, up_to_step: int) -> None:
         """On resume, keep the lines of the previous run up to the step we resume from."""
-        path = self._storage.path("metrics.jsonl")
-        try:
-            text = self._storage.read_bytes(path).decode()
-        except FileNotFoundError:
-            return
+        steps, clean = self._steps_on_storage()
+        self._written_through = max(steps, default=0)
+        self._newest_step = max((step for step in steps if step <= up_to_step), default=0)
+        if self._written_through > up_to_step or not clean:
+            self._keep_through = up_to_step
+
+    def _steps_on_storage(self) -> tuple[list[int], bool]:
+        """Steps of the metrics lines on storage, and whether every line is whole."""
+        text = self._read_metrics()
+        steps, clean = [], not text or text.endswith("\n")
         for line in text.splitlines():
-            if line.strip():
-                row = json.loads(line)
-                if row.get("step", 0) <= up_to_step:
-                    self._metrics[row["step"]] = row
-                    self._newest_step = max(self._newest_step, row["step"])
+            try:
+                steps.append(int(json.loads(line)["step"]))
+            except (ValueError, KeyError, TypeError):
+                clean = False
+        return steps, clean
+
+    def _read_metrics(self) -> str:
+        try:
+            return self._storage.read_bytes(self._storage.path("metrics.jsonl")).decode()
+        except FileNotFoundError:
+            return ""
 
     # ---- events ------------------------------------------------------------------------
     def on_generation_start(self, step: int, world_size: int) -> None:
@@ -73,11 +88,7 @@ class RunRecorder:
 
     def on_step(self, record: StepRecord, lr: float | None = None) -> None:
         if record.step <= self._newest_step:
-            # A step re-done after a rollback: the attempts after it were lost, the record keeps
-            # the kept attempt. Only then is the scan paid, not on every step of a long run.
-            for table in (self._step_seconds, self._metrics):
-                for lost in [s for s in table if s > record.step]:
-                    del table[lost]
+            self.rollback_to(record.step - 1)
         self._newest_step = record.step
         self._data = (record.samples_seen, record.data_order)
         previous = self._last_step_time or record.time
@@ -85,12 +96,21 @@ class RunRecorder:
         self._last_step_time = record.time
         if record.loss is not None:
             self._losses.append(record.loss)
-        self._metrics[record.step] = {
+        self._unwritten.append({
             "step": record.step, "loss": record.loss, "world_size": record.world_size,
             "time": record.time, "lr": record.metrics.get("lr", lr),
             "global_batch": record.global_batch, "accum_steps": int(record.metrics.get("accum_steps", 1)),
-            "samples_seen": record.samples_seen, "compute_s": list(record.compute_s)}
-        self._metrics_dirty = True
+            "samples_seen": record.samples_seen, "compute_s": list(record.compute_s)})
+
+    def rollback_to(self, step: int) -> None:
+        """The steps after `step` were lost: their attempts leave the record (rare: only then is
+        the scan paid, and the file rewritten if it already has them)."""
+        for lost in [s for s in self._step_seconds if s > step]:
+            del self._step_seconds[lost]
+        self._unwritten = [line for line in self._unwritten if line["step"] <= step]
+        if self._written_through > step:
+            self._keep_through = min(step, self._keep_through if self._keep_through is not None else step)
+        self._newest_step = min(self._newest_step, step)
 
     def on_final_data(self, samples_consumed: int, data_order: str | None) -> None:
         """The finished run's data as rank 0 holds it (authoritative over step records)."""
@@ -116,13 +136,36 @@ class RunRecorder:
             return
         self._last_write = now
         self._write_json("status.json", {**self._status, "updated_at": time.time()})
-        if self._metrics_dirty:
+        if self._unwritten or self._keep_through is not None:
             self.flush_metrics()
 
     def flush_metrics(self) -> None:
-        lines = "".join(json.dumps(self._metrics[s]) + "\n" for s in sorted(self._metrics))
-        self._storage.write_atomic(self._storage.path("metrics.jsonl"), lines.encode())
-        self._metrics_dirty = False
+        """Append the new lines; rewrite the file only when lines on it must go."""
+        path = self._storage.path("metrics.jsonl")
+        new = "".join(json.dumps(line) + "\n" for line in self._unwritten)
+        newest = self._unwritten[-1]["step"] if self._unwritten else None
+        try:
+            if self._keep_through is not None:
+                kept, through = [], 0
+                for line in self._read_metrics().splitlines():
+                    try:
+                        step = int(json.loads(line)["step"])
+                    except (ValueError, KeyError, TypeError):
+                        continue       # torn by a crash
+                    if step <= self._keep_through:
+                        kept.append(line + "\n")
+                        through = max(through, step)
+                self._storage.write_atomic(path, ("".join(kept) + new).encode())
+                self._keep_through, self._written_through = None, through
+            elif new:
+                self._storage.append(path, new.encode())
+        except BaseException:
+            # A failed append may have written part of the lines: rewrite the file next time.
+            self._keep_through = self._written_through if self._keep_through is None else self._keep_through
+            raise
+        if newest is not None:
+            self._written_through = newest
+        self._unwritten = []
 
     def _write_json(self, name: str, payload: dict[str, Any]) -> None:
         try:

@@ -29,6 +29,7 @@ class PendingRecovery:
     rung: str = "warm"
     to_world: int = 0
     restored_step: int = 0
+    failures: list[dict] = field(default_factory=list)   # every failure it absorbed: {cause, ranks, detected_at}
 
 
 @dataclass
@@ -67,6 +68,7 @@ class Recovering:
     voluntary: bool = False            # a resize the controller chose, not a failure
     first_settled_at: float | None = None   # when the first survivor left the broken group
     evict: list[int] = field(default_factory=list)   # survivors to leave out (stragglers)
+    lost: set[int] = field(default_factory=set)      # survivors lost meanwhile (noted in the recovery)
     state: RunState = RunState.RECOVERING
 
 

@@ -18,6 +18,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from elastic._checkpoint_io import open_manager
 from elastic._group_sockets import GroupSockets
 from elastic._protocol import GenerationPlan, WorkerInfo, WorkerPhase, WorkerReport
 from elastic._state import mix_seed
@@ -229,6 +230,10 @@ class TrainWorker:
             init_method=f"tcp://{plan.master_addr}:{plan.master_port}",
             rank=plan.rank, world_size=plan.world_size,
             timeout=datetime.timedelta(seconds=plan.timeout_s))
+        # The checkpoint side group is formed with the main group, inside the capture: a peer
+        # lost during the first save then breaks its connections (cut by _leave_group) instead
+        # of leaving the survivors waiting on the store for the side group's creation.
+        open_manager(self._carry, self._spec).bind_group()
         sockets.capture()
         self._group_sockets = sockets
 

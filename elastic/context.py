@@ -29,6 +29,8 @@ from elastic.errors import ElasticError
 
 log = logging.getLogger("elastic.context")
 
+RECORDS_KEPT = 10_000   # step records a rank holds until polled (bounded if the controller stalls)
+
 
 class RescaleInterrupt(BaseException):
     """Unwinds the user's loop at a step boundary when the controller re-forms the group.
@@ -53,7 +55,7 @@ class Carry:
     resumed_from: int | None = None
     warm_capable: bool = False                 # carry.model holds the full state (DDP)
     pending_samples: int = 0
-    records: list[StepRecord] = field(default_factory=list)
+    records: list[StepRecord] = field(default_factory=list)   # completed steps not yet polled
     records_lock: threading.Lock = field(default_factory=threading.Lock)   # the poll drains records
     load_fallbacks: list[dict] = field(default_factory=list)   # checkpoints skipped as corrupt
     restored: tuple[int, int] | None = None                    # (generation, step) of the last restore
@@ -204,6 +206,9 @@ class TrainContext:
         carry.model, carry.optimizer = model, optimizer
         carry.warm_capable = self._spec.strategy == "ddp" and model is not None
         carry.restored = (self.generation, carry.step)
+        with carry.records_lock:
+            # Steps past the restored one were lost with the failure: never report them.
+            carry.records = [r for r in carry.records if r.step <= carry.step]
         log.info("rank %d generation %d restored (%s) at step %d",
                  self.rank, self.generation, plan.kind, carry.step)
         return carry.step
@@ -251,14 +256,7 @@ class TrainContext:
             carry.resumed_from = carry.step
 
     def _checkpoints(self):
-        if self._carry.checkpoints is None:
-            from checkpointing import CheckpointManager
-            spec = self._spec
-            self._carry.checkpoints = CheckpointManager(
-                spec.storage, keep=spec.keep, storage_options=spec.storage_options or None,
-                async_save=spec.async_save, max_consecutive_failures=spec.max_consecutive_failures,
-                collective_timeout_s=spec.collective_timeout_s)
-        return self._carry.checkpoints
+        return _checkpoint_io.open_manager(self._carry, self._spec)
 
     def save_checkpoint(self, *, wait: bool = False) -> None:
         """Collective: commit a checkpoint of the current step (async unless `wait`)."""
@@ -351,24 +349,24 @@ class TrainContext:
         loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else (
             float(loss) if loss is not None else 0.0)
         # One small all-gather per step carries every rank's loss, rescale flag, preemption
-        # flag and compute time, so every rank leaves the loop at the same step and rank 0 can
-        # report the mean loss and the ranks' compute times (straggler scoring).
+        # flag and compute time, so every rank leaves the loop at the same step and every rank can
+        # record the mean loss and the ranks' compute times (straggler scoring).
         mine = torch.tensor([loss_value, float(self._stop_requested.is_set()), float(self._preempted.is_set()),
                              self._timer.compute_s()], dtype=torch.float64, device=self._comm_device)
         gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(gathered, mine)
+        try:
+            dist.all_gather(gathered, mine)
+        except BaseException:
+            # The update is applied: this state may be the one the group restores (warm), so the
+            # step keeps a record, with this rank's own loss (the others' never arrived).
+            self._keep_record(metrics, loss_value if loss is not None else None, ())
+            raise
         shared = torch.stack(gathered).cpu()
         stop, preempted = bool(shared[:, 1].max() > 0), bool(shared[:, 2].max() > 0)
-        if self.rank == 0:
-            extra = {k: float(v) for k, v in metrics.items() if k != "loss" and isinstance(v, (int, float))}
-            record = StepRecord(step=carry.step, loss=float(shared[:, 0].sum()) / self.world_size if loss is not None else None,
-                                world_size=self.world_size, time=time.time(), samples_seen=carry.samples_seen,
-                                global_batch=self._global_batch, metrics=extra,
-                                compute_s=tuple(round(float(c), 6) for c in shared[:, 3]),
-                                data_order=carry.data_order)
-            with carry.records_lock:
-                carry.records.append(record)
-                del carry.records[:-10_000]
+        # Every rank keeps the record (same all-gathered values): if rank 0 dies before the
+        # controller polls it, a survivor still has the step.
+        self._keep_record(metrics, float(shared[:, 0].sum()) / self.world_size if loss is not None else None,
+                          tuple(round(float(c), 6) for c in shared[:, 3]))
         every = self._spec.checkpoint_every
         if every is not None and carry.step % every == 0 and carry.step < self.total_steps:
             self.save_checkpoint()
@@ -381,6 +379,16 @@ class TrainContext:
                 self.save_checkpoint(wait=True)
             raise RescaleInterrupt()
         self._timer.start()
+
+    def _keep_record(self, metrics: dict[str, Any], loss: float | None, compute_s: tuple[float, ...]) -> None:
+        carry = self._carry
+        extra = {k: float(v) for k, v in metrics.items() if k != "loss" and isinstance(v, (int, float))}
+        record = StepRecord(step=carry.step, loss=loss, world_size=self.world_size, time=time.time(),
+                            samples_seen=carry.samples_seen, global_batch=self._global_batch, metrics=extra,
+                            compute_s=compute_s, data_order=carry.data_order, generation=self.generation)
+        with carry.records_lock:
+            carry.records.append(record)
+            del carry.records[:-RECORDS_KEPT]
 
     def _finish(self) -> str | None:
         """After the loop: commit the final state and hash the full model (collective)."""

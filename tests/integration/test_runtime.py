@@ -21,13 +21,13 @@ TINY = {"model_size": "tiny", "batch_size": 8}
 
 
 def trainer(run_dir, *, workers=(2, 2), steps=40, every=None, strategy="ddp", loop=gpt.train_loop,
-            heartbeat_timeout_s=10.0, max_failures=5, config=TINY):
+            heartbeat_timeout_s=10.0, max_failures=5, config=TINY, collective_timeout_s=30.0):
     return ElasticTrainer(
         loop, train_loop_config=config, total_steps=steps, seed=0,
         scaling=ScalingConfig(min_workers=workers[0], max_workers=workers[1], strategy=strategy),
         checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=every),
         failure=FailureConfig(heartbeat_timeout_s=heartbeat_timeout_s, max_failures=max_failures,
-                              collective_timeout_s=30.0, rendezvous_timeout_s=60.0))
+                              collective_timeout_s=collective_timeout_s, rendezvous_timeout_s=60.0))
 
 
 def expected_data_order(samples: int, seed: int = 0, n_samples: int = 100_000) -> str:
@@ -91,6 +91,48 @@ def test_sigkill_recovers_warm_then_grows_back(ray_session, run_dir):
     assert again.summary["samples_consumed"] == s["samples_consumed"] + 24 * _steps_at(again.summary, 3) \
         + 16 * _steps_at(again.summary, 2)
     assert again.summary["data_order_sha256"] == expected_data_order(again.summary["samples_consumed"])
+
+
+def metrics_steps(run_dir):
+    return [json.loads(line)["step"] for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+
+
+@pytest.mark.timeout(180)
+def test_sigkill_of_rank_0_loses_no_metrics_line(ray_session, run_dir):
+    # Rank 0 dies with steps it completed but the controller had not polled yet: a survivor has them.
+    fault = SignalAtStep(run_dir, at_step=40, sig=signal.SIGKILL, rank=0)
+    result = fit_with_fault(run_dir, fault, workers=(2, 3), steps=200)
+    s = result.summary
+    assert result.ok and s["final_step"] == 200
+    (recovery,) = [r for r in s["recoveries"] if r["cause"] == "worker_died"]
+    assert recovery["rung"] == "warm" and recovery["from_world"] == 3
+    assert [f["cause"] for f in recovery["failures"]] == ["worker_died"]
+    assert recovery["detected_at"] <= recovery["recovered_at"]
+    assert metrics_steps(run_dir) == list(range(1, 201))
+
+
+def dies_as_the_first_save_starts(ctx):
+    """The example's loop; rank 1 of the first generation dies on entering the first save."""
+    if ctx.rank == 1 and ctx.generation == 0:
+        from checkpointing import CheckpointManager
+        CheckpointManager.save = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+    gpt.train_loop(ctx)
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_lost_at_the_first_checkpoint_releases_the_survivors(ray_session, run_dir):
+    # The checkpoint side group is formed with the generation, so the survivors' next collective
+    # fails at once instead of waiting on the store for the dead rank (for collective_timeout_s,
+    # set here beyond this test's timeout so that waiting it out cannot pass).
+    from ray import cloudpickle
+    cloudpickle.register_pickle_by_value(gpt)    # the loop below calls the example's, which workers cannot import
+    result = fit_with_fault(run_dir, None, loop=dies_as_the_first_save_starts, workers=(2, 3), steps=40, every=10,
+                            collective_timeout_s=300.0)
+    s = result.summary
+    assert result.ok and s["final_step"] == 40, result.error_traceback
+    (recovery,) = [r for r in s["recoveries"] if r["cause"] == "worker_died"]
+    assert recovery["rung"] == "warm" and recovery["lost_steps"] <= 1 and recovery["step"] >= 10
+    assert metrics_steps(run_dir) == list(range(1, 41))
 
 
 def _steps_at(summary, world_size):

@@ -69,12 +69,13 @@ class FakeGroup:
         self.views[wid].report = WorkerReport(phase=phase, generation=generation, rank=rank, step=step,
                                               has_state=has_state, records=[], **error)
 
-    def complete_steps(self, wid, first, last, world_size, compute_s=()):
+    def complete_steps(self, wid, first, last, world_size, compute_s=(), generation=None):
+        report = self.views[wid].report
+        generation = report.generation if generation is None else generation
         self.views[wid].records = [StepRecord(step=s, loss=1.0 / s, world_size=world_size, time=float(s),
                                               samples_seen=s * world_size, global_batch=world_size,
-                                              compute_s=tuple(compute_s))
+                                              compute_s=tuple(compute_s), generation=generation)
                                    for s in range(first, last + 1)]
-        report = self.views[wid].report
         self.views[wid].report = replace(report, step=last)
 
     def die(self, wid, reason="actor died: killed", silent_s=0.3):
@@ -90,6 +91,10 @@ class FakeRecorder:
 
     def on_step(self, record):
         self.steps.append(record.step)
+
+    def rollback_to(self, step):
+        self.steps = [s for s in self.steps if s <= step]
+        self.rollbacks = getattr(self, "rollbacks", []) + [step]
 
     def on_recovery(self, recovery):
         self.recoveries.append(recovery)
