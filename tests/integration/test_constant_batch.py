@@ -32,13 +32,14 @@ STEPS, BATCH, BASE = 60, 4, 6          # global batch 24 at every world size: ac
 PARAM_TOLERANCE = 1e-6
 
 
-def fit(run_dir, workers, fault=None, optimizer="sgd", lr=0.05):
+def fit(run_dir, workers, fault=None, optimizer="sgd", lr=0.05, strategy="ddp", steps=STEPS):
     if fault is not None:
         fault.start()
     result = ElasticTrainer(
         gpt.train_loop, train_loop_config={"model_size": "tiny", "batch_size": BATCH, "lr": lr,
                                             "optimizer": optimizer},
-        total_steps=STEPS, seed=0, scaling=ScalingConfig(min_workers=workers[0], max_workers=workers[1]),
+        total_steps=steps, seed=0,
+        scaling=ScalingConfig(min_workers=workers[0], max_workers=workers[1], strategy=strategy),
         checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=1000), failure=FailureConfig(max_failures=3),
         lr=LRScalingConfig(base_world_size=BASE, warmup_steps=10, mode="constant_global_batch")).fit()
     if fault is not None:
@@ -48,10 +49,10 @@ def fit(run_dir, workers, fault=None, optimizer="sgd", lr=0.05):
     return result, [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
 
 
-def final_params(run_dir, tmp_path) -> dict[str, torch.Tensor]:
+def final_params(run_dir, tmp_path, steps=STEPS) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     out = str(tmp_path / (os.path.basename(os.path.dirname(run_dir)) + ".pt"))
-    step_dir = os.path.join(run_dir, "checkpoints", f"step_{STEPS:08d}")
+    step_dir = os.path.join(run_dir, "checkpoints", f"step_{steps:08d}")
     (data_dir,) = {root for root, _, files in os.walk(step_dir) if ".metadata" in files}   # DCP's folder
     dcp_to_torch_save(data_dir, out)
     state = torch.load(out, weights_only=False)
@@ -89,3 +90,18 @@ def test_constant_batch_through_a_rescale_matches_the_fault_free_run(ray_session
     for x, y in zip(clean_metrics, metrics):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-4, abs=1e-5)
 
+
+
+@pytest.mark.timeout(240)
+def test_fsdp_accumulates_like_ddp(ray_session, tmp_path):
+    """With FSDP2 (sync off on non-final micro-steps: tests/unit/test_accumulation.py) the
+    accumulated, averaged update ends where DDP's does, up to summation order."""
+    steps, models = 16, {}
+    for strategy in ("ddp", "fsdp"):
+        run_dir = str(tmp_path / strategy / "run")
+        result, metrics = fit(run_dir, (2, 2), strategy=strategy, steps=steps)
+        assert [m["accum_steps"] for m in metrics] == [3] * steps
+        models[strategy] = final_params(run_dir, tmp_path, steps)
+    diff = max(float((models["ddp"][k] - models["fsdp"][k]).abs().max()) for k in models["ddp"])
+    print(f"max abs parameter difference, DDP vs FSDP2 with accumulation: {diff:.3g}")
+    assert diff <= PARAM_TOLERANCE
