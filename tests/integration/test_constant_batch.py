@@ -105,3 +105,21 @@ def test_fsdp_accumulates_like_ddp(ray_session, tmp_path):
     diff = max(float((models["ddp"][k] - models["fsdp"][k]).abs().max()) for k in models["ddp"])
     print(f"max abs parameter difference, DDP vs FSDP2 with accumulation: {diff:.3g}")
     assert diff <= PARAM_TOLERANCE
+
+
+@pytest.mark.timeout(300)
+def test_a_resume_at_another_world_size_keeps_the_batch_lr_and_data(ray_session, tmp_path):
+    run_dir = str(tmp_path / "resumed" / "run")
+    fit(run_dir, (2, 2), steps=20)
+    second, metrics = fit(run_dir, (3, 3), steps=40)
+    assert second.summary["resumed_from"] == 20
+    assert [m["accum_steps"] for m in metrics] == [3] * 20 + [2] * 20
+    assert all(m["global_batch"] == BASE * BATCH for m in metrics)
+    # The schedule's horizon is each run's total_steps; from the resume on it is this run's 40.
+    # No batch scale and no ramp: lr = base_lr x schedule(step), whatever the world size.
+    from elastic._lr import schedule_factor
+    expected = [0.05 * schedule_factor(s - 1, total_steps=40, warmup_steps=10, schedule="cosine", min_lr_ratio=0.1)
+                for s in range(21, 41)]
+    assert [m["lr"] for m in metrics[20:]] == pytest.approx(expected, rel=1e-12)
+    assert second.summary["samples_consumed"] == 40 * BASE * BATCH
+    assert second.summary["data_order_sha256"] == expected_data_order(40 * BASE * BATCH)
