@@ -5,11 +5,15 @@ lr(step) = base_lr x scale(step) x schedule(step), where scale follows global_ba
 base_global_batch = world_size / base_world_size. After a rescale the scale ramps linearly from
 where it was to the new target over `rescale_warmup_steps`; a drop applies at once. The initial
 warmup is a function of the global step and is never restarted.
+
+In mode "constant_global_batch" the global batch does not change with the world size (gradient
+accumulation keeps it, see elastic._accumulation), so the scale is 1: lr = base_lr x schedule(step).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 
 def schedule_factor(step: int, *, total_steps: int, warmup_steps: int, schedule: str, min_lr_ratio: float) -> float:
@@ -20,6 +24,13 @@ def schedule_factor(step: int, *, total_steps: int, warmup_steps: int, schedule:
         return 1.0
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def rule_lr(rule: Any, *, base_lr: float, ramp: "ScaleRamp", step: int, total_steps: int) -> float:
+    """The LR of `step` (0-based) under `rule` (an LRScalingConfig)."""
+    scale = ramp.scale(step, rule.rescale_warmup_steps) if rule.mode == "linear" else 1.0
+    return base_lr * scale * schedule_factor(step, total_steps=total_steps, warmup_steps=rule.warmup_steps,
+                                             schedule=rule.schedule, min_lr_ratio=rule.min_lr_ratio)
 
 
 @dataclass
@@ -45,6 +56,15 @@ class ScaleRamp:
 
     def to_dict(self) -> dict:
         return {"world_size": self.world_size, "target": self.target, "start": self.start, "since": self.since}
+
+    def to_state(self, base_lr: float | None) -> dict[str, Any]:
+        """The rule's state as plain values (warm broadcasts and checkpoints)."""
+        return {"lr_base": float(base_lr or 0.0), **{f"lr_{k}": v for k, v in self.to_dict().items()}}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> "ScaleRamp":
+        return cls(world_size=int(state["lr_world_size"]), target=float(state["lr_target"]),
+                   start=float(state["lr_start"]), since=int(state["lr_since"]))
 
     @classmethod
     def initial(cls, world_size: int, base_world_size: int) -> "ScaleRamp":

@@ -31,6 +31,7 @@ class StepRecord:
     compute_s: tuple[float, ...] = ()      # every rank's own compute time of the step, by rank
     data_order: str | None = None          # data-order hash after this step (see _state.chain_sample_ids)
     generation: int = 0                    # the generation that ran the step
+    accum_steps: int = 1                   # micro-batches per rank in this step (constant_global_batch)
 
 
 @dataclass(frozen=True)

@@ -99,7 +99,7 @@ class RunRecorder:
         self._unwritten.append({
             "step": record.step, "loss": record.loss, "world_size": record.world_size,
             "time": record.time, "lr": record.metrics.get("lr", lr),
-            "global_batch": record.global_batch, "accum_steps": int(record.metrics.get("accum_steps", 1)),
+            "global_batch": record.global_batch, "accum_steps": record.accum_steps,
             "samples_seen": record.samples_seen, "compute_s": list(record.compute_s)})
 
     def rollback_to(self, step: int) -> None:

@@ -166,24 +166,31 @@ class FailureConfig:
                  f"to turn scoring off, got {self.straggler_threshold!r}")
 
 
-LR_MODES = ("linear",)
+LR_MODES = ("linear", "constant_global_batch")
 LR_SCHEDULES = ("constant", "cosine")
 
 
 @dataclass(frozen=True, kw_only=True)
 class LRScalingConfig:
-    """The linear scaling rule: lr follows the global batch, with warmup and a ramp after rescales."""
+    """The LR across rescales: "linear" (lr follows the global batch, with warmup and a ramp after
+    rescales) or "constant_global_batch" (the global batch is kept by gradient accumulation; the
+    LR follows only the schedule)."""
 
     base_world_size: int
-    """World size at which `base_lr` is right (base global batch = base_world_size x per-rank batch)."""
+    """World size at which `base_lr` is right (base global batch = base_world_size x per-rank batch).
+    In constant_global_batch mode the global batch is always this many per-rank batches, so it must
+    be divisible by every world size in [min_workers, max_workers]."""
     base_lr: float | None = None
     """The LR at `base_world_size`; None takes the optimizer's initial LR."""
     warmup_steps: int = 0
     """Initial linear warmup, by global step (never restarted by a rescale or resume)."""
     rescale_warmup_steps: int = 0
-    """After a rescale that raises the LR, ramp to it over this many steps; a drop applies at once."""
+    """After a rescale that raises the LR, ramp to it over this many steps; a drop applies at once
+    (linear mode only: in constant_global_batch mode the LR never changes on a rescale)."""
     mode: str = "linear"
-    """"linear": lr = base_lr x global_batch / base_global_batch x schedule(step)."""
+    """"linear": lr = base_lr x global_batch / base_global_batch x schedule(step).
+    "constant_global_batch": each rank accumulates base_world_size / world_size micro-batches per
+    step; lr = base_lr x schedule(step)."""
     schedule: str = "cosine"
     """"constant" or "cosine" (decay to min_lr_ratio x at total_steps), after the warmup."""
     min_lr_ratio: float = 0.1
@@ -196,8 +203,10 @@ class LRScalingConfig:
                  f"LRScalingConfig.base_lr must be > 0 (or None for the optimizer's LR), got {self.base_lr!r}")
         _require(self.warmup_steps >= 0 and self.rescale_warmup_steps >= 0,
                  "LRScalingConfig.warmup_steps and rescale_warmup_steps must be >= 0")
-        _require(self.mode in LR_MODES, f"LRScalingConfig.mode must be one of {LR_MODES}, got {self.mode!r} "
-                                        "(keeping the global batch constant is not available yet)")
+        _require(self.mode in LR_MODES, f"LRScalingConfig.mode must be one of {LR_MODES}, got {self.mode!r}")
+        _require(self.mode == "linear" or self.rescale_warmup_steps == 0,
+                 "LRScalingConfig.rescale_warmup_steps has no effect in mode 'constant_global_batch' (the LR does "
+                 "not change on a rescale); leave it 0 or use mode 'linear'")
         _require(self.schedule in LR_SCHEDULES,
                  f"LRScalingConfig.schedule must be one of {LR_SCHEDULES}, got {self.schedule!r}")
         _require(0.0 <= self.min_lr_ratio <= 1.0, "LRScalingConfig.min_lr_ratio must be within [0, 1]")

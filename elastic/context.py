@@ -18,14 +18,15 @@ import torch.distributed as dist
 from torch import nn
 
 from elastic import _checkpoint_io, _wrap
+from elastic._accumulation import as_float, new_accumulation, wrap_optimizer
 from elastic._data import ElasticLoader
 from elastic._protocol import GenerationPlan, StepRecord
-from elastic._lr import ScaleRamp, schedule_factor
+from elastic._lr import ScaleRamp, rule_lr
 from elastic._precision import Precision
 from elastic._state import DATA_ORDER_START, broadcast_state, chain_sample_ids, mix_seed, state_sha256
 from elastic._step_timer import StepTimer
 from elastic.config import LRScalingConfig, ScalingConfig
-from elastic.errors import ElasticError
+from elastic.errors import ConfigError, ElasticError
 
 log = logging.getLogger("elastic.context")
 
@@ -110,6 +111,7 @@ class TrainContext:
             carry.grad_scaler = Precision.new_scaler(self._scaling.precision, device)
         self._precision = Precision(self._scaling.precision, spec.strategy, device, carry.grad_scaler)
         self._compression: _wrap.PowerSGDCompression | None = None
+        self._accumulation = new_accumulation(spec.lr, plan.world_size)   # constant_global_batch mode
 
     # ---- identity -------------------------------------------------------------------
     @property
@@ -132,6 +134,11 @@ class TrainContext:
     @property
     def samples_seen(self) -> int:
         return self._carry.samples_seen
+
+    @property
+    def accum_steps(self) -> int:
+        """Micro-batches per rank per optimizer step (1 unless the global batch is held constant)."""
+        return self._accumulation.steps if self._accumulation is not None else 1
 
     @property
     def total_steps(self) -> int:
@@ -177,10 +184,15 @@ class TrainContext:
         rule = self._spec.lr
         if rule is not None:
             first = optimizer.param_groups[0]["lr"]
+            if rule.base_lr is None and not first > 0:
+                raise ConfigError(f"the optimizer's lr is the base LR (LRScalingConfig.base_lr is None) and must "
+                                  f"be > 0, got {first!r}; set it or LRScalingConfig.base_lr")
             # Groups keep their LR ratios to the first group; the rule sets the first.
             self._group_ratios = [g["lr"] / first if first else 1.0 for g in optimizer.param_groups]
             if self._carry.base_lr is None:
                 self._carry.base_lr = rule.base_lr if rule.base_lr is not None else first
+        if self._accumulation is not None:
+            wrap_optimizer(optimizer, self._accumulation)
         return optimizer
 
     def prepare_data(self, dataset: Any, batch_size: int, *, shuffle: bool = True,
@@ -304,32 +316,31 @@ class TrainContext:
         step = carry.step
         ramp = carry.lr_ramp or ScaleRamp.initial(self.world_size, rule.base_world_size)
         carry.lr_ramp = ramp.rescaled(step, self.world_size, rule.base_world_size, rule.rescale_warmup_steps)
-        lr = carry.base_lr * carry.lr_ramp.scale(step, rule.rescale_warmup_steps) * schedule_factor(
-            step, total_steps=self.total_steps, warmup_steps=rule.warmup_steps, schedule=rule.schedule,
-            min_lr_ratio=rule.min_lr_ratio)
+        lr = rule_lr(rule, base_lr=carry.base_lr, ramp=carry.lr_ramp, step=step, total_steps=self.total_steps)
         for group, ratio in zip(self._optimizer.param_groups, self._group_ratios):
             group["lr"] = lr * ratio
 
     def _lr_state(self) -> dict[str, Any]:
         """The LR rule's state, as plain values (travels in warm broadcasts and checkpoints)."""
-        carry = self._carry
         if self._spec.lr is None:
             return {}
-        ramp = carry.lr_ramp or ScaleRamp.initial(self.world_size, self._spec.lr.base_world_size)
-        return {"lr_base": float(carry.base_lr or 0.0), **{f"lr_{k}": v for k, v in ramp.to_dict().items()}}
+        ramp = self._carry.lr_ramp or ScaleRamp.initial(self.world_size, self._spec.lr.base_world_size)
+        return ramp.to_state(self._carry.base_lr)
 
     def _set_lr_state(self, state: dict[str, Any]) -> None:
         if self._spec.lr is None or "lr_base" not in state:
             return
-        self._carry.base_lr = float(state["lr_base"])
-        self._carry.lr_ramp = ScaleRamp(world_size=int(state["lr_world_size"]), target=float(state["lr_target"]),
-                                        start=float(state["lr_start"]), since=int(state["lr_since"]))
+        self._carry.base_lr, self._carry.lr_ramp = float(state["lr_base"]), ScaleRamp.from_state(state)
 
     def report(self, **metrics: Any) -> None:
         """End of a step: count it, share the loss, checkpoint when due, unwind on rescale.
 
-        Call it once per batch, after `optimizer.step()`, with no collective in between.
+        Call it once per batch, after `optimizer.step()`, with no collective in between. With
+        gradient accumulation a non-final micro-batch's report only notes its loss.
         """
+        accumulation = self._accumulation
+        if accumulation is not None and accumulation.defer_report(as_float(metrics.get("loss"))):
+            return
         carry = self._carry
         # The optimizer step has run: the in-memory state is now the state after this step.
         carry.step += 1
@@ -346,8 +357,7 @@ class TrainContext:
         if self._optimizer is not None:
             metrics.setdefault("lr", self._optimizer.param_groups[0]["lr"])
         loss = metrics.get("loss")
-        loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else (
-            float(loss) if loss is not None else 0.0)
+        loss_value = accumulation.mean_loss() if accumulation is not None else (as_float(loss) or 0.0)
         # One small all-gather per step carries every rank's loss, rescale flag, preemption
         # flag and compute time, so every rank leaves the loop at the same step and every rank can
         # record the mean loss and the ranks' compute times (straggler scoring).
@@ -385,7 +395,8 @@ class TrainContext:
         extra = {k: float(v) for k, v in metrics.items() if k != "loss" and isinstance(v, (int, float))}
         record = StepRecord(step=carry.step, loss=loss, world_size=self.world_size, time=time.time(),
                             samples_seen=carry.samples_seen, global_batch=self._global_batch, metrics=extra,
-                            compute_s=compute_s, data_order=carry.data_order, generation=self.generation)
+                            compute_s=compute_s, data_order=carry.data_order, generation=self.generation,
+                            accum_steps=self.accum_steps)
         with carry.records_lock:
             carry.records.append(record)
             del carry.records[:-RECORDS_KEPT]

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from elastic._accumulation import CONSTANT_GLOBAL_BATCH, check_divisible
 from elastic.config import CheckpointConfig, FailureConfig, LRScalingConfig, ScalingConfig, to_jsonable
 from elastic.context import RunSpec
 from elastic.errors import ConfigError, StorageConfigError
@@ -51,7 +52,8 @@ class ElasticTrainer:
         train_loop: called on every rank with a TrainContext (and `train_loop_config` if it takes
             two parameters); re-entered after every rescale.
         scaling, checkpoint, failure: see their dataclasses.
-        lr: the linear LR scaling rule across rescales (None: the optimizer's LR is left alone).
+        lr: the LR rule across rescales, linear or constant global batch (None: the optimizer's LR
+            is left alone and the global batch follows the world size).
         total_steps: optimizer steps of the whole run (a resumed run continues up to it).
         seed: seeds initial weights, data order and per-(step, rank) randomness.
         failure_policy, scaling_policy: decide on failures and resizes; defaults in elastic.policies.
@@ -74,9 +76,11 @@ class ElasticTrainer:
                 raise ConfigError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")
         if lr is not None and not isinstance(lr, LRScalingConfig):
             raise ConfigError(f"lr must be an LRScalingConfig, got {type(lr).__name__}")
-        if lr is not None and lr.warmup_steps > total_steps:
-            raise ConfigError(f"LRScalingConfig.warmup_steps ({lr.warmup_steps}) is longer than the run "
+        if lr is not None and lr.warmup_steps >= total_steps:
+            raise ConfigError(f"LRScalingConfig.warmup_steps ({lr.warmup_steps}) must be shorter than the run "
                               f"(total_steps={total_steps}); shorten the warmup")
+        if lr is not None and lr.mode == CONSTANT_GLOBAL_BATCH:
+            check_divisible(lr.base_world_size, scaling.min_workers, scaling.max_workers)
         if checkpoint.storage.startswith("memory://"):
             raise StorageConfigError("CheckpointConfig.storage: memory:// is private to one process and the "
                                      "workers are separate processes; use a local path or s3://")

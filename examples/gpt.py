@@ -156,13 +156,15 @@ def make_dataset(cfg: dict, model_cfg: GPTConfig, seed: int):
 
 
 def train_loop(ctx) -> None:
-    """The example's loop; `ctx.config` may hold model_size, batch_size, lr, n_samples,
+    """The example's loop; `ctx.config` may hold model_size, batch_size, lr, optimizer, n_samples,
     activation_checkpointing and data (URL of a Parquet token corpus). Precision comes from
     ScalingConfig through ctx.autocast/backward."""
     cfg = dict(ctx.config or {})
     model_cfg = GPTConfig.named(cfg.get("model_size", "small"))
     model = ctx.prepare_model(GPT(model_cfg, activation_checkpointing=bool(cfg.get("activation_checkpointing"))))
-    optimizer = ctx.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=cfg.get("lr", 3e-3)))
+    # "sgd" (momentum 0.9): an update proportional to the gradient, for tests that compare models.
+    opt_class = {"adamw": torch.optim.AdamW, "sgd": lambda p, lr: torch.optim.SGD(p, lr=lr, momentum=0.9)}
+    optimizer = ctx.prepare_optimizer(opt_class[cfg.get("optimizer", "adamw")](model.parameters(), lr=cfg.get("lr", 3e-3)))
     data = make_dataset(cfg, model_cfg, ctx.seed)
     loader = ctx.prepare_data(data, batch_size=cfg.get("batch_size", 8))
     ctx.restore(model=model, optimizer=optimizer)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -18,8 +19,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import gpt  # noqa: E402
-from elastic import (CheckpointConfig, DatasetError, ElasticTrainer, FailureConfig, ScalingConfig,  # noqa: E402
-                     StorageError)
+from elastic import (CheckpointConfig, ConfigError, DatasetError, ElasticTrainer, FailureConfig,  # noqa: E402
+                     LRScalingConfig, ScalingConfig, StorageError)
 
 
 def parse_workers(text: str) -> tuple[int, int]:
@@ -28,6 +29,13 @@ def parse_workers(text: str) -> tuple[int, int]:
         return int(low), int(high or low)
     except ValueError:
         raise argparse.ArgumentTypeError(f"--workers must be MIN:MAX or N, got {text!r}") from None
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return value
 
 
 def parse_fail_at(text: str) -> tuple[int, int]:
@@ -52,8 +60,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-size", choices=sorted(gpt.MODEL_SIZES), default="small")
-    p.add_argument("--batch-size", type=int, default=8, help="samples per worker per step")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="samples per worker per step (per micro-batch with --lr-mode constant_global_batch)")
+    p.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW LR (the base LR of --lr-mode)")
+    p.add_argument("--lr-mode", choices=("none", "linear", "constant_global_batch"), default="none",
+                   help="none: the LR and per-worker batch stay fixed; linear: LR scales with the global batch; "
+                        "constant_global_batch: gradient accumulation keeps the global batch fixed")
+    p.add_argument("--base-world-size", type=int, default=None,
+                   help="world size at which --lr is right (global batch = this x --batch-size); default: MAX "
+                        "workers for linear, the lcm of MIN..MAX for constant_global_batch")
+    p.add_argument("--warmup-steps", type=int, default=0, help="initial LR warmup, in global steps")
+    p.add_argument("--rescale-warmup-steps", type=int, default=0,
+                   help="linear mode: ramp a raised LR over this many steps after a rescale")
+    p.add_argument("--schedule", choices=("constant", "cosine"), default="cosine", help="LR after the warmup")
     p.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds before a silent worker is declared hung")
     p.add_argument("--cpus-per-worker", type=float, default=1.0)
     p.add_argument("--sync-checkpoints", action="store_true", help="block training while a checkpoint uploads")
@@ -71,6 +90,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="fault injection (chaos tests): the loop of rank RANK raises InjectedUserError at step "
                         "STEP, in the run's first generation only; by default a user error fails the run")
     return p.parse_args(argv)
+
+
+def lr_config(args: argparse.Namespace) -> LRScalingConfig | None:
+    """The LR rule the flags ask for (None for --lr-mode none); invalid values raise ConfigError."""
+    if args.lr_mode == "none":
+        return None
+    low, high = args.workers
+    base = args.base_world_size
+    if base is None:
+        base = high if args.lr_mode == "linear" else math.lcm(*range(low, high + 1))
+    return LRScalingConfig(base_world_size=base, base_lr=args.lr, warmup_steps=args.warmup_steps,
+                           rescale_warmup_steps=args.rescale_warmup_steps, mode=args.lr_mode, schedule=args.schedule)
 
 
 class InjectedUserError(Exception):
@@ -148,13 +179,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"data: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     low, high = args.workers
-    if not os.environ.get("RAY_ADDRESS"):
-        import ray
-        # Logical CPUs: one per worker even on a small machine, so max_workers always fits.
-        # address="local": a Ray of its own, even when another one runs on this machine (the
-        # cluster to join is given by RAY_ADDRESS, as `ray job submit` does).
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(high * args.cpus_per_worker)),
-                 include_dashboard=False)
     train_loop = gpt.train_loop
     if args.fail_at is not None:
         from checkpointing import read_fence
@@ -162,19 +186,30 @@ def main(argv: list[str] | None = None) -> int:
         # growing across runs on the same storage).
         fence = read_fence(args.storage)
         train_loop = failing_loop(*args.fail_at, generation=0 if fence is None else fence + 1)
-    trainer = ElasticTrainer(
-        train_loop,
-        train_loop_config={"model_size": args.model_size, "batch_size": args.batch_size, "lr": args.lr,
-                           "activation_checkpointing": args.activation_checkpointing, "data": data_url},
-        scaling=ScalingConfig(min_workers=low, max_workers=high, strategy=args.strategy,
-                              resources_per_worker={"CPU": args.cpus_per_worker}, precision=args.precision,
-                              grad_compression=None if args.grad_compression == "none" else args.grad_compression,
-                              fsdp_reshard_after_forward=args.fsdp_reshard_after_forward,
-                              fsdp_cpu_offload=args.fsdp_cpu_offload),
-        checkpoint=CheckpointConfig(storage=args.storage, every_n_steps=args.checkpoint_every,
-                                    async_save=not args.sync_checkpoints),
-        failure=FailureConfig(heartbeat_timeout_s=args.heartbeat_timeout),
-        total_steps=args.steps, seed=args.seed, progress=ProgressLine(args.quiet))
+    try:
+        trainer = ElasticTrainer(
+            train_loop,
+            train_loop_config={"model_size": args.model_size, "batch_size": args.batch_size, "lr": args.lr,
+                               "activation_checkpointing": args.activation_checkpointing, "data": data_url},
+            scaling=ScalingConfig(min_workers=low, max_workers=high, strategy=args.strategy,
+                                  resources_per_worker={"CPU": args.cpus_per_worker}, precision=args.precision,
+                                  grad_compression=None if args.grad_compression == "none" else args.grad_compression,
+                                  fsdp_reshard_after_forward=args.fsdp_reshard_after_forward,
+                                  fsdp_cpu_offload=args.fsdp_cpu_offload),
+            checkpoint=CheckpointConfig(storage=args.storage, every_n_steps=args.checkpoint_every,
+                                        async_save=not args.sync_checkpoints),
+            failure=FailureConfig(heartbeat_timeout_s=args.heartbeat_timeout),
+            lr=lr_config(args), total_steps=args.steps, seed=args.seed, progress=ProgressLine(args.quiet))
+    except ConfigError as error:
+        print(f"configuration error: {error}", file=sys.stderr)
+        return 2
+    if not os.environ.get("RAY_ADDRESS"):
+        import ray
+        # Logical CPUs: one per worker even on a small machine, so max_workers always fits.
+        # address="local": a Ray of its own, even when another one runs on this machine (the
+        # cluster to join is given by RAY_ADDRESS, as `ray job submit` does).
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(high * args.cpus_per_worker)),
+                 include_dashboard=False)
     result = trainer.fit()
     s = result.summary
     print()

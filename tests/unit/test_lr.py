@@ -39,7 +39,8 @@ def test_ramp_state_round_trips():
     ({"base_world_size": 0}, "base_world_size"),
     ({"base_world_size": 2, "base_lr": 0.0}, "base_lr"),
     ({"base_world_size": 2, "base_lr": -1e-3}, "base_lr"),
-    ({"base_world_size": 2, "mode": "constant_global_batch"}, "mode"),
+    ({"base_world_size": 2, "mode": "sqrt"}, "mode"),
+    ({"base_world_size": 2, "mode": "constant_global_batch", "rescale_warmup_steps": 5}, "rescale_warmup_steps"),
     ({"base_world_size": 2, "schedule": "step"}, "schedule"),
     ({"base_world_size": 2, "warmup_steps": -1}, "warmup_steps"),
 ])

@@ -1,0 +1,162 @@
+"""Gradient accumulation for LRScalingConfig(mode="constant_global_batch").
+
+The global batch G = base_world_size x per-rank batch B stays fixed at every world size W: each
+rank runs accum = base_world_size / W micro-batches of B samples per optimizer step. The user's
+loop is unchanged (one `backward(); step(); zero_grad(); report()` per micro-batch); on a
+non-final micro-step this module skips the gradient sync (DDP `require_backward_grad_sync`,
+FSDP2 `set_requires_gradient_sync`), turns the prepared optimizer's step()/zero_grad() into
+no-ops and makes `ctx.report` return early. On the final micro-step the accumulated, synced
+gradients are divided by accum before the real step, so the update is the mean over the same G
+samples as at base_world_size: global micro-batch k is positions [seen + kB, seen + (k+1)B) at
+any W, only the order of the sums differs.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from elastic.errors import ConfigError, ElasticError
+
+CONSTANT_GLOBAL_BATCH = "constant_global_batch"
+
+
+def new_accumulation(rule: Any, world_size: int) -> "Accumulation | None":
+    """The generation's accumulation state under `rule` (an LRScalingConfig), None unless it holds
+    the global batch constant."""
+    if rule is None or rule.mode != CONSTANT_GLOBAL_BATCH:
+        return None
+    return Accumulation(accumulation_steps(rule.base_world_size, world_size))
+
+
+def as_float(value: Any) -> float | None:
+    """A reported metric (tensor or number) as a float."""
+    return float(value.detach()) if isinstance(value, torch.Tensor) else (float(value) if value is not None else None)
+
+
+def allowed_world_sizes(min_workers: int, max_workers: int) -> list[int]:
+    return list(range(min_workers, max_workers + 1))
+
+
+def check_divisible(base_world_size: int, min_workers: int, max_workers: int | None) -> None:
+    """Configuration check: base_world_size must split into whole micro-batches at every allowed W."""
+    if max_workers is None:
+        raise ConfigError("LRScalingConfig(mode='constant_global_batch') needs a bounded world size: set "
+                          "ScalingConfig.max_workers (the global batch must divide by every allowed world size)")
+    sizes = allowed_world_sizes(min_workers, max_workers)
+    bad = [w for w in sizes if base_world_size % w]
+    if bad:
+        fits = math.lcm(*sizes)
+        raise ConfigError(
+            f"LRScalingConfig.base_world_size={base_world_size} (the global batch in per-rank batches) is not "
+            f"divisible by world sizes {bad} of ScalingConfig [{min_workers}, {max_workers}]; set "
+            f"base_world_size to a multiple of {fits} (the lcm of the allowed sizes) or narrow min/max_workers")
+
+
+def accumulation_steps(base_world_size: int, world_size: int) -> int:
+    """Micro-batches per rank per optimizer step at `world_size`."""
+    if base_world_size % world_size:
+        raise ElasticError(f"world size {world_size} does not divide LRScalingConfig.base_world_size="
+                           f"{base_world_size}; the configuration check should have refused this")
+    return base_world_size // world_size
+
+
+def rank_positions(samples_seen: int, global_batch: int, world_size: int, rank: int) -> range:
+    """Global sample positions rank `rank` reads in the step that starts after `samples_seen`."""
+    share = global_batch // world_size
+    start = samples_seen + rank * share
+    return range(start, start + share)
+
+
+class Accumulation:
+    """One generation's micro-step state on one rank (accum = 1 means no accumulation)."""
+
+    def __init__(self, steps: int = 1):
+        self.steps = steps
+        self.micro = 0                 # index of the micro-batch being processed in this step
+        self._reported = 0             # micro-steps of this step whose report() was called
+        self._loss_sum = 0.0
+        self.stepped = False           # the real optimizer step of this step has run
+        self._clear_grads: list[Any] = []   # prepared optimizers' real zero_grad
+
+    @property
+    def final(self) -> bool:
+        return self.micro == self.steps - 1
+
+    def begin_micro(self, micro: int, model: nn.Module | None) -> None:
+        """Before micro-batch `micro` is yielded: sync gradients only in its final backward."""
+        self.micro = micro
+        if micro == 0:
+            self._reported, self._loss_sum, self.stepped = 0, 0.0, False
+            if self.steps > 1:
+                # Cleared here rather than by the user's zero_grad, so that both loop orders
+                # (zero_grad after step, or before backward) accumulate exactly this step's grads.
+                for clear in self._clear_grads:
+                    clear(set_to_none=True)
+        if self.steps > 1 and model is not None:
+            set_gradient_sync(model, self.final)
+
+    def reported(self) -> int:
+        return self._reported
+
+    def defer_report(self, loss_value: float | None) -> bool:
+        """report() on a micro-step: True when it must return at once (not the final micro-step)."""
+        self._reported += 1
+        self._loss_sum += loss_value or 0.0
+        return not self.final
+
+    def mean_loss(self) -> float:
+        """Mean of this step's micro-batch losses (call after the final defer_report)."""
+        return self._loss_sum / self.steps
+
+    def scale_gradients(self, params: Iterable[torch.Tensor]) -> None:
+        """Synced gradients are sums over `steps` micro-batches: make them the mean."""
+        if self.steps == 1:
+            return
+        with torch.no_grad():
+            for p in params:
+                if p.grad is not None:
+                    p.grad.div_(self.steps)
+
+
+def set_gradient_sync(model: nn.Module, sync: bool) -> None:
+    """DDP's no_sync without a context manager (the sync decision is made per micro-batch)."""
+    if hasattr(model, "set_requires_gradient_sync"):          # FSDP2 fully_shard
+        model.set_requires_gradient_sync(sync)
+    elif hasattr(model, "require_backward_grad_sync"):        # DistributedDataParallel
+        model.require_backward_grad_sync = sync
+
+
+def wrap_optimizer(optimizer: torch.optim.Optimizer, accumulation: Accumulation) -> None:
+    """Make `optimizer.step()`/`zero_grad()` no-ops except on the final micro-step, where step()
+    first averages the accumulated gradients. Patched on the instance (identity, isinstance and
+    state_dict unchanged); preparing the same optimizer again only points it at `accumulation`."""
+    holder: list[Any] | None = optimizer.__dict__.get("_elastic_accumulation")
+    if holder is not None:
+        holder[0] = accumulation
+        accumulation._clear_grads.append(holder[1])
+        return
+    holder = [accumulation, optimizer.zero_grad]
+    real_step, real_zero_grad = optimizer.step, optimizer.zero_grad
+    accumulation._clear_grads.append(real_zero_grad)
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        acc = holder[0]
+        if not acc.final:
+            return None
+        acc.scale_gradients(p for group in optimizer.param_groups for p in group["params"])
+        acc.stepped = True
+        return real_step(*args, **kwargs)
+
+    def zero_grad(*args: Any, **kwargs: Any) -> None:
+        acc = holder[0]
+        # With accumulation, only a zero_grad after the real step frees memory early; the
+        # gradients of this step's micro-batches must survive until then.
+        if acc.steps == 1 or acc.stepped:
+            real_zero_grad(*args, **kwargs)
+
+    optimizer.__dict__["_elastic_accumulation"] = holder
+    optimizer.step = step              # type: ignore[method-assign]
+    optimizer.zero_grad = zero_grad    # type: ignore[method-assign]

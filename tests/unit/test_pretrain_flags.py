@@ -1,0 +1,44 @@
+"""The main job's LR and batch flags become an LRScalingConfig; bad values fail before any Ray."""
+import pytest
+
+import pretrain
+from elastic.config import ConfigError
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def args(*extra):
+    return pretrain.parse_args(["--storage", "unused", "--workers", "2:4", *extra])
+
+
+def test_default_leaves_the_lr_alone():
+    assert pretrain.lr_config(args()) is None
+
+
+def test_linear_defaults_to_max_workers_and_takes_every_flag():
+    rule = pretrain.lr_config(args("--lr-mode", "linear", "--lr", "0.01", "--warmup-steps", "5",
+                                   "--rescale-warmup-steps", "7", "--schedule", "constant"))
+    assert (rule.mode, rule.base_world_size, rule.base_lr, rule.warmup_steps, rule.rescale_warmup_steps,
+            rule.schedule) == ("linear", 4, 0.01, 5, 7, "constant")
+
+
+def test_constant_batch_defaults_to_a_base_that_fits_every_world_size():
+    rule = pretrain.lr_config(args("--lr-mode", "constant_global_batch"))
+    assert rule.mode == "constant_global_batch" and rule.base_world_size == 12     # lcm(2, 3, 4)
+
+
+def test_invalid_combinations_are_config_errors():
+    with pytest.raises(ConfigError, match="rescale_warmup_steps"):
+        pretrain.lr_config(args("--lr-mode", "constant_global_batch", "--rescale-warmup-steps", "3"))
+    with pytest.raises(SystemExit):
+        args("--lr", "0")
+    with pytest.raises(SystemExit):
+        args("--lr-mode", "sqrt")
+
+
+def test_main_refuses_a_global_batch_that_does_not_divide(tmp_path, capsys):
+    code = pretrain.main(["--storage", str(tmp_path), "--workers", "2:4", "--lr-mode", "constant_global_batch",
+                          "--base-world-size", "6", "--quiet"])
+    assert code == 2 and "[4]" in capsys.readouterr().err
+    code = pretrain.main(["--storage", str(tmp_path), "--steps", "10", "--lr-mode", "linear", "--warmup-steps", "10"])
+    assert code == 2 and "warmup_steps" in capsys.readouterr().err
