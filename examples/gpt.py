@@ -2,7 +2,6 @@
 as a Parquet corpus), and the train loop used by examples/pretrain.py, the tests and the benchmarks."""
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -140,12 +139,20 @@ def ensure_synthetic_corpus(url: str, seq_len: int, vocab: int, seed: int = 0) -
     return True
 
 
-@functools.lru_cache(maxsize=2)
+_DATASETS: dict[tuple[str, int], object] = {}
+
+
 def _parquet_tokens(url: str, seq_len: int):
     # Kept across generations: a survivor of a rescale re-enters train_loop in the same process
-    # and keeps its index and row-group cache instead of reading the corpus again.
+    # and keeps its index and row-group cache instead of reading the corpus again. (A plain dict,
+    # not functools.lru_cache: the loop's module travels to the workers by value, and an
+    # lru_cache wrapper would be pickled by reference to a module the workers cannot import.)
     from elastic import ParquetTokens
-    return ParquetTokens(url, seq_len)
+    key = (url, seq_len)
+    if key not in _DATASETS:
+        _DATASETS.clear()
+        _DATASETS[key] = ParquetTokens(url, seq_len)
+    return _DATASETS[key]
 
 
 def make_dataset(cfg: dict, model_cfg: GPTConfig, seed: int):
