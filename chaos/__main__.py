@@ -67,10 +67,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    signal.signal(signal.SIGTERM, _terminate)
     from chaos.report import summarize
     from chaos.runner import RunOptions, run
     out = args.out or os.path.join("runs", "chaos", f"{args.scenario}-seed{args.seed}")
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         outcome = run(RunOptions(scenario=SCENARIOS[args.scenario], seed=args.seed, storage=args.storage, out_dir=out,
                                  steps=args.steps, workers=args.workers, script=args.job,
@@ -79,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:
         print(f"chaos: {e}", file=sys.stderr)
         return 2
+    finally:
+        # Called in-process too (`elastic chaos`, tests): leave the caller's SIGTERM handling as it was.
+        signal.signal(signal.SIGTERM, previous)
     print(summarize(outcome.report))
     print(f"report: {os.path.join(out, 'chaos_report.json')} and chaos_report.png")
     return 0 if outcome.ok else 1
