@@ -2,6 +2,7 @@
 broken one is caught, and `python -m chaos run` exits non-zero for it."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -37,8 +38,19 @@ def verdicts(outcome) -> dict:
     return {v.name: v.status for v in outcome.verdicts}
 
 
-def test_a_correct_run_passes_and_is_reported(tmp_path):
-    outcome = run(options(tmp_path))
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> str:
+    """One fault-free run of the fake job, the reference of the tests that compare models."""
+    tmp = tmp_path_factory.mktemp("reference")
+    sc = fake_scenario()
+    outcome = run(RunOptions(scenario=dataclasses.replace(sc, build=lambda sc, seed: fixed([], seed=seed)), seed=3,
+                             storage=str(tmp / "run"), out_dir=str(tmp / "out"), script=FAKE_JOB, reference="none"))
+    assert outcome.ok and outcome.report["attempts"][-1]["status"] == "finished", outcome.report
+    return str(tmp / "run")
+
+
+def test_a_correct_run_passes_and_is_reported(tmp_path, reference):
+    outcome = run(options(tmp_path, reference=reference))
     assert outcome.ok, outcome.report["invariants"]
     assert verdicts(outcome)["model_matches_reference"] == "pass"
     report = json.load(open(tmp_path / "out" / "chaos_report.json"))
@@ -51,13 +63,14 @@ def test_a_correct_run_passes_and_is_reported(tmp_path):
 
 
 def test_a_run_that_loses_committed_steps_is_caught(tmp_path):
-    outcome = run(options(tmp_path, "--break=rollback"))
+    outcome = run(options(tmp_path, "--break=rollback", reference="none"))
     assert not outcome.ok
     assert verdicts(outcome)["committed_steps_kept"] == "fail"
 
 
-def test_a_run_whose_model_differs_from_the_reference_is_caught(tmp_path):
-    outcome = run(options(tmp_path, "--break=sha"))
+def test_a_run_whose_model_differs_from_the_reference_is_caught(tmp_path, reference):
+    outcome = run(options(tmp_path, "--break=sha", reference=reference))
+    assert not outcome.ok
     assert verdicts(outcome)["model_matches_reference"] == "fail"
 
 
@@ -91,7 +104,7 @@ def test_a_job_that_ends_before_its_schedule_is_run_again_for_longer(tmp_path):
         return fixed([(0.2, KillWorker(target="one")), (4.0, KillWorker(target="one"))], seed=seed)
     sc = Scenario(name="short", description="fake job shorter than its schedule", build=build, steps=40,
                   workers="1:1", checkpoint_every=10, heartbeat_timeout_s=5.0, job_timeout_s=60)
-    outcome = run(options(tmp_path, scenario=sc))
+    outcome = run(options(tmp_path, scenario=sc, reference="none"))
     assert outcome.ok, outcome.report["invariants"]
     attempts = outcome.report["attempts"]
     assert len(attempts) >= 2 and all(a["status"] == "finished" for a in attempts)
