@@ -79,19 +79,45 @@ class Campaign:
         self.info["unsupported"] = dict(self.nemesis.unsupported)
 
     def _teardown(self) -> None:
+        """Every step runs even when one before it fails, or a Ctrl-C/SIGTERM lands meanwhile:
+        the first error is raised once all of them have run."""
+        errors: list[BaseException] = []
+        for step in (self._final_heal, self._stop_job, self._stop_watcher, self._teardown_injectors,
+                     self._close_proxy, self._stop_cluster, self._kill_leftovers):
+            try:
+                step()
+            except BaseException as e:   # noqa: BLE001 - re-raised below, after the other steps
+                log.exception("teardown step %s failed", step.__name__)
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def _final_heal(self) -> None:
         if self.nemesis is not None:
-            self.nemesis.heal_all(self.env.touched)             # the final heal, whatever happened
+            self.nemesis.heal_all(self.env.touched)             # whatever happened to the run
+
+    def _stop_job(self) -> None:
         if self.job is not None:
             self.job.stop()
+
+    def _stop_watcher(self) -> None:
         if self.watcher is not None:
             self.watcher.stop()
+
+    def _teardown_injectors(self) -> None:
         if self.nemesis is not None:
             self.nemesis.teardown()
+
+    def _close_proxy(self) -> None:
         if self.proxy is not None:
             self.info["proxy_counts"] = self.proxy.snapshot()
             self.proxy.close()
+
+    def _stop_cluster(self) -> None:
         if self.cluster is not None:
             self.cluster.shutdown()
+
+    def _kill_leftovers(self) -> None:
         left = resume_and_kill(self.env.touched)
         if left:
             self.history.record("cleanup", killed_leftover_workers=left)
