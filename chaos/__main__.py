@@ -37,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--moto", action="store_true", help="start a local moto S3 server for s3:// storage")
     r.add_argument("--reference", default="auto",
                    help="fault-free reference: auto (train or reuse STORAGE-reference), none, or a run's URL")
+    r.add_argument("--reference-after", action="store_true",
+                   help="train the reference after the campaign, not alongside it at nice 19")
     r.add_argument("--overwrite", action="store_true", help="delete what is in --storage first")
     r.add_argument("--job", help="script that follows the main job's contract (default examples/pretrain.py)")
     r.add_argument("--job-arg", action="append", default=[], help="extra argument for the job (repeatable)")
@@ -75,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         outcome = run(RunOptions(scenario=SCENARIOS[args.scenario], seed=args.seed, storage=args.storage, out_dir=out,
                                  steps=args.steps, workers=args.workers, script=args.job,
                                  extra_args=tuple(args.job_arg), moto=args.moto, reference=args.reference,
+                                 reference_alongside=not args.reference_after,
                                  overwrite=args.overwrite, timeout_s=args.timeout, max_faults=args.faults))
     except SystemExit as e:
         print(f"chaos: {e}", file=sys.stderr)

@@ -49,10 +49,16 @@ def reference(tmp_path_factory) -> str:
     return str(tmp / "run")
 
 
-def test_a_correct_run_passes_and_is_reported(tmp_path, reference):
-    outcome = run(options(tmp_path, reference=reference))
+def test_a_correct_run_passes_and_is_reported(tmp_path):
+    outcome = run(options(tmp_path))
     assert outcome.ok, outcome.report["invariants"]
     assert verdicts(outcome)["model_matches_reference"] == "pass"
+    # The reference trained alongside the campaign, at the lowest priority, and is kept for reuse.
+    history = [json.loads(line) for line in open(tmp_path / "out" / "history.jsonl")]
+    started, = [e for e in history if e["type"] == "reference"]
+    assert started["nice"] == 19 and not started["reused"]
+    assert [e["type"] for e in history].index("reference") < [e["type"] for e in history].index("job_start")
+    assert (tmp_path / "run-reference" / "chaos_reference.json").exists()
     report = json.load(open(tmp_path / "out" / "chaos_report.json"))
     assert report["faults_injected"] == 2 and report["kinds_injected"] == ["kill_worker", "preempt"]
     assert [f["outcome"] for f in report["faults"]] == ["recovered", "recovered"]
