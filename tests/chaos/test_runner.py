@@ -116,3 +116,32 @@ def test_a_job_that_ends_before_its_schedule_is_run_again_for_longer(tmp_path):
     assert len(attempts) >= 2 and all(a["status"] == "finished" for a in attempts)
     assert attempts[-1]["steps"] > 40 and attempts[-1]["resumed_from"] is not None
     assert outcome.report["faults_injected"] == 2
+
+
+def test_a_reference_started_for_fewer_steps_than_the_job_ran_is_discarded(tmp_path):
+    from chaos.history import History
+    from chaos.job import JobSpec
+    from chaos.reference import MARKER, _identity, reference_run, reference_url
+
+    class Started:
+        def __init__(self, spec):
+            self.spec, self.url, self.stopped = spec, "unused", False
+
+        def stop(self):
+            self.stopped = True
+
+        def result(self, timeout_s):
+            raise AssertionError("a reference of another job must not be used")
+
+    planned = JobSpec(storage=str(tmp_path / "run"), steps=40, script=FAKE_JOB)
+    ran = planned.replace(steps=500)
+    cached = tmp_path / "run-reference"          # a finished reference of the job as it ran
+    cached.mkdir()
+    (cached / "summary.json").write_text(json.dumps({"status": "finished", "model_sha256": "x"}))
+    (cached / MARKER).write_text(json.dumps(_identity(ran)))
+    assert reference_url(ran.storage) == str(cached)
+    history = History()
+    started = Started(planned)
+    reference = reference_run(ran, "auto", None, str(tmp_path), history, timeout_s=5, started=started)
+    assert started.stopped and reference["reused"] and reference["summary"]["model_sha256"] == "x"
+    assert [e["type"] for e in history.events] == ["reference_discarded", "reference"]
