@@ -201,8 +201,11 @@ class Campaign:
         start = summary.get("resumed_from") or 0
         rate = max(0.1, (summary.get("final_step", spec.steps) - start) / max(1.0, summary.get("wall_s") or 1.0))
         remaining_s = self.schedule.entries[-1].at_s - (time.time() - (self.t0 or time.time()))
+        # Each pending fault waits for a commit by the generation it hits (Nemesis._gate): up to
+        # checkpoint_every steps of every new generation, however late the schedule already is.
+        pending = len(self.schedule.entries) - self.nemesis.next_index
         # A little more than the rest of the schedule; if recoveries eat it, one more extension.
-        extra = int((max(0.0, remaining_s) * 1.2 + 10.0) * rate) + spec.checkpoint_every
+        extra = int((max(0.0, remaining_s) * 1.2 + 10.0) * rate) + (pending + 1) * spec.checkpoint_every
         log.info("the job finished before the schedule: running it again with %d more steps", extra)
         return spec.steps + extra
 

@@ -58,3 +58,14 @@ def test_a_failing_step_does_not_stop_the_rest_and_is_raised_after_them(tmp_path
     with pytest.raises(error):
         c._teardown()
     assert calls == ALL_STEPS
+
+
+def test_a_late_schedule_still_gets_a_commit_interval_per_pending_fault(tmp_path):
+    from chaos.faults import KillWorker
+    c = campaign(tmp_path, [])
+    c.schedule = fixed([(t, KillWorker()) for t in (1.0, 2.0, 3.0, 4.0)])
+    c.nemesis = type("N", (), {"next_index": 1})()
+    c.t0 = 0.0                       # the schedule's times are long past
+    spec = JobSpec(storage=str(tmp_path / "run"), steps=400, checkpoint_every=50)
+    summary = {"resumed_from": 300, "final_step": 400, "wall_s": 100.0}      # 1 step/s
+    assert c._extended_steps(spec, summary) >= 400 + (3 + 1) * 50
