@@ -5,7 +5,8 @@
     python -m chaos run smoke --seed 1 --storage s3://chaos/smoke --moto
     python -m chaos heal                                 remove network namespaces a killed runner left
 
-`run` exits 0 when every invariant holds, 1 when one is violated, 2 on a usage or setup error.
+`run` exits 0 when every invariant holds, 1 when one is violated, 2 on a usage or setup error,
+130 when interrupted (Ctrl-C, SIGTERM) after the final heal.
 """
 from __future__ import annotations
 
@@ -82,6 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:
         print(f"chaos: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:
+        # The final heal and teardown have run on the way out; what was recorded stays.
+        print(f"chaos: interrupted ({e}); faults healed, job stopped; history in "
+              f"{os.path.join(out, 'history.jsonl')}, no verdicts", file=sys.stderr)
+        return 130
     finally:
         # Called in-process too (`elastic chaos`, tests): leave the caller's SIGTERM handling as it was.
         signal.signal(signal.SIGTERM, previous)

@@ -145,3 +145,18 @@ def test_a_reference_started_for_fewer_steps_than_the_job_ran_is_discarded(tmp_p
     reference = reference_run(ran, "auto", None, str(tmp_path), history, timeout_s=5, started=started)
     assert started.stopped and reference["reused"] and reference["summary"]["model_sha256"] == "x"
     assert [e["type"] for e in history.events] == ["reference_discarded", "reference"]
+
+
+def test_an_interrupted_run_exits_130_and_leaves_sigterm_as_it_was(tmp_path, monkeypatch, capsys):
+    import signal
+
+    import chaos.runner
+
+    def interrupted(opts):
+        raise KeyboardInterrupt("signal 15")     # as chaos's SIGTERM handler raises it mid-run
+
+    monkeypatch.setattr(chaos.runner, "run", interrupted)
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["run", "smoke", "--storage", str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is before
