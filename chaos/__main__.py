@@ -5,7 +5,8 @@
     python -m chaos run smoke --seed 1 --storage s3://chaos/smoke --moto
     python -m chaos heal                                 remove network namespaces a killed runner left
 
-`run` exits 0 when every invariant holds, 1 when one is violated, 2 on a usage or setup error.
+`run` exits 0 when every invariant holds, 1 when one is violated, 2 on a usage or setup error,
+130 when interrupted (Ctrl-C, SIGTERM) after the final heal.
 """
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--moto", action="store_true", help="start a local moto S3 server for s3:// storage")
     r.add_argument("--reference", default="auto",
                    help="fault-free reference: auto (train or reuse STORAGE-reference), none, or a run's URL")
+    r.add_argument("--reference-after", action="store_true",
+                   help="train the reference after the campaign, not alongside it at nice 19")
     r.add_argument("--overwrite", action="store_true", help="delete what is in --storage first")
     r.add_argument("--job", help="script that follows the main job's contract (default examples/pretrain.py)")
     r.add_argument("--job-arg", action="append", default=[], help="extra argument for the job (repeatable)")
@@ -67,18 +70,27 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    signal.signal(signal.SIGTERM, _terminate)
     from chaos.report import summarize
     from chaos.runner import RunOptions, run
     out = args.out or os.path.join("runs", "chaos", f"{args.scenario}-seed{args.seed}")
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         outcome = run(RunOptions(scenario=SCENARIOS[args.scenario], seed=args.seed, storage=args.storage, out_dir=out,
                                  steps=args.steps, workers=args.workers, script=args.job,
                                  extra_args=tuple(args.job_arg), moto=args.moto, reference=args.reference,
+                                 reference_alongside=not args.reference_after,
                                  overwrite=args.overwrite, timeout_s=args.timeout, max_faults=args.faults))
     except SystemExit as e:
         print(f"chaos: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:
+        # The final heal and teardown have run on the way out; what was recorded stays.
+        print(f"chaos: interrupted ({e}); faults healed, job stopped; history in "
+              f"{os.path.join(out, 'history.jsonl')}, no verdicts", file=sys.stderr)
+        return 130
+    finally:
+        # Called in-process too (`elastic chaos`, tests): leave the caller's SIGTERM handling as it was.
+        signal.signal(signal.SIGTERM, previous)
     print(summarize(outcome.report))
     print(f"report: {os.path.join(out, 'chaos_report.json')} and chaos_report.png")
     return 0 if outcome.ok else 1

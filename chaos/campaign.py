@@ -79,19 +79,45 @@ class Campaign:
         self.info["unsupported"] = dict(self.nemesis.unsupported)
 
     def _teardown(self) -> None:
+        """Every step runs even when one before it fails, or a Ctrl-C/SIGTERM lands meanwhile:
+        the first error is raised once all of them have run."""
+        errors: list[BaseException] = []
+        for step in (self._final_heal, self._stop_job, self._stop_watcher, self._teardown_injectors,
+                     self._close_proxy, self._stop_cluster, self._kill_leftovers):
+            try:
+                step()
+            except BaseException as e:   # noqa: BLE001 - re-raised below, after the other steps
+                log.exception("teardown step %s failed", step.__name__)
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def _final_heal(self) -> None:
         if self.nemesis is not None:
-            self.nemesis.heal_all(self.env.touched)             # the final heal, whatever happened
+            self.nemesis.heal_all(self.env.touched)             # whatever happened to the run
+
+    def _stop_job(self) -> None:
         if self.job is not None:
             self.job.stop()
+
+    def _stop_watcher(self) -> None:
         if self.watcher is not None:
             self.watcher.stop()
+
+    def _teardown_injectors(self) -> None:
         if self.nemesis is not None:
             self.nemesis.teardown()
+
+    def _close_proxy(self) -> None:
         if self.proxy is not None:
             self.info["proxy_counts"] = self.proxy.snapshot()
             self.proxy.close()
+
+    def _stop_cluster(self) -> None:
         if self.cluster is not None:
             self.cluster.shutdown()
+
+    def _kill_leftovers(self) -> None:
         left = resume_and_kill(self.env.touched)
         if left:
             self.history.record("cleanup", killed_leftover_workers=left)
@@ -175,8 +201,11 @@ class Campaign:
         start = summary.get("resumed_from") or 0
         rate = max(0.1, (summary.get("final_step", spec.steps) - start) / max(1.0, summary.get("wall_s") or 1.0))
         remaining_s = self.schedule.entries[-1].at_s - (time.time() - (self.t0 or time.time()))
+        # Each pending fault waits for a commit by the generation it hits (Nemesis._gate): up to
+        # checkpoint_every steps of every new generation, however late the schedule already is.
+        pending = len(self.schedule.entries) - self.nemesis.next_index
         # A little more than the rest of the schedule; if recoveries eat it, one more extension.
-        extra = int((max(0.0, remaining_s) * 1.2 + 10.0) * rate) + spec.checkpoint_every
+        extra = int((max(0.0, remaining_s) * 1.2 + 10.0) * rate) + (pending + 1) * spec.checkpoint_every
         log.info("the job finished before the schedule: running it again with %d more steps", extra)
         return spec.steps + extra
 

@@ -135,8 +135,11 @@ class Nemesis:
 
     def _gate(self) -> bool:
         """Wait until the run trains again: state running, past the previous fault's generation
-        when that fault needed a recovery, and a checkpoint committed since that fault (a new
-        generation's first save builds its checkpoint group; hitting that is left to storms)."""
+        when that fault needed a recovery, a checkpoint committed since that fault, and one
+        committed by the current generation. A generation's first save builds its checkpoint
+        group: a rank lost while that group forms leaves the survivors waiting in the store for
+        the whole collective timeout, so hitting that moment is left to storms (the first fault
+        of a run waits for it too)."""
         deadline = time.monotonic() + self.gate_timeout_s
         first_step = None
         while time.monotonic() < deadline and self.job_alive():
@@ -145,8 +148,9 @@ class Nemesis:
             healthy = status.get("state") == "running" and not self.active
             if healthy and self._last is not None and self._last[1]:
                 healthy = status.get("generation", -1) > self._last[0]
-            if healthy and self._last is not None and self.commits is not None:
-                healthy = self.commits.newest_at > self._last[2]
+            if healthy and self.commits is not None:
+                healthy = status.get("generation") in self.commits.generations and (
+                    self._last is None or self.commits.newest_at > self._last[2])
             if healthy:
                 first_step = status.get("step", 0) if first_step is None else first_step
                 if status.get("step", 0) > first_step:      # training, not just re-formed
@@ -202,6 +206,7 @@ class CommitWatcher(threading.Thread):
         self.view, self.history, self.interval_s = view, history, interval_s
         self._halt = threading.Event()
         self.newest_at = 0.0          # unix time when a new commit (step, generation) was last seen
+        self.generations: set[int] = set()    # generations seen committing at least once
 
     def run(self) -> None:
         last = None
@@ -215,6 +220,7 @@ class CommitWatcher(threading.Thread):
                                             generations=[steps[s] for s in sorted(steps)],
                                             newest=max(steps) if steps else None)
                 if set(steps.items()) - set((last or {}).items()):
+                    self.generations.update(steps.values())
                     self.newest_at = event["t"]
                 last = steps
             self._halt.wait(self.interval_s)

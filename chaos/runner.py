@@ -2,7 +2,8 @@
 
     services     a private RAY_TMPDIR; an S3 endpoint (moto, with --moto) and its bucket
     campaign     the job's attempts under the nemesis, and the final heal (chaos.campaign)
-    reference    the same job without faults (cached per job and code), for model_sha256
+    reference    the same job without faults (cached per job and code), for model_sha256; trained
+                 alongside the campaign at the lowest CPU priority unless told otherwise
     verdict      invariants on the history and the run's records; chaos_report.json and .png
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ from chaos.campaign import Campaign
 from chaos.history import History
 from chaos.job import JobSpec
 from chaos.observe import RunView
-from chaos.reference import reference_run
+from chaos.reference import reference_run, start_reference
 from chaos.report import write_report
 from chaos.scenarios import Scenario
 from chaos.schedule import Schedule
@@ -38,6 +39,7 @@ class RunOptions:
     extra_args: tuple[str, ...] = ()
     moto: bool = False
     reference: str = "auto"                 # "auto", "none", or a storage URL of a finished run
+    reference_alongside: bool = True        # train an "auto" reference during the campaign, at nice 19
     overwrite: bool = False
     timeout_s: float | None = None          # per attempt of the job
     schedule: Schedule | None = None        # overrides the scenario's (tests)
@@ -84,11 +86,17 @@ def _run(opts: RunOptions, sc: Scenario, schedule: Schedule, spec: JobSpec, hist
     _prepare_storage(view, opts.overwrite)
     campaign = Campaign(sc, spec, schedule, view, history, out_dir=opts.out_dir, upstream=upstream,
                         timeout_s=opts.timeout_s)
-    spec = campaign.run()          # the job as last run: its --steps may have grown
-    reference = None
-    if opts.reference != "none":
-        reference = reference_run(spec, opts.reference, options, opts.out_dir, history,
-                                  timeout_s=opts.timeout_s or sc.job_timeout_s)
+    alongside = start_reference(spec, opts.reference, options, opts.out_dir, history) \
+        if opts.reference_alongside else None
+    try:
+        spec = campaign.run()          # the job as last run: its --steps may have grown
+        reference = None
+        if opts.reference != "none":
+            reference = reference_run(spec, opts.reference, options, opts.out_dir, history,
+                                      timeout_s=opts.timeout_s or sc.job_timeout_s, started=alongside)
+    finally:
+        if alongside is not None:
+            alongside.stop()
     evidence = invariants.Evidence(
         history=history.events, attempts=campaign.attempts, total_steps=spec.steps,
         heartbeat_timeout_s=sc.heartbeat_timeout_s, metrics=view.metrics(), reference=reference,

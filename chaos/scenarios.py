@@ -105,7 +105,7 @@ def _mixed(sc: Scenario, seed: int, count: int = 50) -> Schedule:
     # The user error comes first, alone (it is armed in the run's first generation): that
     # attempt fails fast with it, the runner restarts the job, which resumes from its last
     # checkpoint, and the campaign runs on the restarted job.
-    return randomized(seed, MIXED_MENU, count=count, mean_interval_s=25.0, jitter=0.2, start_s=10.0,
+    return randomized(seed, MIXED_MENU, count=count, mean_interval_s=25.0, jitter=0.2, start_s=10.0, cover_menu=True,
                       launch_faults=(UserError(rank=seed % 3, step=3 * sc.checkpoint_every),))
 
 

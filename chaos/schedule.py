@@ -66,18 +66,21 @@ def fixed(faults: Sequence[tuple[float, Fault]], *, seed: int = 0, wait_for_reco
 
 def randomized(seed: int, menu: Menu, *, count: int, mean_interval_s: float, jitter: float | None = None,
                min_interval_s: float = 1.0, start_s: float | None = None, wait_for_recovery: bool = True,
-               launch_faults: Sequence[Fault] = ()) -> Schedule:
+               launch_faults: Sequence[Fault] = (), cover_menu: bool = False) -> Schedule:
     """`count` faults drawn from `menu` by weight. Intervals are exponential with mean
     `mean_interval_s` (a Poisson process, as in Jepsen), or uniform in mean x (1 +- jitter)
-    when `jitter` is given; never shorter than `min_interval_s`."""
+    when `jitter` is given; never shorter than `min_interval_s`. With `cover_menu`, the first
+    len(menu) faults are one of each entry in a seeded order, so every seed has every kind
+    (and a run cut short with `--faults` too)."""
     if count < 0 or mean_interval_s <= 0 or not menu:
         raise ValueError("randomized schedule: count >= 0, mean_interval_s > 0 and a non-empty menu")
     rng = random.Random(seed)
     weights = [w for w, _ in menu]
+    first = rng.sample(range(len(menu)), len(menu)) if cover_menu else []
     t = mean_interval_s if start_s is None else start_s
     entries = []
-    for _ in range(count):
-        _, factory = rng.choices(menu, weights=weights)[0]
+    for i in range(count):
+        _, factory = menu[first[i]] if i < len(first) else rng.choices(menu, weights=weights)[0]
         entries.append(ScheduledFault(round(t, 3), factory(rng)))
         if jitter is None:
             gap = rng.expovariate(1.0 / mean_interval_s)

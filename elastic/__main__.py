@@ -5,6 +5,7 @@
                                    --plot draws loss, world size and LR over time (default PATH:
                                    <URL>/report.png)
     elastic ckpt list|verify|gc URL   committed checkpoints (same as `python -m checkpointing`)
+    elastic chaos run|list|schedule|heal ...   fault injection (same as `python -m chaos`)
 """
 from __future__ import annotations
 
@@ -103,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["ckpt"]:
         from checkpointing.cli import main as checkpoint_main
         return checkpoint_main(argv[1:])
+    if argv[:1] == ["chaos"]:
+        # Imported only here: the chaos suite drives the runtime from outside and is not part of it.
+        from chaos.__main__ import main as chaos_main
+        return chaos_main(argv[1:])
     parser = argparse.ArgumentParser(prog="elastic", description="Look at an elastic run from outside.")
     sub = parser.add_subparsers(dest="command", required=True)
     status = sub.add_parser("status", help="live view of <URL>/status.json")
@@ -118,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                              "(default PATH: <URL>/report.png; needs matplotlib)")
     report.set_defaults(run=cmd_report)
     sub.add_parser("ckpt", help="list|verify|gc URL: committed checkpoints")
+    sub.add_parser("chaos", help="run|list|schedule|heal: fault injection (python -m chaos)")
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from chaos.faults import Hang, KillWorker, Preempt, Slow, StorageOutage
+from chaos.faults import Hang, KillNode, KillWorker, Partition, Preempt, Slow, StorageOutage
 from chaos.history import History
-from chaos.injectors import Env, Skip, build_injectors
+from chaos.injectors import Env, Skip, Unsupported, build_injectors
 from chaos.nemesis import Nemesis
 from chaos.procs import Proc, alive
 from chaos.schedule import fixed
@@ -117,3 +117,121 @@ def test_faults_that_cannot_be_caused_here_are_skipped_with_the_reason(tmp_path)
     nemesis.run(time.time())
     skip, = history.of_type("skip")
     assert "unsupported" in skip["reason"] and "s3://" in skip["reason"]
+
+
+class FakeCluster:
+    """Nodes by id, as chaos.cluster.LocalCluster and chaos.netns.NetnsCluster expose them."""
+
+    supports_partition = True
+
+    def __init__(self, nodes):
+        self.nodes, self.removed, self.cut_off, self.added = list(nodes), [], set(), 0
+
+    def node_of(self, worker):
+        return worker.get("node_id") if worker.get("node_id") in self.nodes else None
+
+    def node_ids(self):
+        return list(self.nodes)
+
+    def remove_node(self, node_id):
+        self.nodes.remove(node_id)
+        self.removed.append(node_id)
+
+    def add_node(self):
+        self.added += 1
+        self.nodes.append(f"fresh{self.added}")
+        return self.nodes[-1]
+
+    def cut(self, node_id):
+        self.cut_off.add(node_id)
+
+    def reconnect(self, node_id):
+        self.cut_off.discard(node_id)
+        return node_id
+
+
+def test_node_loss_removes_the_targets_node_and_its_heal_adds_one_back():
+    view = FakeView([101, 102])
+    view.state["workers"][1]["node_id"] = "b"
+    view.state["workers"][0]["node_id"] = "a"
+    cluster = FakeCluster(["a", "b"])
+    injector = build_injectors(Env(view=view, cluster=cluster))["kill_node"]
+    injector.setup()
+    active = injector.invoke(KillNode(target="rank:1"), random.Random(0))
+    assert cluster.removed == ["b"] and active.detail["ranks"] == [1]
+    assert injector.heal(active) == {"added_nodes": ["fresh1"]}
+    assert injector.heal(active) == {"added_nodes": ["fresh1"]}        # a second heal adds nothing
+    view.state["workers"][0]["node_id"] = "head"
+    with pytest.raises(Skip):
+        injector.invoke(KillNode(target="rank:0"), random.Random(0))   # never the head
+    with pytest.raises(Unsupported):
+        build_injectors(Env(view=view))["kill_node"].setup()
+
+
+def test_partition_cuts_the_targets_node_until_healed():
+    view = FakeView([101, 102])
+    for w, node in zip(view.state["workers"], ("a", "b")):
+        w["node_id"] = node
+    cluster = FakeCluster(["a", "b"])
+    injector = build_injectors(Env(view=view, cluster=cluster))["partition"]
+    injector.setup()
+    active = injector.invoke(Partition(target="rank:0", duration_s=5), random.Random(0))
+    assert cluster.cut_off == {"a"}
+    assert injector.heal(active) == {"reconnected": ["a"]} and not cluster.cut_off
+    cluster.supports_partition = False
+    with pytest.raises(Unsupported):
+        injector.setup()
+
+
+class FakeCommits:
+    """The CommitWatcher's view: generations seen committing, and when a commit was last new."""
+
+    def __init__(self):
+        self.generations, self.newest_at = set(), 0.0
+
+
+def gated_nemesis(view, commits, tmp_path):
+    history = History(str(tmp_path / "history.jsonl"))
+    schedule = fixed([(0.0, Hang(target="rank:0", duration_s=0.1))], wait_for_recovery=True)
+    nemesis = Nemesis(schedule, build_injectors(Env(view=view)), view, history, total_steps=10_000,
+                      heartbeat_timeout_s=10, job_alive=lambda: True, gate_timeout_s=3, commits=commits)
+    return nemesis, history
+
+
+def test_a_gated_fault_waits_until_the_current_generation_has_committed(spawn_worker, tmp_path):
+    proc = spawn_worker()
+    wait_until(lambda: Proc.of_worker(proc.pid) is not None, 10, "the fake worker")
+    view, commits = FakeView([proc.pid]), FakeCommits()
+    view.state["generation"] = 1
+    commits.generations.add(0)             # an older generation's commit does not open the gate
+    calls = {"n": 0}
+
+    def status():
+        calls["n"] += 1
+        view.state["step"] += 1
+        if calls["n"] == 5:
+            commits.generations.add(1)
+            commits.newest_at = time.time()
+        return view.state
+
+    view.status = status
+    nemesis, history = gated_nemesis(view, commits, tmp_path)
+    nemesis.run(time.time())
+    invoke, = history.of_type("invoke")
+    assert invoke["run"]["step"] > 10 + 5          # injected only after generation 1's commit
+    nemesis.heal_all()
+    assert state_of(proc.pid) != "T"
+
+
+def test_a_gated_fault_is_skipped_when_the_generation_never_commits(spawn_worker, tmp_path):
+    proc = spawn_worker()
+    wait_until(lambda: Proc.of_worker(proc.pid) is not None, 10, "the fake worker")
+    view, commits = FakeView([proc.pid]), FakeCommits()
+    status = view.status
+    view.status = lambda: {**status(), "step": time.monotonic_ns()}      # training on
+    nemesis, history = gated_nemesis(view, commits, tmp_path)
+    nemesis.run(time.time())
+    assert not history.of_type("invoke")
+    skip, = history.of_type("skip")
+    assert "not training again" in skip["reason"]
+    assert state_of(proc.pid) != "T"

@@ -2,6 +2,7 @@
 broken one is caught, and `python -m chaos run` exits non-zero for it."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -37,10 +38,27 @@ def verdicts(outcome) -> dict:
     return {v.name: v.status for v in outcome.verdicts}
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> str:
+    """One fault-free run of the fake job, the reference of the tests that compare models."""
+    tmp = tmp_path_factory.mktemp("reference")
+    sc = fake_scenario()
+    outcome = run(RunOptions(scenario=dataclasses.replace(sc, build=lambda sc, seed: fixed([], seed=seed)), seed=3,
+                             storage=str(tmp / "run"), out_dir=str(tmp / "out"), script=FAKE_JOB, reference="none"))
+    assert outcome.ok and outcome.report["attempts"][-1]["status"] == "finished", outcome.report
+    return str(tmp / "run")
+
+
 def test_a_correct_run_passes_and_is_reported(tmp_path):
     outcome = run(options(tmp_path))
     assert outcome.ok, outcome.report["invariants"]
     assert verdicts(outcome)["model_matches_reference"] == "pass"
+    # The reference trained alongside the campaign, at the lowest priority, and is kept for reuse.
+    history = [json.loads(line) for line in open(tmp_path / "out" / "history.jsonl")]
+    started, = [e for e in history if e["type"] == "reference"]
+    assert started["nice"] == 19 and not started["reused"]
+    assert [e["type"] for e in history].index("reference") < [e["type"] for e in history].index("job_start")
+    assert (tmp_path / "run-reference" / "chaos_reference.json").exists()
     report = json.load(open(tmp_path / "out" / "chaos_report.json"))
     assert report["faults_injected"] == 2 and report["kinds_injected"] == ["kill_worker", "preempt"]
     assert [f["outcome"] for f in report["faults"]] == ["recovered", "recovered"]
@@ -51,13 +69,14 @@ def test_a_correct_run_passes_and_is_reported(tmp_path):
 
 
 def test_a_run_that_loses_committed_steps_is_caught(tmp_path):
-    outcome = run(options(tmp_path, "--break=rollback"))
+    outcome = run(options(tmp_path, "--break=rollback", reference="none"))
     assert not outcome.ok
     assert verdicts(outcome)["committed_steps_kept"] == "fail"
 
 
-def test_a_run_whose_model_differs_from_the_reference_is_caught(tmp_path):
-    outcome = run(options(tmp_path, "--break=sha"))
+def test_a_run_whose_model_differs_from_the_reference_is_caught(tmp_path, reference):
+    outcome = run(options(tmp_path, "--break=sha", reference=reference))
+    assert not outcome.ok
     assert verdicts(outcome)["model_matches_reference"] == "fail"
 
 
@@ -73,8 +92,12 @@ def test_an_armed_user_error_fails_the_attempt_and_the_restart_finishes_the_run(
     outcome = run(options(tmp_path, scenario=fake_scenario(restarts=1, user_error=True), reference="none"))
     assert outcome.ok, outcome.report["invariants"]
     attempts = outcome.report["attempts"]
-    assert [a["status"] for a in attempts] == ["failed", "finished"]
+    # The restart may itself be run again for longer when its faults' gates (a commit of each
+    # new generation, seen by a watcher polling every 0.5 s) outlast the fake job's few seconds.
+    assert [a["status"] for a in attempts[:2]] == ["failed", "finished"]
+    assert all(a["status"] == "finished" for a in attempts[1:])
     assert attempts[0]["error"] == "InjectedUserError" and attempts[1]["resumed_from"] >= 50
+    assert outcome.report["faults_injected"] == 3        # the user error and both kills
     user = next(f for f in outcome.report["faults"] if f["kind"] == "user_error")
     assert user["outcome"] == "failed as expected"
 
@@ -91,9 +114,53 @@ def test_a_job_that_ends_before_its_schedule_is_run_again_for_longer(tmp_path):
         return fixed([(0.2, KillWorker(target="one")), (4.0, KillWorker(target="one"))], seed=seed)
     sc = Scenario(name="short", description="fake job shorter than its schedule", build=build, steps=40,
                   workers="1:1", checkpoint_every=10, heartbeat_timeout_s=5.0, job_timeout_s=60)
-    outcome = run(options(tmp_path, scenario=sc))
+    outcome = run(options(tmp_path, scenario=sc, reference="none"))
     assert outcome.ok, outcome.report["invariants"]
     attempts = outcome.report["attempts"]
     assert len(attempts) >= 2 and all(a["status"] == "finished" for a in attempts)
     assert attempts[-1]["steps"] > 40 and attempts[-1]["resumed_from"] is not None
     assert outcome.report["faults_injected"] == 2
+
+
+def test_a_reference_started_for_fewer_steps_than_the_job_ran_is_discarded(tmp_path):
+    from chaos.history import History
+    from chaos.job import JobSpec
+    from chaos.reference import MARKER, _identity, reference_run, reference_url
+
+    class Started:
+        def __init__(self, spec):
+            self.spec, self.url, self.stopped = spec, "unused", False
+
+        def stop(self):
+            self.stopped = True
+
+        def result(self, timeout_s):
+            raise AssertionError("a reference of another job must not be used")
+
+    planned = JobSpec(storage=str(tmp_path / "run"), steps=40, script=FAKE_JOB)
+    ran = planned.replace(steps=500)
+    cached = tmp_path / "run-reference"          # a finished reference of the job as it ran
+    cached.mkdir()
+    (cached / "summary.json").write_text(json.dumps({"status": "finished", "model_sha256": "x"}))
+    (cached / MARKER).write_text(json.dumps(_identity(ran)))
+    assert reference_url(ran.storage) == str(cached)
+    history = History()
+    started = Started(planned)
+    reference = reference_run(ran, "auto", None, str(tmp_path), history, timeout_s=5, started=started)
+    assert started.stopped and reference["reused"] and reference["summary"]["model_sha256"] == "x"
+    assert [e["type"] for e in history.events] == ["reference_discarded", "reference"]
+
+
+def test_an_interrupted_run_exits_130_and_leaves_sigterm_as_it_was(tmp_path, monkeypatch, capsys):
+    import signal
+
+    import chaos.runner
+
+    def interrupted(opts):
+        raise KeyboardInterrupt("signal 15")     # as chaos's SIGTERM handler raises it mid-run
+
+    monkeypatch.setattr(chaos.runner, "run", interrupted)
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["run", "smoke", "--storage", str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -33,13 +33,22 @@ def test_target_choices_repeat_for_the_same_seed_and_index():
     assert [s.target_rng(i).choice(workers) for i in range(10)] == [s.target_rng(i).choice(workers) for i in range(10)]
 
 
-def test_mixed_campaign_has_fifty_faults_of_at_least_eight_kinds_every_20_to_30_s():
-    s = SCENARIOS["mixed"].schedule(0)
+@pytest.mark.parametrize("seed", range(20))
+def test_mixed_campaign_has_fifty_faults_of_every_kind_every_20_to_30_s(seed):
+    s = SCENARIOS["mixed"].schedule(seed)
     assert len(s.entries) >= 50
-    assert len(s.kinds()) >= 8, s.kinds()
+    assert set(s.kinds()) == set(FAULT_TYPES), s.kinds()           # ten kinds, the user error included
     gaps = [y.at_s - x.at_s for x, y in zip(s.entries, s.entries[1:])]
-    assert 20 <= sum(gaps) / len(gaps) <= 30
+    assert all(20 <= g <= 30 for g in gaps), gaps
     assert [f.kind for f in s.launch_faults] == ["user_error"]
+    # The first faults cover the menu, so a campaign cut short with --faults 9 has every kind.
+    assert {e.fault.kind for e in s.entries[:len(MIXED_MENU)]} == set(FAULT_TYPES) - {"user_error"}
+
+
+def test_smoke_is_seven_kinds_on_two_workers_and_three_nodes():
+    sc = SCENARIOS["smoke"]
+    assert len(sc.schedule(1).entries) == 7 and len(sc.schedule(1).kinds()) == 7
+    assert (sc.workers, sc.nodes) == ("2:2", 3)
 
 
 def test_fixed_schedules_are_sorted():

@@ -36,3 +36,16 @@ def test_status_and_missing_files(tmp_path, capsys):
         "updated_at": 0, "workers": [{"rank": 0, "pid": 11, "node_id": "n", "actor_id": "a"}]}))
     assert main(["status", str(tmp_path)]) == 0
     assert "running  step 7  world 2" in capsys.readouterr().out
+
+
+def test_chaos_is_forwarded_to_the_chaos_cli(tmp_path, capsys):
+    assert main(["chaos", "list"]) == 0
+    listed = capsys.readouterr().out
+    assert "smoke" in listed and "mixed" in listed
+    assert main(["chaos", "schedule", "smoke", "--seed", "1"]) == 0
+    assert '"kind": "kill_worker"' in capsys.readouterr().out
+    (tmp_path / "status.json").write_text("{}")      # not empty: `chaos run` refuses it (exit 2)
+    assert main(["chaos", "run", "smoke", "--storage", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    assert "not empty" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["chaos", "run", "no-such-scenario", "--storage", str(tmp_path)])
