@@ -242,6 +242,7 @@ def test_make_run_trains_and_resumes_to_the_same_model(ray_session, tmp_path):
     assert s["checkpoints"][-1] == 30
     steps = [json.loads(line)["step"] for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     assert steps == list(range(1, 31))           # no step repeated or skipped across the resume
+    # The main job trains on the Parquet corpus it generated under its storage: so does the reference.
     straight = fit_with_fault(str(tmp_path / "straight"), None, workers=(2, 2), steps=30, every=10,
-                              config={**TINY, "lr": 3e-3})
+                              config={**TINY, "lr": 3e-3, "data": os.path.join(run_dir, "corpus")})
     assert s["model_sha256"] == straight.summary["model_sha256"]
