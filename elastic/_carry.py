@@ -26,6 +26,7 @@ class Carry:
     optimizer: torch.optim.Optimizer | None = None
     checkpoints: Any = None                    # checkpointing.CheckpointManager, created lazily
     last_saved_step: int | None = None
+    unconfirmed_save: int | None = None       # step of the latest save issued here, until its commit is seen
     save_started: dict[int, float] = field(default_factory=dict)   # step -> wall time its save began
     exported_commit: int | None = None         # newest commit exported to Ray metrics
     resumed_from: int | None = None

@@ -234,7 +234,7 @@ class TrainContext:
         manager = self._checkpoints()
         carry.save_started[carry.step] = time.time()
         manager.save(carry.step, state, generation=self.generation)
-        carry.last_saved_step = carry.step
+        carry.last_saved_step = carry.unconfirmed_save = carry.step
         if wait:
             manager.wait()
         self._export_commit()
@@ -354,6 +354,22 @@ class TrainContext:
             carry.records.append(record)
             del carry.records[:-RECORDS_KEPT]
 
+    def _confirm_final_commit(self) -> None:
+        """A run is finished only once its final state is committed. Every rank learns the
+        commit's outcome from rank 0 (checkpointing broadcasts it): if rank 0 was lost mid-commit
+        or storage refused it, this rank reports that failure instead of a finish, and the run
+        recovers and commits the final step again."""
+        carry = self._carry
+        if carry.unconfirmed_save != carry.step:
+            return
+        commit = carry.checkpoints.last_commit
+        if commit is None or commit.step != carry.step:
+            carry.last_saved_step = commit.step if commit is not None else None
+            from checkpointing import CheckpointError
+            raise carry.checkpoints.last_error or CheckpointError(
+                f"the final checkpoint of step {carry.step} was not committed", url=self._spec.storage)
+        carry.unconfirmed_save = None
+
     def _finish(self) -> str | None:
         """After the loop: commit the final state and hash the full model (collective)."""
         carry = self._carry
@@ -362,6 +378,7 @@ class TrainContext:
         if carry.checkpoints is not None:
             carry.checkpoints.wait()
             self._export_commit()
+            self._confirm_final_commit()
         if self._model is None:
             return None
         full = _checkpoint_io.full_model_state(self._model) if self._spec.strategy == "fsdp" \
