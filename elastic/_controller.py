@@ -74,7 +74,8 @@ class Controller(Bookkeeping):
         self._last_committed: int | None = None
         self._last_committed_at = -1e9
         self.stragglers = StragglerDetector(window=failure.straggler_window,
-                                            threshold=failure.straggler_threshold or float("inf"))
+                                            threshold=failure.straggler_threshold or float("inf"),
+                                            min_excess_s=failure.straggler_min_excess_s)
         self._eviction_asked: dict[int, int] = {}   # rank -> step the policy was last asked at
 
     @property
