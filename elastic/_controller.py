@@ -74,7 +74,8 @@ class Controller(Bookkeeping):
         self._last_committed: int | None = None
         self._last_committed_at = -1e9
         self.stragglers = StragglerDetector(window=failure.straggler_window,
-                                            threshold=failure.straggler_threshold or float("inf"))
+                                            threshold=failure.straggler_threshold or float("inf"),
+                                            min_excess_s=failure.straggler_min_excess_s)
         self._eviction_asked: dict[int, int] = {}   # rank -> step the policy was last asked at
 
     @property
@@ -212,6 +213,9 @@ class Controller(Bookkeeping):
                 self._handle_failure(st.members, Failure("collective_error", tuple(comm_ranks),
                                                          "process group broke with no lost peer"), [], 0.0)
         elif finished == len(st.members):
+            if st.recovery is not None:    # the re-formed group finished without another step
+                self._close_recovery(st.recovery)
+                st.recovery = None
             self._record_final(self.views[st.members[0]].report)
             self._transition(Finished(), f"all {finished} ranks finished at step {self.step}")
         else:
@@ -300,6 +304,7 @@ class Controller(Bookkeeping):
                 running.append(wid)
             elif report.phase == WorkerPhase.FINISHED and report.step >= self.total_steps:
                 self._record_final(report)
+                self._close_recovery(st.recovery)
                 return self._transition(Finished(), "finished while recovering")
             else:
                 settled.append(wid)

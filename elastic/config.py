@@ -150,6 +150,11 @@ class FailureConfig:
     turns straggler scoring off. The default leaves room for the noise of 4 CPU workers sharing
     2 loaded cores (window medians up to 1.3 seen in clean runs); on GPUs it can go lower."""
 
+    straggler_min_excess_s: float = 0.02
+    """A flagged rank must also cost the group at least this many seconds of compute per step
+    (median over the window, its time minus the others'): a high ratio on a few milliseconds of
+    compute is scheduling noise, not worth a recovery. 0 flags on the ratio alone."""
+
     def __post_init__(self) -> None:
         _require(self.max_failures is None or (isinstance(self.max_failures, int) and self.max_failures >= 0),
                  f"FailureConfig.max_failures must be >= 0 or None, got {self.max_failures!r}")
@@ -161,6 +166,8 @@ class FailureConfig:
         _require(self.rendezvous_timeout_s > 0, "FailureConfig.rendezvous_timeout_s must be > 0")
         _require(isinstance(self.straggler_window, int) and self.straggler_window >= 3,
                  f"FailureConfig.straggler_window must be an int >= 3, got {self.straggler_window!r}")
+        _require(self.straggler_min_excess_s >= 0,
+                 f"FailureConfig.straggler_min_excess_s must be >= 0 seconds, got {self.straggler_min_excess_s!r}")
         _require(self.straggler_threshold is None or self.straggler_threshold > 1.0,
                  f"FailureConfig.straggler_threshold must be > 1.0 (a ratio to the other ranks) or None "
                  f"to turn scoring off, got {self.straggler_threshold!r}")

@@ -3,14 +3,13 @@
 A generation is one formation of the process group. When the controller rescales, the loop is
 unwound at a step boundary (`report`) and re-entered with a new context; the state that must
 survive (step counters, the last model and optimizer for warm recovery, the checkpoint manager)
-lives in the worker's `Carry`.
+lives in the worker's `Carry` (elastic/_carry.py).
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -19,13 +18,14 @@ from torch import nn
 
 from elastic import _checkpoint_io, _wrap
 from elastic._accumulation import as_float, new_accumulation, wrap_optimizer
+from elastic._carry import Carry, RunSpec
 from elastic._data import ElasticLoader
 from elastic._protocol import GenerationPlan, StepRecord
 from elastic._lr import ScaleRamp, rule_lr
 from elastic._precision import Precision
 from elastic._state import DATA_ORDER_START, broadcast_state, chain_sample_ids, mix_seed, state_sha256
 from elastic._step_timer import StepTimer
-from elastic.config import LRScalingConfig, ScalingConfig
+from elastic.config import ScalingConfig
 from elastic.errors import ConfigError, ElasticError
 
 log = logging.getLogger("elastic.context")
@@ -38,53 +38,6 @@ class RescaleInterrupt(BaseException):
 
     A BaseException, so a user's `except Exception` does not swallow it.
     """
-
-
-@dataclass
-class Carry:
-    """Per-worker state that outlives a generation."""
-
-    step: int = 0
-    samples_seen: int = 0
-    data_order: str = DATA_ORDER_START        # chained hash of every consumed sample id, in order
-    model: nn.Module | None = None            # unwrapped module of the last generation (warm source)
-    optimizer: torch.optim.Optimizer | None = None
-    checkpoints: Any = None                    # checkpointing.CheckpointManager, created lazily
-    last_saved_step: int | None = None
-    save_started: dict[int, float] = field(default_factory=dict)   # step -> wall time its save began
-    exported_commit: int | None = None         # newest commit exported to Ray metrics
-    resumed_from: int | None = None
-    warm_capable: bool = False                 # carry.model holds the full state (DDP)
-    pending_samples: int = 0
-    records: list[StepRecord] = field(default_factory=list)   # completed steps not yet polled
-    records_lock: threading.Lock = field(default_factory=threading.Lock)   # the poll drains records
-    load_fallbacks: list[dict] = field(default_factory=list)   # checkpoints skipped as corrupt
-    restored: tuple[int, int] | None = None                    # (generation, step) of the last restore
-    base_lr: float | None = None                               # LR rule: LR at base_world_size
-    lr_ramp: ScaleRamp | None = None                           # LR rule: batch-size scale and its ramp
-    grad_scaler: Any = None                                    # fp16: torch.amp.GradScaler
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """What every worker needs to know about the run (sent once, at actor creation)."""
-
-    train_loop: Callable[..., Any]
-    loop_config: Any
-    total_steps: int
-    seed: int
-    strategy: str
-    use_gpu: bool
-    storage: str
-    storage_options: dict[str, Any]
-    checkpoint_every: int | None
-    keep: int | None
-    async_save: bool
-    max_consecutive_failures: int
-    cpus_per_worker: float
-    collective_timeout_s: float
-    lr: LRScalingConfig | None = None
-    scaling: ScalingConfig | None = None      # precision, compression, FSDP options (None: defaults)
 
 
 class TrainContext:
@@ -281,7 +234,7 @@ class TrainContext:
         manager = self._checkpoints()
         carry.save_started[carry.step] = time.time()
         manager.save(carry.step, state, generation=self.generation)
-        carry.last_saved_step = carry.step
+        carry.last_saved_step = carry.unconfirmed_save = carry.step
         if wait:
             manager.wait()
         self._export_commit()
@@ -401,6 +354,22 @@ class TrainContext:
             carry.records.append(record)
             del carry.records[:-RECORDS_KEPT]
 
+    def _confirm_final_commit(self) -> None:
+        """A run is finished only once its final state is committed. Every rank learns the
+        commit's outcome from rank 0 (checkpointing broadcasts it): if rank 0 was lost mid-commit
+        or storage refused it, this rank reports that failure instead of a finish, and the run
+        recovers and commits the final step again."""
+        carry = self._carry
+        if carry.unconfirmed_save != carry.step:
+            return
+        commit = carry.checkpoints.last_commit
+        if commit is None or commit.step != carry.step:
+            carry.last_saved_step = commit.step if commit is not None else None
+            from checkpointing import CheckpointError
+            raise carry.checkpoints.last_error or CheckpointError(
+                f"the final checkpoint of step {carry.step} was not committed", url=self._spec.storage)
+        carry.unconfirmed_save = None
+
     def _finish(self) -> str | None:
         """After the loop: commit the final state and hash the full model (collective)."""
         carry = self._carry
@@ -409,6 +378,7 @@ class TrainContext:
         if carry.checkpoints is not None:
             carry.checkpoints.wait()
             self._export_commit()
+            self._confirm_final_commit()
         if self._model is None:
             return None
         full = _checkpoint_io.full_model_state(self._model) if self._spec.strategy == "fsdp" \

@@ -135,6 +135,34 @@ def test_a_rank_lost_at_the_first_checkpoint_releases_the_survivors(ray_session,
     assert metrics_steps(run_dir) == list(range(1, 41))
 
 
+def dies_while_committing_the_final_step(ctx):
+    """The example's loop; rank 0 of the first generation dies while it commits the final step
+    (its shards are written, the manifest is not)."""
+    if ctx.rank == 0 and ctx.generation == 0:
+        from checkpointing import _save
+        commit, total = _save._commit, ctx.total_steps
+
+        def commit_or_die(job, records):
+            if job.step == total:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return commit(job, records)
+        _save._commit = commit_or_die
+    gpt.train_loop(ctx)
+
+
+@pytest.mark.timeout(150)
+def test_a_run_whose_final_commit_is_lost_commits_it_again_before_finishing(ray_session, run_dir):
+    from ray import cloudpickle
+    cloudpickle.register_pickle_by_value(gpt)
+    result = fit_with_fault(run_dir, None, loop=dies_while_committing_the_final_step, workers=(2, 2), steps=30,
+                            every=10)
+    s = result.summary
+    assert result.ok and s["final_step"] == 30, result.error_traceback
+    assert [r["cause"] for r in s["recoveries"]] == ["worker_died"], s["recoveries"]
+    assert s["checkpoints"][-1] == 30 and s["model_sha256"], s
+    assert os.path.exists(os.path.join(run_dir, "checkpoints", "step_00000030", "COMMITTED"))
+
+
 def _steps_at(summary, world_size):
     """Kept steps run at `world_size`, from the world-size history."""
     history = summary["world_size_history"] + [[summary["final_step"], None]]

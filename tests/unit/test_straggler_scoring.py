@@ -26,6 +26,17 @@ def test_a_rank_that_stays_slow_is_flagged_once_after_a_window():
     assert [f.rank for f in detector.flagged()] == [2]
 
 
+def test_a_high_ratio_on_milliseconds_of_compute_is_not_a_straggler():
+    # 1.5x on 10 ms costs the group 5 ms a step: below the floor, no flag; without it, flagged.
+    for floor, expected in ((0.02, []), (0.0, [1])):
+        detector, rng = StragglerDetector(window=12, threshold=1.25, min_excess_s=floor), random.Random(1)
+        detector.reset(3)
+        flags = []
+        for step in range(1, 41):
+            flags += detector.observe(step, noisy(rng, 0.01, 3, slow_rank=1, s=1.5))
+        assert [f.rank for f in flags] == expected, floor
+
+
 def test_two_ranks_one_slow_scores_against_the_other_not_against_itself():
     detector = StragglerDetector(window=5, threshold=1.25)
     detector.reset(2)
