@@ -46,14 +46,22 @@ class PowerSGDCompression:
             random_seed=seed % (2 ** 32))
         self._fresh = {"iter": 0, "rng": np.random.RandomState(seed % (2 ** 32)).get_state(),
                        "error_dict": {}, "p_memory_dict": {}, "q_memory_dict": {}}
-        self._pending: dict[str, Any] | None = None   # restored, installed at the first hook call
+        self._pending: dict[str, Any] | None = None
+        self._steps = 0   # steps this DDP instance has communicated
 
     def hook(self, state, bucket):
-        # DDP's bucket layout is fixed from a wrapper's first step (find_unused_parameters, see
-        # wrap_model), so restored per-bucket residuals fit at once.
-        if self._pending is not None:
+        # Buckets are launched from the highest index down; bucket 0 (`is_last`) ends a step.
+        if self._steps >= 1 and self._pending is not None:
             self._install(self._pending)
             self._pending = None
+        if bucket.is_last():
+            self._steps += 1
+        if self._pending is not None:
+            # Under PowerSGD a freshly wrapped DDP rebuilds its buckets after its first step (see
+            # wrap_model), so restored per-bucket residuals fit only from the second step on;
+            # this step is plain all-reduce.
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+            return allreduce_hook(None, bucket)
         error = self.state.error_dict.get(bucket.index())
         if error is not None and error.numel() != bucket.buffer().numel():
             log.warning("PowerSGD state does not fit bucket %d (%d vs %d elements); resetting it",
@@ -83,7 +91,7 @@ class PowerSGDCompression:
         return buffer.getvalue()
 
     def load_bytes(self, raw: bytes, device: torch.device) -> None:
-        """Restore this rank's state saved at the same world size (installed at the next step's first bucket)."""
+        """Restore this rank's state saved at the same world size (installed after DDP's first step)."""
         saved = torch.load(io.BytesIO(raw), weights_only=False)
         for key in ("error_dict", "p_memory_dict", "q_memory_dict"):
             saved[key] = {int(i): t.to(device) for i, t in saved[key].items()}
@@ -108,7 +116,13 @@ def wrap_model(model: nn.Module, *, device: torch.device, world_size: int, scali
     # initial layout where the fault-free run used the rebuilt one; with 3+ ranks the ring
     # allreduce then sums elements in another order and the models drift apart.
     # find_unused_parameters turns the rebuild off: one fixed layout in every generation.
-    ddp = DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=True)
+    # Not with PowerSGD: find_unused adds an all-reduce of the used-parameter map per step, issued
+    # from the autograd thread, while PowerSGD issues its second all-reduce from a future's
+    # callback; their order then differs between ranks and gloo aborts on the mismatched sizes
+    # (seen with 3 ranks). PowerSGD restarts with each generation anyway, so a recovered run is
+    # not bitwise the fault-free one with it, whatever the bucket layout.
+    ddp = DistributedDataParallel(model, device_ids=device_ids,
+                                  find_unused_parameters=scaling.grad_compression != "powersgd")
     compression = None
     if scaling.grad_compression == "bf16":
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook

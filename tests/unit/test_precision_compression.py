@@ -83,7 +83,7 @@ def _wrapped(scaling, seed=0):
     return model, torch.optim.AdamW(model.parameters(), lr=3e-3), compression
 
 
-def test_powersgd_state_restores_into_a_new_wrapper(one_rank_group):
+def test_powersgd_state_restores_after_the_bucket_rebuild(one_rank_group):
     scaling = ScalingConfig(grad_compression="powersgd", powersgd_warmup_steps=3)
     model, opt, compression = _wrapped(scaling)
     _train(model, opt, 6)
@@ -93,10 +93,12 @@ def test_powersgd_state_restores_into_a_new_wrapper(one_rank_group):
 
     model2, opt2, fresh = _wrapped(scaling)
     fresh.load_bytes(saved, torch.device("cpu"))
-    assert not fresh.compressing                     # pending until the next step's first bucket
+    assert not fresh.compressing                     # pending until DDP has rebuilt its buckets
     import io
     assert torch.load(io.BytesIO(fresh.to_bytes()), weights_only=False)["iter"] == 6   # a save keeps the pending state
-    _train(model2, opt2, 1)                          # installed at the first bucket, then used
+    _train(model2, opt2, 1)                          # plain all-reduce; the restored state waits
+    assert fresh.state.iter == 0 and not fresh.state.error_dict
+    _train(model2, opt2, 1, start=1)                 # installed at the first bucket of step 2, then used
     assert fresh.state.iter == 7
     assert set(fresh.state.error_dict) == set(errors)
     assert all(fresh.state.error_dict[i].shape == errors[i].shape for i in errors)
