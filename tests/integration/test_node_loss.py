@@ -37,7 +37,7 @@ def test_node_removal_rescales_down_and_a_new_node_grows_it_back(cluster, run_di
     def train():
         try:
             outcome["result"] = ElasticTrainer(
-                gpt.train_loop, train_loop_config={"model_size": "tiny", "batch_size": 8}, total_steps=2000,
+                gpt.train_loop, train_loop_config={"model_size": "tiny", "batch_size": 8}, total_steps=1200,
                 seed=0, scaling=ScalingConfig(min_workers=2, max_workers=4),
                 checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=500),
                 failure=FailureConfig(heartbeat_timeout_s=10.0)).fit()
@@ -65,7 +65,7 @@ def test_node_removal_rescales_down_and_a_new_node_grows_it_back(cluster, run_di
     assert "error" not in outcome, outcome
     result = outcome["result"]
     s = result.summary
-    assert result.ok and s["final_step"] == 2000, result.error_traceback
+    assert result.ok and s["final_step"] == 1200, result.error_traceback
     lost = [r for r in s["recoveries"] if r["cause"] != "scale_up"]
     assert lost and lost[0]["cause"] == "node_lost" and lost[0]["from_world"] == 4 and lost[0]["to_world"] == 2
     assert lost[0]["rung"] == "warm" and lost[0]["lost_steps"] <= 1

@@ -52,7 +52,8 @@ def steps_since(run_dir, wall_time, step):
 def test_clean_run_raises_no_straggler_flag(ray_session, run_dir):
     # The small model: with the tiny one a step's compute is ~15 ms, and scheduling noise on 2
     # shared cores alone reached window scores of 1.4.
-    result = fit(run_dir, (4, 4), 500)
+    # Batch 4 halves the run's time and still leaves ~50 ms of compute per step.
+    result = fit(run_dir, (4, 4), 500, config={**SMALL, "batch_size": 4})
     assert result.summary["stragglers"] == [] and result.summary["recoveries"] == []
 
 
