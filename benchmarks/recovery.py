@@ -23,21 +23,14 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 import gpt  # noqa: E402
 from elastic import CheckpointConfig, ElasticTrainer, FailureConfig, ScalingConfig  # noqa: E402
-
-
-def _read(path: str) -> dict | None:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
+from _peer_common import read_json  # noqa: E402
 
 
 def inject(run_dir: str, at_step: int, sig: int, rank: int, out: dict) -> None:
     """From outside, like an operator: the pid from status.json, then os.kill."""
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
-        status = _read(os.path.join(run_dir, "status.json")) or {}
+        status = read_json(os.path.join(run_dir, "status.json")) or {}
         if status.get("state") == "running" and status.get("step", 0) >= at_step:
             pid = next(w["pid"] for w in status["workers"] if w["rank"] == rank)
             out["signal_time"] = time.time()

@@ -213,18 +213,19 @@ class Controller(Bookkeeping):
                 self._handle_failure(st.members, Failure("collective_error", tuple(comm_ranks),
                                                          "process group broke with no lost peer"), [], 0.0)
         elif finished == len(st.members):
-            if st.recovery is not None:    # the re-formed group finished without another step
-                self._close_recovery(st.recovery)
-                st.recovery = None
-            self._record_final(self.views[st.members[0]].report)
+            self._record_final(self.views[st.members[0]].report, st.recovery)
+            st.recovery = None
             self._transition(Finished(), f"all {finished} ranks finished at step {self.step}")
         else:
             self.group.scale_to(self._slot_target())
             if not self._maybe_evict(st):
                 self._maybe_grow(st)
 
-    def _record_final(self, report: WorkerReport) -> None:
-        """The finished state as rank 0 holds it: model hash and data consumed."""
+    def _record_final(self, report: WorkerReport, open_recovery: PendingRecovery | None) -> None:
+        """The finished state as rank 0 holds it: model hash and data consumed. A recovery still
+        open (the re-formed group finished without another step) is recorded too."""
+        if open_recovery is not None:
+            self._close_recovery(open_recovery)
         self.model_sha256 = report.model_sha256 or self.model_sha256
         self.recorder.on_final_data(report.samples_seen, report.data_order)
 
@@ -303,8 +304,7 @@ class Controller(Bookkeeping):
             elif report is None or (report.phase == WorkerPhase.RUNNING and report.generation == st.generation):
                 running.append(wid)
             elif report.phase == WorkerPhase.FINISHED and report.step >= self.total_steps:
-                self._record_final(report)
-                self._close_recovery(st.recovery)
+                self._record_final(report, st.recovery)
                 return self._transition(Finished(), "finished while recovering")
             else:
                 settled.append(wid)
