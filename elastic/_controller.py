@@ -22,7 +22,6 @@ from elastic.policies import CAUSE_OF_ERROR_KIND, USER_CAUSE, Failure, FailurePo
 
 log = logging.getLogger("elastic.controller")
 
-STARTUP_GRACE_S = 10.0   # how long to wait for max_workers at start before starting with fewer
 PROBE_GRACE_S = 2.0      # no maximum: start once the ready count held this long (the cluster is full)
 STUCK_GRACE_S = 2.0      # floor of how long a survivor may lag the first one out of a broken group
 
@@ -125,12 +124,13 @@ class Controller(Bookkeeping):
         # With no maximum, the probe placement stays pending once the cluster is full.
         settled = not pending if maximum is not None else (
             len(pending) <= 1 and now - st.ready_since >= PROBE_GRACE_S)
+        enough = len(ready) >= self.scaling.min_workers
         if (maximum is not None and len(ready) >= maximum) or (
-                len(ready) >= self.scaling.min_workers and (settled or waited >= STARTUP_GRACE_S)):
+                enough and (settled or waited >= self.scaling.startup_wait_s)):
             plan = self._resume_plan()
             self._transition(Starting(self._capped(ready), plan), f"{len(ready)} workers ready")
             self._on_starting()
-        elif waited > self.failure.rendezvous_timeout_s:
+        elif not enough and waited > self.failure.rendezvous_timeout_s:
             self._fail(InsufficientWorkersError(
                 f"only {len(ready)} of min_workers={self.scaling.min_workers} workers could be placed in "
                 f"{self.failure.rendezvous_timeout_s:.0f}s; add resources, lower ScalingConfig.min_workers "

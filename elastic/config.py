@@ -30,6 +30,10 @@ class ScalingConfig:
     max_workers: int | None = None
     """Most workers the run grows to when capacity exists; None means no limit (grow while the
     cluster has room)."""
+    startup_wait_s: float = 10.0
+    """At start, how long to wait for max_workers to be ready before starting with fewer (at
+    least min_workers); the rest join by a warm scale-up once ready. Raise it where every run
+    must begin at full size (a slow image pull, a test that checks the starting world size)."""
     use_gpu: bool = False
     """One GPU per worker and NCCL; otherwise CPU and gloo."""
     resources_per_worker: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
@@ -62,6 +66,8 @@ class ScalingConfig:
         _require(self.max_workers is None or (isinstance(self.max_workers, int) and self.max_workers >= self.min_workers),
                  f"ScalingConfig.max_workers ({self.max_workers!r}) must be an int >= "
                  f"min_workers ({self.min_workers}); raise max_workers or lower min_workers")
+        _require(isinstance(self.startup_wait_s, (int, float)) and self.startup_wait_s >= 0,
+                 f"ScalingConfig.startup_wait_s must be a number of seconds >= 0, got {self.startup_wait_s!r}")
         _require(self.strategy in STRATEGIES,
                  f"ScalingConfig.strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         _require(all(v >= 0 for v in self.resources_per_worker.values()),

@@ -1,4 +1,5 @@
-"""The linear LR rule through a real rescale: 4 -> 3 on a kill, then back to 4."""
+"""The linear LR rule through a real rescale: 4 -> 3 on a kill, then back to 4. The run waits for
+all 4 workers at start (startup_wait_s): its expected numbers assume it begins at full size."""
 from __future__ import annotations
 
 import json
@@ -22,7 +23,7 @@ def test_linear_rule_drops_at_once_ramps_back_and_never_restarts_warmup(ray_sess
     fault.start()
     result = ElasticTrainer(
         gpt.train_loop, train_loop_config={"model_size": "tiny", "batch_size": 8, "lr": BASE_LR},
-        total_steps=450, seed=0, scaling=ScalingConfig(min_workers=3, max_workers=4),
+        total_steps=450, seed=0, scaling=ScalingConfig(min_workers=3, max_workers=4, startup_wait_s=120),
         checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=1000), failure=FailureConfig(max_failures=3),
         lr=LRScalingConfig(base_world_size=4, warmup_steps=10, rescale_warmup_steps=20, schedule="constant")).fit()
     fault.join(timeout=5)

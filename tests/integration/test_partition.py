@@ -37,7 +37,7 @@ import gpt
 from elastic import CheckpointConfig, ElasticTrainer, FailureConfig, ScalingConfig
 result = ElasticTrainer(
     gpt.train_loop, train_loop_config={"model_size": "tiny", "batch_size": 8}, total_steps=int(sys.argv[2]),
-    seed=0, scaling=ScalingConfig(min_workers=2, max_workers=3),
+    seed=0, scaling=ScalingConfig(min_workers=2, max_workers=3, startup_wait_s=120),
     checkpoint=CheckpointConfig(storage=sys.argv[1], every_n_steps=int(sys.argv[3]), keep=None),
     failure=FailureConfig(heartbeat_timeout_s=5.0, collective_timeout_s=15.0, straggler_threshold=None)).fit()
 sys.exit(0 if result.ok else 1)

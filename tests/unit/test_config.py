@@ -18,6 +18,7 @@ def loop(ctx):
     ({"min_workers": 0}, "min_workers"),
     ({"min_workers": 2, "strategy": "zero3"}, "strategy"),
     ({"resources_per_worker": {"CPU": -1}}, "resources_per_worker"),
+    ({"startup_wait_s": -1}, "startup_wait_s"),
 ])
 def test_scaling_config_rejects(kwargs, field):
     with pytest.raises(ConfigError, match=field):

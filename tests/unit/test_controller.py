@@ -7,17 +7,19 @@ from elastic._states import RunState
 from elastic.config import FailureConfig, ScalingConfig
 from elastic.errors import InsufficientWorkersError, TooManyFailuresError
 from elastic.policies import FailureDecision, FailurePolicy, ScalingPolicy
+from elastic._ray_group import READY, STARTING
 from fakes import FakeCheckpoints, FakeClock, FakeGroup, FakeRecorder
 
 pytestmark = pytest.mark.timeout(30)
 
 
-def make(min_workers=2, max_workers=3, capacity=3, max_failures=3, latest=None, fence=None, **kwargs):
+def make(min_workers=2, max_workers=3, capacity=3, max_failures=3, latest=None, fence=None, startup_wait_s=10.0,
+         **kwargs):
     clock, group = FakeClock(), FakeGroup(capacity)
     transitions = []
     controller = Controller(
         group, FakeRecorder(), FakeCheckpoints(latest, fence),
-        scaling=ScalingConfig(min_workers=min_workers, max_workers=max_workers),
+        scaling=ScalingConfig(min_workers=min_workers, max_workers=max_workers, startup_wait_s=startup_wait_s),
         failure=FailureConfig(max_failures=max_failures, heartbeat_timeout_s=5.0, collective_timeout_s=30.0,
                               rendezvous_timeout_s=60.0),
         total_steps=100, clock=clock, callbacks=(lambda old, new, why: transitions.append((old, new)),), **kwargs)
@@ -49,6 +51,30 @@ def test_happy_path_every_transition_is_announced():
     assert [t[1] for t in transitions] == [RunState.STARTING, RunState.RUNNING, RunState.FINISHED]
     controller.run(sleep=lambda s: None)
     assert group.shut_down
+
+
+@pytest.mark.parametrize("startup_wait_s", [5.0, 90.0])   # 90: longer than the rendezvous timeout (60)
+def test_start_waits_startup_wait_s_for_max_workers_then_starts_with_the_ready_ones(startup_wait_s):
+    controller, group, clock, _ = make(min_workers=2, max_workers=3, startup_wait_s=startup_wait_s)
+    controller.tick()                                  # places 3 workers
+    group.views[2].status = STARTING                   # the third is slow to start
+    clock.advance(startup_wait_s - 1)
+    controller.tick()
+    assert controller.state.state == RunState.SCHEDULING   # still waiting, and not failed
+    clock.advance(2)
+    controller.tick()
+    assert controller.state.state == RunState.RUNNING and sorted(controller.state.members) == [0, 1]
+
+
+def test_start_goes_at_once_when_the_last_worker_becomes_ready_within_the_wait():
+    controller, group, clock, _ = make(min_workers=2, max_workers=3, startup_wait_s=90.0)
+    controller.tick()
+    group.views[2].status = STARTING
+    clock.advance(30)
+    controller.tick()
+    group.views[2].status = READY
+    controller.tick()
+    assert controller.state.state == RunState.RUNNING and len(controller.state.members) == 3
 
 
 def test_resume_starts_from_the_latest_checkpoint():
