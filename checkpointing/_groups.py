@@ -15,7 +15,8 @@ import dataclasses
 import datetime
 from typing import Any
 
-import torch.distributed as dist
+# torch.distributed is imported in the methods: a manager that only lists or fences
+# checkpoints (the controller) creates a SideGroup but never uses it.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +30,7 @@ class GroupView:
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if self.pg is None or self.world_size == 1:
             return obj
+        import torch.distributed as dist
         box = [obj]
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.pg, src), group=self.pg)
         return box[0]
@@ -36,6 +38,7 @@ class GroupView:
     def all_gather(self, obj: Any) -> list:
         if self.pg is None or self.world_size == 1:
             return [obj]
+        import torch.distributed as dist
         out: list = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.pg)
         return out
@@ -50,6 +53,7 @@ class SideGroup:
         self._for_default = None
 
     def view(self) -> GroupView:
+        import torch.distributed as dist
         if not (dist.is_available() and dist.is_initialized()):
             return GroupView(None, 0, 1)
         default = dist.group.WORLD

@@ -5,7 +5,9 @@ thread, at most one save in flight), failure accounting (failures are recorded, 
 after `max_consecutive_failures` in a row), fencing by generation, and GC. Saving and loading
 are collective over the current default group's ranks; see `_groups` for which group is used.
 Public methods are meant to be called from the training thread; `committed`, `set_generation`
-and `gc` are also safe from other threads and processes.
+and `gc` are also safe from other threads and processes. Those three need no torch: the
+saving and loading modules (DCP) are imported on first use, so a process that only lists,
+fences or collects (the run's controller, the `ckpt` CLI) does not pay for importing torch.
 """
 
 from __future__ import annotations
@@ -13,16 +15,16 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import Future
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from checkpointing import manifest as mf
 from checkpointing import retention
 from checkpointing._groups import SideGroup
-from checkpointing._load import load_latest as _load_latest
-from checkpointing._save import SaveJob, run_save
 from checkpointing.errors import CheckpointError, FencedError
-from checkpointing.staging import stage_state_dict
 from checkpointing.storage import Storage
+
+if TYPE_CHECKING:
+    from checkpointing._save import SaveJob
 
 log = logging.getLogger("checkpointing")
 
@@ -75,6 +77,8 @@ class CheckpointManager:
             raise FencedError(
                 f"save of step {step} at generation {generation} refused: {self.url}/checkpoints/"
                 f"FENCE is at generation {self._known_fence}", url=self.url)
+        from checkpointing._save import SaveJob
+        from checkpointing.staging import stage_state_dict
         self._finish_inflight()  # bounded memory: one staged copy at a time
         self._raise_if_failing()
         group = self._group.view()  # collective only when the default group changed
@@ -97,6 +101,7 @@ class CheckpointManager:
     def _run(self, job: SaveJob) -> mf.CommitInfo | BaseException:
         """Runs a save; returns the outcome as a value (the training thread decides)."""
         try:
+            from checkpointing._save import run_save
             return run_save(job)
         except BaseException as e:  # noqa: BLE001 - DCP raises BaseException subclasses
             return e
@@ -199,8 +204,9 @@ class CheckpointManager:
     # ---- loading and inspection --------------------------------------------------------------
     def load_latest(self, state: dict) -> mf.LoadResult | None:
         """Collective: load the newest verified committed checkpoint into `state` in place."""
+        from checkpointing._load import load_latest
         self._finish_inflight()
-        return _load_latest(self.storage, state, self._group.view())
+        return load_latest(self.storage, state, self._group.view())
 
     def committed(self) -> list[mf.CommitInfo]:
         """Committed checkpoints, newest last (manifests only; checksums not rechecked)."""

@@ -6,14 +6,32 @@ Public API::
 
 Everything not exported here is internal (modules prefixed with `_`).
 """
-from elastic.config import CheckpointConfig, FailureConfig, LRScalingConfig, ScalingConfig
-from elastic.context import TrainContext
+import importlib
+
 from checkpointing import CheckpointError, CorruptCheckpointError, FencedError, StorageError
-from elastic.datasets import ParquetTokens, read_corpus_marker, write_token_shards
+from elastic.config import CheckpointConfig, FailureConfig, LRScalingConfig, ScalingConfig
 from elastic.errors import (ConfigError, DatasetError, ElasticError, InsufficientWorkersError,
                             StorageConfigError, TooManyFailuresError, UserCodeError, WorkerLostError)
 from elastic.policies import Failure, FailureDecision, FailurePolicy, ResizeDecision, ScalingPolicy
 from elastic.trainer import ElasticTrainer, Result
+
+# Imported on first use: these pull in torch (and pyarrow), which the controller's process,
+# the CLI and a driver that only submits never need.
+_LAZY = {"TrainContext": "elastic.context", "ParquetTokens": "elastic.datasets",
+         "write_token_shards": "elastic.datasets", "read_corpus_marker": "elastic.datasets"}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'elastic' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "ElasticTrainer", "Result", "TrainContext",

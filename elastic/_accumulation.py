@@ -13,12 +13,13 @@ any W, only the order of the sums differs.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any, Iterable
 
 from elastic.errors import ConfigError, ElasticError
+
+if TYPE_CHECKING:   # torch is imported where used: the trainer checks configs with this module
+    import torch
+    from torch import nn
 
 CONSTANT_GLOBAL_BATCH = "constant_global_batch"
 
@@ -33,7 +34,9 @@ def new_accumulation(rule: Any, world_size: int) -> "Accumulation | None":
 
 def as_float(value: Any) -> float | None:
     """A reported metric (tensor or number) as a float."""
-    return float(value.detach()) if isinstance(value, torch.Tensor) else (float(value) if value is not None else None)
+    if value is None:
+        return None
+    return float(value.detach()) if hasattr(value, "detach") else float(value)   # a tensor, or a number
 
 
 def allowed_world_sizes(min_workers: int, max_workers: int) -> list[int]:
@@ -115,6 +118,7 @@ class Accumulation:
         """Synced gradients are sums over `steps` micro-batches: make them the mean."""
         if self.steps == 1:
             return
+        import torch
         with torch.no_grad():
             for p in params:
                 if p.grad is not None:

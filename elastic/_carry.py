@@ -1,18 +1,18 @@
-"""What a worker keeps across generations (`Carry`) and what every worker knows about the run
-(`RunSpec`): the two records `TrainContext` works on, apart from the per-generation context."""
+"""What a worker keeps across generations (`Carry`): with `RunSpec`, what `TrainContext` works on
+apart from the per-generation context."""
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from elastic._lr import ScaleRamp
 from elastic._protocol import StepRecord
 from elastic._state import DATA_ORDER_START
-from elastic.config import LRScalingConfig, ScalingConfig
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 
 @dataclass
@@ -39,25 +39,3 @@ class Carry:
     base_lr: float | None = None                               # LR rule: LR at base_world_size
     lr_ramp: ScaleRamp | None = None                           # LR rule: batch-size scale and its ramp
     grad_scaler: Any = None                                    # fp16: torch.amp.GradScaler
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """What every worker needs to know about the run (sent once, at actor creation)."""
-
-    train_loop: Callable[..., Any]
-    loop_config: Any
-    total_steps: int
-    seed: int
-    strategy: str
-    use_gpu: bool
-    storage: str
-    storage_options: dict[str, Any]
-    checkpoint_every: int | None
-    keep: int | None
-    async_save: bool
-    max_consecutive_failures: int
-    cpus_per_worker: float
-    collective_timeout_s: float
-    lr: LRScalingConfig | None = None
-    scaling: ScalingConfig | None = None      # precision, compression, FSDP options (None: defaults)

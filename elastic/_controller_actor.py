@@ -11,7 +11,7 @@ from elastic._ray_metrics import MeteredRecorder
 from elastic._run_record import RunRecorder
 from elastic._states import RunState
 from elastic.config import CheckpointConfig, FailureConfig, ScalingConfig
-from elastic.context import RunSpec
+from elastic._protocol import RunSpec
 from elastic.errors import UserCodeError
 
 

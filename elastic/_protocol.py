@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from elastic.config import LRScalingConfig, ScalingConfig
 
 
 class WorkerPhase(str, enum.Enum):
@@ -86,3 +89,32 @@ class WorkerInfo:
     node_id: str
     actor_id: str
     ip: str
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What every worker needs to know about the run (sent once, at actor creation).
+
+    The user's loop and its config travel pickled, as bytes only workers load: the controller
+    passes the spec on without importing torch or whatever the user's code imports."""
+
+    user_code: bytes                           # cloudpickle of (train_loop, train_loop_config)
+    total_steps: int
+    seed: int
+    strategy: str
+    use_gpu: bool
+    storage: str
+    storage_options: dict[str, Any]
+    checkpoint_every: int | None
+    keep: int | None
+    async_save: bool
+    max_consecutive_failures: int
+    cpus_per_worker: float
+    collective_timeout_s: float
+    lr: LRScalingConfig | None = None
+    scaling: ScalingConfig | None = None      # precision, compression, FSDP options (None: defaults)
+
+    def load_user_code(self) -> tuple[Callable[..., Any], Any]:
+        """(train_loop, train_loop_config), unpickled in the calling process."""
+        import ray.cloudpickle
+        return ray.cloudpickle.loads(self.user_code)

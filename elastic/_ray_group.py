@@ -16,10 +16,9 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from elastic._protocol import GenerationPlan, WorkerInfo, WorkerReport
+from elastic._protocol import GenerationPlan, RunSpec, WorkerInfo, WorkerReport
 from elastic._worker import TrainWorker
 from elastic.config import FailureConfig, ScalingConfig
-from elastic.context import RunSpec
 from elastic.errors import WorkerLostError
 
 log = logging.getLogger("elastic.group")

@@ -3,6 +3,9 @@
 The user's loop runs in a thread so the actor keeps answering the controller's polls (its
 heartbeat) while training, and keeps its process and in-memory state across generations.
 The worker never decides anything: it reports what happened and waits for the next plan.
+
+torch and the training modules are imported inside the methods, in the worker's own process:
+the controller imports this module only to launch the actor class, and stays free of torch.
 """
 from __future__ import annotations
 
@@ -14,15 +17,12 @@ import signal
 import socket
 import threading
 import traceback
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
+from elastic._protocol import GenerationPlan, RunSpec, WorkerInfo, WorkerPhase, WorkerReport
 
-from elastic._checkpoint_io import open_manager
-from elastic._group_sockets import GroupSockets
-from elastic._protocol import GenerationPlan, WorkerInfo, WorkerPhase, WorkerReport
-from elastic._state import mix_seed
-from elastic.context import Carry, RescaleInterrupt, RunSpec, TrainContext
+if TYPE_CHECKING:
+    from elastic._group_sockets import GroupSockets
 
 log = logging.getLogger("elastic.worker")
 
@@ -48,6 +48,7 @@ def classify_error(error: BaseException) -> str:
         return "infra"
     if isinstance(error, CheckpointError):
         return "fatal"
+    import torch.distributed as dist
     if isinstance(error, getattr(dist, "DistError", ())):
         return "comm"
     if isinstance(error, RuntimeError) and any(m in str(error).lower() for m in _BACKEND_MARKERS):
@@ -69,7 +70,10 @@ class TrainWorker:
     """One rank. Created through `ray.remote(...)` by the worker group."""
 
     def __init__(self, spec: RunSpec):
+        import torch
+        from elastic.context import Carry
         self._spec = spec
+        self._loop, self._loop_config = spec.load_user_code()
         self._lock = threading.Lock()
         self._phase = WorkerPhase.IDLE
         self._plan: GenerationPlan | None = None
@@ -162,15 +166,18 @@ class TrainWorker:
 
     # ---- the training thread -----------------------------------------------------------
     def _run_generation(self, plan: GenerationPlan) -> None:
+        import torch
+        from elastic._state import mix_seed
+        from elastic.context import RescaleInterrupt, TrainContext
         try:
             self._join_group(plan)
-            ctx = TrainContext(plan=plan, spec=self._spec, carry=self._carry, stop_requested=self._stop_requested,
-                               preempted=self._preempted, device=self._device)
+            ctx = TrainContext(plan=plan, spec=self._spec, carry=self._carry, loop_config=self._loop_config,
+                               stop_requested=self._stop_requested, preempted=self._preempted, device=self._device)
             # Identical initial weights on every rank and in every run with the same seed.
             torch.manual_seed(mix_seed(self._spec.seed, "init"))
-            loop = self._spec.train_loop
+            loop = self._loop
             if len(inspect.signature(loop).parameters) >= 2:
-                loop(ctx, self._spec.loop_config)
+                loop(ctx, self._loop_config)
             else:
                 loop(ctx)
             sha = ctx._finish()
@@ -206,6 +213,7 @@ class TrainWorker:
     def _leave_group(self, abort: bool = False) -> None:
         """Destroy the current group. With `abort` (the group broke), first cut its connections
         so that peers blocked on this rank fail now (see elastic._group_sockets)."""
+        import torch.distributed as dist
         if not dist.is_initialized():
             return
         if abort:
@@ -223,6 +231,9 @@ class TrainWorker:
             log.debug("destroying the previous process group failed", exc_info=True)
 
     def _join_group(self, plan: GenerationPlan) -> None:
+        import torch.distributed as dist
+        from elastic._checkpoint_io import open_manager
+        from elastic._group_sockets import GroupSockets
         self._leave_group()
         sockets = GroupSockets()
         dist.init_process_group(

@@ -18,9 +18,9 @@ from torch import nn
 
 from elastic import _checkpoint_io, _wrap
 from elastic._accumulation import as_float, new_accumulation, wrap_optimizer
-from elastic._carry import Carry, RunSpec
+from elastic._carry import Carry
 from elastic._data import ElasticLoader
-from elastic._protocol import GenerationPlan, StepRecord
+from elastic._protocol import GenerationPlan, RunSpec, StepRecord
 from elastic._lr import ScaleRamp, rule_lr
 from elastic._precision import Precision
 from elastic._state import DATA_ORDER_START, broadcast_state, chain_sample_ids, mix_seed, state_sha256
@@ -43,10 +43,11 @@ class RescaleInterrupt(BaseException):
 class TrainContext:
     """Per-rank handle given to `train_loop(ctx)`; re-created after every rescale."""
 
-    def __init__(self, *, plan: GenerationPlan, spec: RunSpec, carry: Carry,
+    def __init__(self, *, plan: GenerationPlan, spec: RunSpec, carry: Carry, loop_config: Any,
                  stop_requested: threading.Event, preempted: threading.Event, device: torch.device):
         self._plan = plan
         self._spec = spec
+        self._loop_config = loop_config
         self._carry = carry
         self._stop_requested = stop_requested
         self._preempted = preempted
@@ -104,7 +105,7 @@ class TrainContext:
     @property
     def config(self) -> Any:
         """The `train_loop_config` passed to ElasticTrainer."""
-        return self._spec.loop_config
+        return self._loop_config
 
     # ---- preparation ----------------------------------------------------------------
     def prepare_model(self, model: nn.Module, *, shard_modules: list[nn.Module] | None = None) -> nn.Module:

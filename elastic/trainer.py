@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from elastic._accumulation import CONSTANT_GLOBAL_BATCH, check_divisible
 from elastic.config import CheckpointConfig, FailureConfig, LRScalingConfig, ScalingConfig, to_jsonable
-from elastic.context import RunSpec
+from elastic._protocol import RunSpec
 from elastic.errors import ConfigError, StorageConfigError
 from elastic.policies import FailurePolicy, ScalingPolicy
 
@@ -102,12 +102,23 @@ class ElasticTrainer:
 
     def _spec(self) -> RunSpec:
         c = self.checkpoint
-        return RunSpec(train_loop=self._train_loop, loop_config=self.train_loop_config, total_steps=self.total_steps,
+        return RunSpec(user_code=self._pickled_user_code(), total_steps=self.total_steps,
                        seed=self.seed, strategy=self.scaling.strategy, use_gpu=self.scaling.use_gpu,
                        storage=c.storage, storage_options=dict(c.storage_options), checkpoint_every=c.every_n_steps,
                        keep=c.keep, async_save=c.async_save, max_consecutive_failures=c.max_consecutive_failures,
                        cpus_per_worker=self.scaling.cpus_per_worker,
                        collective_timeout_s=self.failure.collective_timeout_s, lr=self.lr, scaling=self.scaling)
+
+    def _pickled_user_code(self) -> bytes:
+        """The loop and its config as bytes for the workers (see RunSpec): pickled here, so an
+        unpicklable config fails in `fit()` with its name rather than inside Ray."""
+        from ray import cloudpickle
+        try:
+            return cloudpickle.dumps((self._train_loop, self.train_loop_config))
+        except Exception as error:
+            raise ConfigError(f"train_loop or train_loop_config cannot be pickled for the workers: "
+                              f"{type(error).__name__}: {error}; pass picklable values (open files, "
+                              f"locks and live connections belong inside the loop)") from error
 
     def _check_storage(self) -> None:
         from checkpointing.storage import Storage
