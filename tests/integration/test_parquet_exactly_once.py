@@ -1,6 +1,6 @@
 """Exactly-once data from a Parquet corpus on S3: the main job with --data, a worker killed, then
 a resume as a separate run at another world size, consumes exactly the samples of a fault-free
-single run, in the same order."""
+single run, in the same order (its hash computed from the loader's order function)."""
 from __future__ import annotations
 
 import json
@@ -33,7 +33,7 @@ def main_job(storage: str, env: dict, *args: str) -> dict:
     return read_json(storage, "summary.json")
 
 
-@pytest.mark.timeout(780)
+@pytest.mark.timeout(540)
 def test_kill_then_resume_at_another_world_size_consumes_what_a_clean_run_does(s3_env, tmp_path):
     corpus = f"s3://{s3_env['bucket']}/corpus"
     gpt.write_synthetic_corpus(corpus, seq_len=16, vocab=64, shards=3, rows_per_shard=100)
@@ -54,12 +54,12 @@ def test_kill_then_resume_at_another_world_size_consumes_what_a_clean_run_does(s
     metrics = [json.loads(line) for line in open(os.path.join(faulty, "metrics.jsonl"))]
     assert [m["step"] for m in metrics if m["step"] > 100] == list(range(101, 121))
 
-    clean = main_job(str(tmp_path / "clean"), env, *data, "--workers", "2:2", "--steps", "130")
-    assert clean["recoveries"] == [] and clean["samples_consumed"] == 130 * 16
-    # 100 steps x 2 x 8, then 20 steps x 3 x 8: the same 2080 samples as 130 clean steps x 2 x 8.
-    assert second["samples_consumed"] == clean["samples_consumed"] == 2080
-    assert second["data_order_sha256"] == clean["data_order_sha256"]
-    assert clean["data_order_sha256"] == expected_data_order(2080, n_samples=ROWS)
+    # 100 steps x 2 x 8, then 20 steps x 3 x 8: the same 2080 samples as 130 clean steps x 2 x 8,
+    # the first 2080 positions of the global order. Its hash is computed here from the loader's
+    # order function, the one a clean run follows (test_runtime.py checks a clean run against
+    # it): a third, fault-free job would add a minute and no check.
+    assert second["samples_consumed"] == 2080
+    assert second["data_order_sha256"] == expected_data_order(2080, n_samples=ROWS)
 
 
 @pytest.mark.timeout(60)
