@@ -127,6 +127,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario(name="partition", description="3 link cuts of one node's network namespace, 15-25 s each",
              build=_partition, steps=3000, heartbeat_timeout_s=6.0, nodes=4, namespaced=True),
     Scenario(name="mixed", description="a user error, then 50 faults of 9 kinds, one every 20-30 s",
-             build=_mixed, steps=2000, model_size="small", checkpoint_every=50, nodes=4, namespaced=True,
+             # Every 20 steps (a few seconds): each fault waits for a commit since the previous
+             # one (the gate), so the interval bounds how close faults can come.
+             build=_mixed, steps=2000, model_size="small", checkpoint_every=20, nodes=4, namespaced=True,
              restarts=4, job_timeout_s=3600),
 )}
