@@ -34,6 +34,7 @@ class Carry:
     pending_samples: int = 0
     records: list[StepRecord] = field(default_factory=list)   # completed steps not yet polled
     records_lock: threading.Lock = field(default_factory=threading.Lock)   # the poll drains records
+    news: threading.Event = field(default_factory=threading.Event)          # wakes a held poll
     load_fallbacks: list[dict] = field(default_factory=list)   # checkpoints skipped as corrupt
     restored: tuple[int, int] | None = None                    # (generation, step) of the last restore
     base_lr: float | None = None                               # LR rule: LR at base_world_size

@@ -63,6 +63,7 @@ class RayWorkerGroup:
         self._failure = failure
         self._slots: dict[int, _Slot] = {}
         self._next_wid = 0
+        self.poll_hold_s = 0.0       # set by the controller: how long a worker may hold a poll
         resources = dict(scaling.resources_per_worker)
         if scaling.use_gpu:
             resources.setdefault("GPU", 1.0)
@@ -155,7 +156,7 @@ class RayWorkerGroup:
     def _send_polls(self) -> None:
         for slot in self._slots.values():
             if slot.status == READY and slot.poll_ref is None:
-                slot.poll_ref = slot.actor.poll.remote()
+                slot.poll_ref = slot.actor.poll.remote(self.poll_hold_s)
 
     def _mark_dead(self, slot: _Slot, reason: str) -> None:
         if slot.status == DEAD:

@@ -92,6 +92,10 @@ class TrainWorker:
         signal.signal(signal.SIGTERM, self._on_preemption_notice)
         _preload()
 
+    def _announce(self) -> None:
+        """Wake the controller's held poll: something it must hear at once has happened."""
+        self._carry.news.set()
+
     def _on_preemption_notice(self, signum, frame) -> None:
         """SIGTERM (spot reclaim, node drain): commit at the next step boundary, then leave.
 
@@ -103,6 +107,7 @@ class TrainWorker:
             return
         log.warning("preemption notice: checkpoint at the next step, then leave (within %ds)", PREEMPTION_GRACE_S)
         self._preempted.set()
+        self._announce()
         timer = threading.Timer(PREEMPTION_GRACE_S, os._exit, args=(0,))
         timer.daemon = True
         timer.start()
@@ -134,13 +139,21 @@ class TrainWorker:
             self._thread = threading.Thread(target=self._run_generation, args=(plan,),
                                             name=f"train-g{plan.generation}", daemon=True)
             self._thread.start()
+        self._announce()
 
     def request_stop(self, generation: int) -> None:
         """Leave the loop at the next step boundary (every rank leaves at the same step)."""
         if self._plan is not None and self._plan.generation == generation:
             self._stop_requested.set()
 
-    def poll(self) -> WorkerReport:
+    def poll(self, hold_s: float = 0.0) -> WorkerReport:
+        """What this worker is doing. With `hold_s` the answer waits until something the
+        controller must hear at once happens (a phase change, an error, a preemption notice, a
+        generation's first step) or `hold_s` passes: one answer per hold while training goes
+        on, at once when it stops going on."""
+        if hold_s > 0:
+            self._carry.news.wait(hold_s)
+        self._carry.news.clear()
         with self._lock, self._carry.records_lock:
             records, self._carry.records = self._carry.records, []
             carry, plan, error = self._carry, self._plan, self._error or {}
@@ -184,6 +197,7 @@ class TrainWorker:
             with self._lock:
                 self._model_sha256 = sha
                 self._phase = WorkerPhase.FINISHED
+            self._announce()
         except RescaleInterrupt:
             try:
                 self._settle_checkpoints(peers_alive=True)
@@ -251,6 +265,7 @@ class TrainWorker:
     def _set_phase(self, phase: WorkerPhase) -> None:
         with self._lock:
             self._phase = phase
+        self._announce()
 
     def _record_error(self, error: BaseException) -> None:
         kind = classify_error(error)
@@ -268,5 +283,6 @@ class TrainWorker:
                            "traceback": text,
                            "kind": kind, "exception": portable}
             self._phase = WorkerPhase.INTERRUPTED if kind == "comm" else WorkerPhase.FAILED
+        self._announce()
         log.warning("rank %s left generation %s: %s: %s", self._plan.rank if self._plan else "?",
                     self._plan.generation if self._plan else "?", type(error).__name__, error)

@@ -140,7 +140,9 @@ class FailureConfig:
     max_failures: int | None = 20
     """Infrastructure failures tolerated before the run fails; None is unlimited. User-code errors fail at once."""
     heartbeat_interval_s: float = 0.2
-    """How often the controller polls each worker."""
+    """How often the controller looks at its workers (and re-polls one that answered). While the
+    run trains, a worker holds a poll until something happens, up to 1 s (at most a fifth of
+    heartbeat_timeout_s)."""
     heartbeat_timeout_s: float = 10.0
     """A worker that does not answer a poll for this long is declared hung and replaced.
     On a loaded machine raise it to avoid false alarms; lower it for faster hang detection."""

@@ -59,6 +59,7 @@ class TrainContext:
         self._optimizer: torch.optim.Optimizer | None = None
         self._global_batch = 0
         self._timer = StepTimer()
+        self._first_step_announced = False
         self._step_ids: list[int] = []             # sample ids the whole group reads at this step
         self._scaling = spec.scaling or ScalingConfig(strategy=spec.strategy, use_gpu=spec.use_gpu)
         if carry.grad_scaler is None:
@@ -354,6 +355,11 @@ class TrainContext:
         with carry.records_lock:
             carry.records.append(record)
             del carry.records[:-RECORDS_KEPT]
+        if not self._first_step_announced:
+            # The generation's first step ends a recovery: the controller hears it at once,
+            # not when the held poll would have come back anyway.
+            self._first_step_announced = True
+            carry.news.set()
 
     def _confirm_final_commit(self) -> None:
         """A run is finished only once its final state is committed. Every rank learns the

@@ -180,8 +180,11 @@ def test_job_submit_survives_a_killed_worker(ray_head, tmp_path):
     os.kill(victim["pid"], signal.SIGKILL)
     wait_for(lambda: not pid_alive(victim["pid"]), 30, "the killed worker to go")
 
-    wait_for(lambda: _job(head, submission_id).get("status") in ("SUCCEEDED", "FAILED", "STOPPED"), 300,
-             "the job to end")
+    try:
+        wait_for(lambda: _job(head, submission_id).get("status") in ("SUCCEEDED", "FAILED", "STOPPED"), 300,
+                 "the job to end")
+    except AssertionError as error:   # say where it stood: the cluster and its logs go at teardown
+        raise AssertionError(f"{error}\nstatus.json: {read_json(storage, 'status.json')}\n{logs()}") from None
     job = _job(head, submission_id)
     assert job["status"] == "SUCCEEDED", f"{job}\n{logs()}"
 

@@ -357,3 +357,16 @@ def test_the_step_workers_really_restored_wins_over_the_planned_one():
     controller.tick()
     assert controller.recorder.resumed_from == 10 and controller.recorder.generations == [(10, 3)]
     assert controller.step == 10
+
+
+def test_polls_are_held_only_while_training_runs():
+    controller, group, clock, _ = make()
+    controller.tick()
+    assert group.poll_hold_s == 0.0                  # scheduling: answers at once
+    members = start(controller, group)
+    controller.tick()
+    assert group.poll_hold_s == 1.0                  # running: min(1 s, heartbeat_timeout_s 5 / 5)
+    group.die(members[1])
+    controller.tick()                                 # -> recovering
+    controller.tick()
+    assert controller.state.state == RunState.RECOVERING and group.poll_hold_s == 0.0
