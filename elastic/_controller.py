@@ -24,13 +24,6 @@ log = logging.getLogger("elastic.controller")
 
 PROBE_GRACE_S = 2.0      # no maximum: start once the ready count held this long (the cluster is full)
 STUCK_GRACE_S = 2.0      # floor of how long a survivor may lag the first one out of a broken group
-POLL_HOLD_S = 1.0        # while training runs, a worker answers a poll at most this late when nothing happens
-
-
-def poll_hold_s(failure: FailureConfig) -> float:
-    """How long a worker may hold a poll while the run trains: up to POLL_HOLD_S, and at most a
-    fifth of the heartbeat timeout, so a healthy worker's silence stays far from it."""
-    return min(POLL_HOLD_S, failure.heartbeat_timeout_s / 5)
 
 
 class WorkerGroup(Protocol):
@@ -102,7 +95,7 @@ class Controller(Bookkeeping):
     def tick(self) -> None:
         # While training runs, polls are held (answered at once on news, else once a hold): the
         # 5 Hz polls cost each worker ~2 % of its CPU. Otherwise they are answered at once.
-        self.group.poll_hold_s = poll_hold_s(self.failure) if self.state.state == RunState.RUNNING else 0.0
+        self.group.poll_hold_s = self.failure.poll_hold_s if self.state.state == RunState.RUNNING else 0.0
         self.views = self.group.tick()
         self._confirm_restore()
         self._absorb_records()

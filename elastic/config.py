@@ -163,6 +163,13 @@ class FailureConfig:
     (median over the window, its time minus the others'): a high ratio on a few milliseconds of
     compute is scheduling noise, not worth a recovery. 0 flags on the ratio alone."""
 
+    @property
+    def poll_hold_s(self) -> float:
+        """How long a worker may hold a poll while the run trains (answering at once when
+        something happens): 1 s, and at most a fifth of heartbeat_timeout_s, so a healthy
+        worker's silence stays far from the timeout."""
+        return min(1.0, self.heartbeat_timeout_s / 5)
+
     def __post_init__(self) -> None:
         _require(self.max_failures is None or (isinstance(self.max_failures, int) and self.max_failures >= 0),
                  f"FailureConfig.max_failures must be >= 0 or None, got {self.max_failures!r}")
