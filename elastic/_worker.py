@@ -40,20 +40,38 @@ def classify_error(error: BaseException) -> str:
     "infra": storage trouble: the controller recovers, counted against max_failures.
     "fatal": the run cannot go on (fenced out, checkpoint failure limit reached): fail now.
     "user": the user's code raised: fail fast, not retried.
+
+    A checkpoint error is judged by what caused it: a save whose collective broke because a
+    peer died (e.g. the final commit, the moment a rank is killed) is that peer's failure, and
+    the run recovers and commits again; only a checkpoint error with no such cause is fatal.
     """
     from checkpointing import CheckpointError, FencedError, StorageError
     if isinstance(error, FencedError):
         return "fatal"
-    if isinstance(error, StorageError):
-        return "infra"
+    for cause in _cause_chain(error):
+        if isinstance(cause, StorageError):
+            return "infra"
+        if _is_comm_error(cause):
+            return "comm"
     if isinstance(error, CheckpointError):
         return "fatal"
+    return "user"
+
+
+def _cause_chain(error: BaseException) -> list[BaseException]:
+    """The error and its explicit causes (`raise ... from`), outermost first."""
+    chain: list[BaseException] = []
+    while error is not None and error not in chain:
+        chain.append(error)
+        error = error.__cause__
+    return chain
+
+
+def _is_comm_error(error: BaseException) -> bool:
     import torch.distributed as dist
     if isinstance(error, getattr(dist, "DistError", ())):
-        return "comm"
-    if isinstance(error, RuntimeError) and any(m in str(error).lower() for m in _BACKEND_MARKERS):
-        return "comm"
-    return "user"
+        return True
+    return isinstance(error, RuntimeError) and any(m in str(error).lower() for m in _BACKEND_MARKERS)
 
 
 def _preload() -> None:

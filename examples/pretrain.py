@@ -48,6 +48,13 @@ def parse_fail_at(text: str) -> tuple[int, int]:
     raise argparse.ArgumentTypeError(f"--fail-at must be RANK:STEP (rank >= 0, step >= 1), got {text!r}")
 
 
+def parse_hold_at(text: str) -> tuple[int, str]:
+    step, sep, path = text.partition(":")
+    if sep and path and step.isdigit() and int(step) >= 1:
+        return int(step), path
+    raise argparse.ArgumentTypeError(f"--hold-at must be STEP:FILE (step >= 1), got {text!r}")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--storage", required=True, help="run directory: local path, file://, or s3://bucket/prefix")
@@ -89,6 +96,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fail-at", type=parse_fail_at, metavar="RANK:STEP",
                    help="fault injection (chaos tests): the loop of rank RANK raises InjectedUserError at step "
                         "STEP, in the run's first generation only; by default a user error fails the run")
+    p.add_argument("--hold-at", type=parse_hold_at, metavar="STEP:FILE",
+                   help="fault injection (tests): every rank waits after step STEP until FILE exists, "
+                        "so a fault injected from outside lands at that step")
     return p.parse_args(argv)
 
 
@@ -190,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         trainer = ElasticTrainer(
             train_loop,
             train_loop_config={"model_size": args.model_size, "batch_size": args.batch_size, "lr": args.lr,
-                               "activation_checkpointing": args.activation_checkpointing, "data": data_url},
+                               "activation_checkpointing": args.activation_checkpointing, "data": data_url,
+                               "hold_at": args.hold_at},
             scaling=ScalingConfig(min_workers=low, max_workers=high, strategy=args.strategy,
                                   resources_per_worker={"CPU": args.cpus_per_worker}, precision=args.precision,
                                   grad_compression=None if args.grad_compression == "none" else args.grad_compression,

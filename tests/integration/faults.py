@@ -18,16 +18,32 @@ def read_json(run_dir: str, name: str) -> dict | None:
 
 
 class SignalAtStep(threading.Thread):
-    """Send `sig` to the worker with `rank` once status.json shows the run past `at_step`."""
+    """Send `sig` to the worker with `rank` once status.json shows the run past `at_step`.
+
+    Pass `hold_config()` in the example loop's config and the run holds every rank after
+    `at_step` until the signal is sent (the gate file is created after it, and always when this
+    thread ends): the fault lands at exactly that step however fast the machine. Without the
+    hold it lands wherever the run is when the controller next reports (about once a second),
+    and a short run may finish first."""
 
     def __init__(self, run_dir: str, at_step: int, sig: int, rank: int, timeout_s: float = 120.0):
         super().__init__(daemon=True)
         self.run_dir, self.at_step, self.sig, self.rank, self.timeout_s = run_dir, at_step, sig, rank, timeout_s
+        self.gate = run_dir.rstrip("/") + f".released-after-{at_step}"
         self.pid: int | None = None
         self.sent_at: float | None = None
         self.step_seen: int | None = None
 
+    def hold_config(self) -> dict:
+        return {"hold_at": [self.at_step, self.gate]}
+
     def run(self) -> None:
+        try:
+            self._signal_at_step()
+        finally:
+            open(self.gate, "w").close()
+
+    def _signal_at_step(self) -> None:
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
             status = read_json(self.run_dir, "status.json") or {}

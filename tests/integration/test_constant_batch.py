@@ -36,10 +36,11 @@ def fit(run_dir, workers, fault=None, optimizer="sgd", lr=0.05, strategy="ddp", 
     if fault is not None:
         fault.start()
     result = ElasticTrainer(
-        gpt.train_loop, train_loop_config={"model_size": "tiny", "batch_size": BATCH, "lr": lr,
-                                            "optimizer": optimizer},
+        gpt.train_loop, train_loop_config={"model_size": "tiny", "batch_size": BATCH, "lr": lr, "optimizer": optimizer,
+                                            **(fault.hold_config() if fault is not None else {})},
         total_steps=steps, seed=0,
-        scaling=ScalingConfig(min_workers=workers[0], max_workers=workers[1], strategy=strategy),
+        scaling=ScalingConfig(min_workers=workers[0], max_workers=workers[1], strategy=strategy,
+                              startup_wait_s=120),
         checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=1000), failure=FailureConfig(max_failures=3),
         lr=LRScalingConfig(base_world_size=BASE, warmup_steps=10, mode="constant_global_batch")).fit()
     if fault is not None:

@@ -18,10 +18,11 @@ pytestmark = [pytest.mark.integration]
 LOOP = {"model_size": "tiny", "batch_size": 8, "lr": 3e-2}
 
 
-def _fit(run_dir, steps, *, workers=(2, 2), every=None, **scaling):
+def _fit(run_dir, steps, *, workers=(2, 2), every=None, hold=None, **scaling):
+    # startup_wait_s: the runs that rescale 3 -> 2 must begin with all 3 workers.
     return ElasticTrainer(
-        gpt.train_loop, train_loop_config=LOOP, total_steps=steps, seed=0,
-        scaling=ScalingConfig(min_workers=workers[0], max_workers=workers[1], **scaling),
+        gpt.train_loop, train_loop_config=LOOP | (hold or {}), total_steps=steps, seed=0,
+        scaling=ScalingConfig(min_workers=workers[0], max_workers=workers[1], startup_wait_s=120, **scaling),
         checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=every),
         failure=FailureConfig(max_failures=3)).fit()
 
@@ -60,10 +61,11 @@ def test_bf16_and_powersgd_converge_like_the_uncompressed_run(ray_session, tmp_p
 def test_compressed_run_survives_a_kill_3_to_2(ray_session, run_dir, compression):
     fault = SignalAtStep(run_dir, at_step=12, sig=signal.SIGKILL, rank=1)
     fault.start()
-    # Enough steps that the fault (status.json is written about once a second) lands mid-run.
-    result = _fit(run_dir, 150, workers=(2, 3), grad_compression=compression, powersgd_warmup_steps=4)
+    result = _fit(run_dir, 150, workers=(2, 3), hold=fault.hold_config(), grad_compression=compression,
+                  powersgd_warmup_steps=4)
     fault.join(timeout=5)
     assert fault.fired() and result.ok, result.error_traceback
+    assert fault.step_seen == 12
     recoveries = result.summary["recoveries"]
     assert any(r["from_world"] == 3 and r["to_world"] == 2 for r in recoveries), recoveries
     assert result.summary["final_step"] == 150

@@ -22,7 +22,7 @@ def test_linear_rule_drops_at_once_ramps_back_and_never_restarts_warmup(ray_sess
     fault = SignalAtStep(run_dir, at_step=30, sig=signal.SIGKILL, rank=1)
     fault.start()
     result = ElasticTrainer(
-        gpt.train_loop, train_loop_config={"model_size": "tiny", "batch_size": 8, "lr": BASE_LR},
+        gpt.train_loop, train_loop_config={"model_size": "tiny", "batch_size": 8, "lr": BASE_LR} | fault.hold_config(),
         total_steps=450, seed=0, scaling=ScalingConfig(min_workers=3, max_workers=4, startup_wait_s=120),
         checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=1000), failure=FailureConfig(max_failures=3),
         lr=LRScalingConfig(base_world_size=4, warmup_steps=10, rescale_warmup_steps=20, schedule="constant")).fit()

@@ -41,10 +41,9 @@ def test_kill_then_resume_at_another_world_size_consumes_what_a_clean_run_does(s
     env, data = s3_env["env"], ("--data", corpus, "--checkpoint-every", "10")
 
     faulty = str(tmp_path / "faulty")
-    # Early in a long first run: status.json must show the run past at_step while it still runs.
     fault = SignalAtStep(faulty, at_step=10, sig=signal.SIGKILL, rank=1)
     fault.start()
-    first = main_job(faulty, env, *data, "--workers", "2:2", "--steps", "100")
+    first = main_job(faulty, env, *data, "--workers", "2:2", "--steps", "100", "--hold-at", f"10:{fault.gate}")
     fault.join(timeout=5)
     assert fault.fired(), f"the fault never fired (run ended at step {first['final_step']})"
     assert [r["cause"] for r in first["recoveries"]] == ["worker_died"] and first["final_step"] == 100

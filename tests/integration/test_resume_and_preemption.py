@@ -64,7 +64,7 @@ def test_aws_variables_reach_the_workers(ray_session, s3_url, s3_env):
 def test_preemption_notice_commits_the_step_before_the_worker_leaves(ray_session, run_dir):
     fault = SignalAtStep(run_dir, at_step=40, sig=signal.SIGTERM, rank=1)
     fault.start()
-    result = ElasticTrainer(gpt.train_loop, train_loop_config=TINY, total_steps=300, seed=0,
+    result = ElasticTrainer(gpt.train_loop, train_loop_config=TINY | fault.hold_config(), total_steps=300, seed=0,
                             scaling=ScalingConfig(min_workers=2, max_workers=3, startup_wait_s=120),
                             checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=1000, keep=None),
                             failure=FailureConfig(max_failures=3)).fit()

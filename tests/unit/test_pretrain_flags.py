@@ -42,3 +42,11 @@ def test_main_refuses_a_global_batch_that_does_not_divide(tmp_path, capsys):
     assert code == 2 and "[4]" in capsys.readouterr().err
     code = pretrain.main(["--storage", str(tmp_path), "--steps", "10", "--lr-mode", "linear", "--warmup-steps", "10"])
     assert code == 2 and "warmup_steps" in capsys.readouterr().err
+
+
+def test_hold_at_names_a_step_and_a_file():
+    assert args("--hold-at", "30:/tmp/gate").hold_at == (30, "/tmp/gate")
+    assert args().hold_at is None
+    for bad in ("30", "0:/tmp/gate", "x:/tmp/gate", "30:"):
+        with pytest.raises(SystemExit):
+            args("--hold-at", bad)
