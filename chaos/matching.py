@@ -1,12 +1,18 @@
 """Which recovery each injected fault caused: the pairing `faults_recovered`,
 `committed_steps_kept` and `no_bad_checkpoint_loaded` rest on.
 
-Recoveries in summary.json carry no wall-clock time, only the generation that ended them, and
-generations only grow (across restarts too): a fault that hit generation g is recovered by a
-recovery of a later generation, of a cause the fault can produce.
+A recovery in summary.json names its cause, the generation that ended it, the ranks of each
+failure it handled and when it was detected (`detected_at`, unix seconds). A fault's recovery
+has a cause the fault can produce, a later generation than the one the fault hit, belongs to
+the attempt that was running, names one of the fault's ranks (when both are known), and was
+detected once the fault acted. With a gated schedule (each fault waits until the run trains
+again in a new generation) it was also detected before the next fault. Matching on these,
+rather than on generation order alone, keeps one unmatched fault from shifting every later
+pairing by one.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from chaos.faults import fault_from_dict
@@ -15,27 +21,54 @@ if TYPE_CHECKING:
     from chaos.invariants import Evidence
 
 INFRA_FAILURE_TYPES = ("TooManyFailuresError", "InsufficientWorkersError")
+# An invoke is recorded once the injector has acted (a crash_before_commit waits for the save it
+# crashes), so the controller may have detected the failure a moment before the record.
+EARLY_S = 5.0
+
+
+@dataclass(frozen=True)
+class _Window:
+    """Where a fault's recovery may be: attempt, generation, ranks and detection time."""
+
+    attempt: int | None
+    after_generation: int
+    ranks: frozenset[int]
+    earliest: float | None
+    latest: float | None
+
+    def admits(self, recovery: dict, causes: tuple[str, ...]) -> bool:
+        if recovery.get("cause") not in causes or recovery.get("generation", 0) <= self.after_generation:
+            return False
+        if self.attempt is not None and recovery.get("attempt", self.attempt) != self.attempt:
+            return False
+        detected = recovery.get("detected_at")
+        if detected is not None and self.earliest is not None and detected < self.earliest:
+            return False
+        if detected is not None and self.latest is not None and detected >= self.latest:
+            return False
+        failed = {rank for f in recovery.get("failures") or [] if f.get("cause") in causes for rank in f.get("ranks") or []}
+        return not (self.ranks and failed) or bool(self.ranks & failed)
 
 
 def match_recoveries(ev: "Evidence") -> list[dict]:
-    """Pair each injected fault with the recovery it caused: a recovery of a cause the fault
-    can produce, in a later generation than the one it hit (generations only grow, across
-    restarts too). Faults that require a recovery are matched first, in order; optional ones
-    (a short hang, an outage) then take what is left, so they never steal a required one's.
+    """Pair each injected fault with the recovery it caused. Faults that require a recovery
+    are matched first, in order, each to the earliest recovery in its window; optional ones (a
+    short hang, an outage) then take what is left, so they never steal a required one's.
 
-    With a gated schedule (each fault waits for the previous one's recovery) every fault needs
-    its own recovery, unless it overlapped the previous fault (hit the run before it was
-    training again, or in the same generation): then both share one. In a storm, the runtime
-    folds a failure during a recovery into that recovery and records no recovery that was
-    interrupted before it made progress, so there a fault only needs some recovery after it."""
+    With a gated schedule every fault needs its own recovery, unless it overlapped the previous
+    fault (hit the run before it was training again, or in the same generation): then both share
+    one. In a storm, the runtime folds a failure during a recovery into that recovery and records
+    no recovery that was interrupted before it made progress, so there a fault only needs some
+    recovery after it."""
     gated = next((e["schedule"].get("wait_for_recovery", True) for e in ev.events("schedule")), True)
     recoveries = ev.recoveries()
-    attempt_ends = [(a.get("started_at") or 0, a.get("ended_at") or float("inf")) for a in ev.attempts]
+    spans = [(a.get("started_at") or 0, a.get("ended_at") or float("inf")) for a in ev.attempts]
     invokes = ev.events("invoke")
+    windows = [_window(invokes, n, spans, gated) for n in range(len(invokes))]
     entries = [{"invoke": i, "outcome": "not required", "recovery": None, "why": ""} for i in invokes]
     used: list[dict] = []
     previous = None               # (generation, recovery) of the last required fault matched
-    for n, (invoke, entry) in enumerate(zip(invokes, entries)):
+    for n, (invoke, entry, window) in enumerate(zip(invokes, entries, windows)):
         fault = fault_from_dict(invoke["fault"])
         expect = fault.expectation(ev.heartbeat_timeout_s)
         if expect.fails_run:
@@ -44,9 +77,9 @@ def match_recoveries(ev: "Evidence") -> list[dict]:
         if not expect.required:
             continue
         generation = _generation(invoke)
-        candidates = [r for r in recoveries if r.get("cause") in expect.causes and r.get("generation", 0) > generation]
+        candidates = [r for r in recoveries if window.admits(r, expect.causes)]
         fresh = [r for r in candidates if not any(r is u for u in used)]
-        overlapped = previous is not None and any(previous[1] is r for r in candidates) and (
+        overlapped = previous is not None and previous[1].get("cause") in expect.causes and (
             (invoke.get("run") or {}).get("state") in ("recovering", "starting", "scheduling")
             or previous[0] == generation)
         if overlapped:
@@ -57,27 +90,51 @@ def match_recoveries(ev: "Evidence") -> list[dict]:
         elif candidates and not gated:
             entry.update(outcome="shared", recovery=candidates[0])
         else:
-            attempt = _attempt_at(attempt_ends, invoke["t"])
+            attempt = _attempt_at(spans, invoke["t"])
             ended = attempt is not None and _ended_by_policy(ev.attempts[attempt]) and not any(
-                _attempt_at(attempt_ends, later["t"]) == attempt for later in invokes[n + 1:])
+                _attempt_at(spans, later["t"]) == attempt for later in invokes[n + 1:])
             if ended:
                 entry.update(outcome="ended attempt", why="the failure policy ended the attempt at this fault")
             else:
-                entry.update(outcome="missing", why=f"no recovery with cause in {list(expect.causes)} "
-                                                    f"after generation {generation}")
+                entry.update(outcome="missing", why=_why_missing(expect.causes, window))
         if entry["recovery"] is not None:
             previous = (generation, entry["recovery"])
-    for invoke, entry in zip(invokes, entries):
-        fault = fault_from_dict(invoke["fault"])
-        expect = fault.expectation(ev.heartbeat_timeout_s)
+    for invoke, entry, window in zip(invokes, entries, windows):
+        expect = fault_from_dict(invoke["fault"]).expectation(ev.heartbeat_timeout_s)
         if expect.required or expect.fails_run:
             continue
-        spare = [r for r in recoveries if r.get("cause") in expect.causes
-                 and r.get("generation", 0) > _generation(invoke) and not any(r is u for u in used)]
+        spare = [r for r in recoveries if window.admits(r, expect.causes) and not any(r is u for u in used)]
         if spare:
             entry.update(outcome="recovered (optional)", recovery=spare[0])
             used.append(spare[0])
     return entries
+
+
+def _window(invokes: list[dict], n: int, spans: list[tuple[float, float]], gated: bool) -> _Window:
+    invoke = invokes[n]
+    t = invoke.get("t")
+    attempt = _attempt_at(spans, t) if t is not None else None
+    latest = None
+    if gated and t is not None:
+        # The next fault waited until the run trained again in a new generation: by then this
+        # fault's recovery had been detected. (Faults armed at a job's start are not scheduled.)
+        later = [i["t"] for i in invokes[n + 1:] if i.get("t", t) > t and not (i.get("detail") or {}).get("armed")
+                 and _attempt_at(spans, i["t"]) == attempt]
+        latest = min(later) + EARLY_S if later else None
+    ranks = frozenset((invoke.get("detail") or {}).get("ranks") or ())
+    return _Window(attempt=attempt, after_generation=_generation(invoke), ranks=ranks,
+                   earliest=None if t is None else t - EARLY_S, latest=latest)
+
+
+def _why_missing(causes: tuple[str, ...], window: _Window) -> str:
+    where = [f"after generation {window.after_generation}"]
+    if window.ranks:
+        where.append(f"naming rank(s) {sorted(window.ranks)}")
+    if window.attempt is not None:
+        where.append(f"in attempt {window.attempt}")
+    if window.latest is not None:
+        where.append("detected before the next fault")
+    return f"no recovery with cause in {list(causes)} " + ", ".join(where)
 
 
 def _generation(invoke: dict) -> int:
@@ -96,8 +153,8 @@ def _match_user_error(ev: "Evidence", invoke: dict, fault) -> dict:
     return {"outcome": "missing", "why": "no attempt was armed with this user error"}
 
 
-def _attempt_at(ends: list[tuple[float, float]], t: float) -> int | None:
-    for i, (start, end) in enumerate(ends):
+def _attempt_at(spans: list[tuple[float, float]], t: float) -> int | None:
+    for i, (start, end) in enumerate(spans):
         if start <= t <= end:
             return i
     return None
