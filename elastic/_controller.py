@@ -287,7 +287,9 @@ class Controller(Bookkeeping):
                 self._fail(TooManyFailuresError(f"{decision.reason}; causes so far: "
                                                 f"{', '.join(f.cause for f in self.failures)}"), failure)
             return
-        self.group.request_stop(survivors, self.generation)
+        # A lost member may never close its connections (its node is gone or cut off): the
+        # survivors cut theirs, so none waits out the collective timeout on it.
+        self.group.request_stop(survivors, self.generation, cut_group=bool(lost))
         self.group.scale_to(self._slot_target())
         max_step = max([self.step] + [self.views[w].report.step for w in members if self.views[w].report])
         recovery = self._recovery_for(failure, len(members), max_step, detect_s)

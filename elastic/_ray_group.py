@@ -186,11 +186,11 @@ class RayWorkerGroup:
             except (RayActorError, GetTimeoutError) as error:
                 raise WorkerLostError(f"worker {wid} could not start generation: {error}") from error
 
-    def request_stop(self, wids: list[int], generation: int) -> None:
+    def request_stop(self, wids: list[int], generation: int, cut_group: bool = False) -> None:
         for wid in wids:
             slot = self._slots[wid]
             if slot.status == READY:
-                slot.actor.request_stop.remote(generation)
+                slot.actor.request_stop.remote(generation, cut_group)
 
     def kill(self, wid: int, reason: str) -> None:
         slot = self._slots[wid]

@@ -159,10 +159,20 @@ class TrainWorker:
             self._thread.start()
         self._announce()
 
-    def request_stop(self, generation: int) -> None:
-        """Leave the loop at the next step boundary (every rank leaves at the same step)."""
-        if self._plan is not None and self._plan.generation == generation:
+    def request_stop(self, generation: int, cut_group: bool = False) -> None:
+        """Leave the loop at the next step boundary (every rank leaves at the same step).
+
+        With `cut_group` (a member of the group is lost) also cut this rank's connections of
+        the group now, from this thread: a training thread blocked in a collective with a peer
+        that cannot close its own sockets (its node is gone or cut off) fails at once, instead
+        of waiting out collective_timeout_s."""
+        with self._lock:
+            if self._plan is None or self._plan.generation != generation:
+                return
             self._stop_requested.set()
+            training = self._thread is not None and self._thread.is_alive()
+        if cut_group and training:
+            self._cut_group()
 
     def poll(self, hold_s: float = 0.0) -> WorkerReport:
         """What this worker is doing. With `hold_s` the answer waits until something the
@@ -249,18 +259,23 @@ class TrainWorker:
         if not dist.is_initialized():
             return
         if abort:
-            try:
-                if self._spec.use_gpu:
-                    from torch.distributed.distributed_c10d import _abort_process_group
-                    _abort_process_group()
-                if self._group_sockets is not None:
-                    self._group_sockets.shutdown()
-            except Exception:   # noqa: BLE001 - best effort; destroying below still unregisters it
-                log.debug("aborting the process group failed", exc_info=True)
+            self._cut_group()
         try:
             dist.destroy_process_group()
         except Exception:   # noqa: BLE001 - the old group may already be broken; it is discarded either way
             log.debug("destroying the previous process group failed", exc_info=True)
+
+    def _cut_group(self) -> None:
+        """Fail every collective of the current group, on this rank and on the peers blocked on
+        it: abort the NCCL communicators, shut down the gloo connections. Best effort."""
+        try:
+            if self._spec.use_gpu:
+                from torch.distributed.distributed_c10d import _abort_process_group
+                _abort_process_group()
+            if self._group_sockets is not None:
+                self._group_sockets.shutdown()
+        except Exception:   # noqa: BLE001 - best effort; the collective timeout still applies
+            log.debug("aborting the process group failed", exc_info=True)
 
     def _join_group(self, plan: GenerationPlan) -> None:
         import torch.distributed as dist

@@ -27,6 +27,7 @@ class FakeGroup:
         self.killed: list[tuple[int, str]] = []
         self.generations: list[dict] = []
         self.stops: list[tuple[list[int], int]] = []
+        self.cuts: list[bool] = []              # request_stop's cut_group, per call
         self.shut_down = False
         self._next = 0
 
@@ -53,8 +54,9 @@ class FakeGroup:
             self.set_report(wid, WorkerPhase.RUNNING, generation=plan.generation, rank=plan.rank,
                             step=plan.restore.step, has_state=True)
 
-    def request_stop(self, wids, generation):
+    def request_stop(self, wids, generation, cut_group=False):
         self.stops.append((list(wids), generation))
+        self.cuts.append(cut_group)
 
     def kill(self, wid, reason):
         self.killed.append((wid, reason))

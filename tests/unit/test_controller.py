@@ -94,6 +94,7 @@ def test_dead_worker_rescales_warm_with_the_most_advanced_survivor_as_source():
     controller.tick()
     assert controller.state.state == RunState.RECOVERING
     assert group.stops[-1] == ([members[0], members[2]], 0)
+    assert group.cuts[-1] is True       # a member is lost: the survivors cut their connections
     interrupt(group, [members[0]], 0, 10)
     interrupt(group, [members[2]], 0, 11)      # rank 2 finished one more step than rank 0
     controller.tick()
@@ -288,6 +289,7 @@ def test_storage_error_is_recovered_and_counted():
     controller.tick()
     assert controller.state.state == RunState.RECOVERING and controller.infra_failures == 1
     assert controller.failures[-1].cause == "storage_error"
+    assert group.cuts == [False]        # no member lost: the group leaves at a step boundary
 
 
 def test_fatal_error_fails_at_once_with_the_original_exception():
