@@ -110,9 +110,8 @@ def _mixed(sc: Scenario, seed: int, count: int = 50) -> Schedule:
 
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
-    # Two workers: the smallest elastic group, and cheap on a CI machine. (With three or more
-    # ranks the runtime's model_sha256 currently drifts after a re-formed group; the campaigns
-    # below run three, so they keep showing that.)
+    # Two workers: the smallest elastic group, and cheap on a CI machine. The campaigns below run
+    # three, where a changed reduction order would show in model_sha256 (G1 matched its reference).
     Scenario(name="smoke", description="one fault each of 7 kinds, a few seconds apart, on 2 workers and 3 nodes",
              build=_smoke, steps=800, workers="2:2", checkpoint_every=20, heartbeat_timeout_s=6.0, nodes=3,
              job_timeout_s=420),

@@ -138,8 +138,11 @@ class Bookkeeping:
         members = self._current_members()
         workers = [{"rank": rank, "pid": v.info.pid, "node_id": v.info.node_id, "actor_id": v.info.actor_id}
                    for rank, wid in enumerate(members) if (v := self.views.get(wid)) and v.info]
+        # Ready workers outside the group: hot spares, or replacements waiting for the next re-form.
+        spares = [{"pid": v.info.pid, "node_id": v.info.node_id, "actor_id": v.info.actor_id}
+                  for wid in self._ready_ids() if wid not in members and (v := self.views[wid]).info]
         if isinstance(self.state, Running):
             self.world_size = len(members)
         self.recorder.write_status(force=force, state=self.state.state.value, generation=self.generation,
                                    step=self.step, world_size=self.world_size,
-                                   last_committed_step=self._last_committed, workers=workers)
+                                   last_committed_step=self._last_committed, workers=workers, spares=spares)

@@ -219,7 +219,7 @@ class Controller(Bookkeeping):
         elif finished == len(st.members):
             self._record_final(self.views[st.members[0]].report, st.recovery)
             st.recovery = None
-            self._transition(Finished(), f"all {finished} ranks finished at step {self.step}")
+            self._transition(Finished(list(st.members)), f"all {finished} ranks finished at step {self.step}")
         else:
             self.group.scale_to(self._slot_target())
             if not self._maybe_evict(st):
@@ -311,7 +311,7 @@ class Controller(Bookkeeping):
                 running.append(wid)
             elif report.phase == WorkerPhase.FINISHED and report.step >= self.total_steps:
                 self._record_final(report, st.recovery)
-                return self._transition(Finished(), "finished while recovering")
+                return self._transition(Finished(list(st.survivors)), "finished while recovering")
             else:
                 settled.append(wid)
         if settled and st.first_settled_at is None:
@@ -376,10 +376,10 @@ class Controller(Bookkeeping):
         self._on_starting()
 
     def _slot_target(self) -> int:
-        """Worker slots to keep alive or pending: max_workers; with no maximum, every placed
-        worker plus one probe placement that becomes a spare whenever capacity appears."""
+        """Worker slots to keep alive or pending: max_workers and the hot spares; with no maximum,
+        every placed worker plus one probe placement that becomes a spare whenever capacity appears."""
         if self.scaling.max_workers is not None:
-            return self.scaling.max_workers
+            return self.scaling.max_workers + self.scaling.spare_workers
         placed = sum(1 for v in self.views.values() if v.status in (READY, STARTING))
         return max(self.scaling.min_workers, placed + 1)
 

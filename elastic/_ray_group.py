@@ -23,6 +23,8 @@ from elastic.errors import WorkerLostError
 
 log = logging.getLogger("elastic.group")
 
+SLOW_TICK_S = 2.0    # a tick is normally milliseconds: Ray calls that block show up here
+
 PENDING, STARTING, READY, DEAD = "pending", "starting", "ready", "dead"
 
 
@@ -95,8 +97,15 @@ class RayWorkerGroup:
     def tick(self) -> dict[int, WorkerView]:
         now = time.monotonic()
         self._advance_placements(now)
+        placed = time.monotonic()
         self._collect_polls(now)
+        collected = time.monotonic()
         self._send_polls()
+        sent = time.monotonic()
+        if sent - now > SLOW_TICK_S:
+            # Detection of every failure waits for the tick: say where a tick was held up.
+            log.warning("worker group tick took %.1fs (placements %.1fs, collecting polls %.1fs, sending "
+                        "polls %.1fs)", sent - now, placed - now, collected - placed, sent - collected)
         views = {}
         for slot in self._slots.values():
             records = []

@@ -74,6 +74,7 @@ class Recovering:
 
 @dataclass
 class Finished:
+    members: list[int] = field(default_factory=list)     # the last generation's (status.json keeps them)
     state: RunState = RunState.FINISHED
 
 

@@ -34,6 +34,10 @@ class ScalingConfig:
     """At start, how long to wait for max_workers to be ready before starting with fewer (at
     least min_workers); the rest join by a warm scale-up once ready. Raise it where every run
     must begin at full size (a slow image pull, a test that checks the starting world size)."""
+    spare_workers: int = 0
+    """Hot spares: workers started beyond max_workers, imported and idle, so that a lost member
+    is replaced at once instead of after a new worker's start (seconds of imports, or a new
+    node). Each reserves resources_per_worker. Needs max_workers."""
     use_gpu: bool = False
     """One GPU per worker and NCCL; otherwise CPU and gloo."""
     resources_per_worker: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
@@ -66,6 +70,11 @@ class ScalingConfig:
         _require(self.max_workers is None or (isinstance(self.max_workers, int) and self.max_workers >= self.min_workers),
                  f"ScalingConfig.max_workers ({self.max_workers!r}) must be an int >= "
                  f"min_workers ({self.min_workers}); raise max_workers or lower min_workers")
+        _require(isinstance(self.spare_workers, int) and self.spare_workers >= 0,
+                 f"ScalingConfig.spare_workers must be an int >= 0, got {self.spare_workers!r}")
+        _require(self.spare_workers == 0 or self.max_workers is not None,
+                 "ScalingConfig.spare_workers needs max_workers: with no maximum every placed worker "
+                 "already joins the run")
         _require(isinstance(self.startup_wait_s, (int, float)) and self.startup_wait_s >= 0,
                  f"ScalingConfig.startup_wait_s must be a number of seconds >= 0, got {self.startup_wait_s!r}")
         _require(self.strategy in STRATEGIES,

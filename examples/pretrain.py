@@ -62,6 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="folder of Parquet token shards (local, file:// or s3://); default: a synthetic corpus "
                         "written under <storage>/corpus/ on the first run and reused on resume")
     p.add_argument("--workers", type=parse_workers, default=(2, 2), help="MIN:MAX workers (default 2:2)")
+    p.add_argument("--spare-workers", type=int, default=0, metavar="N",
+                   help="hot spares beyond MAX: idle workers that replace a lost one at once")
     p.add_argument("--steps", type=int, default=200, help="total optimizer steps of the run")
     p.add_argument("--checkpoint-every", type=int, default=50, help="commit a checkpoint every K steps")
     p.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp")
@@ -202,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
             train_loop_config={"model_size": args.model_size, "batch_size": args.batch_size, "lr": args.lr,
                                "activation_checkpointing": args.activation_checkpointing, "data": data_url,
                                "hold_at": args.hold_at},
-            scaling=ScalingConfig(min_workers=low, max_workers=high, strategy=args.strategy,
+            scaling=ScalingConfig(min_workers=low, max_workers=high, spare_workers=args.spare_workers,
+                                  strategy=args.strategy,
                                   resources_per_worker={"CPU": args.cpus_per_worker}, precision=args.precision,
                                   grad_compression=None if args.grad_compression == "none" else args.grad_compression,
                                   fsdp_reshard_after_forward=args.fsdp_reshard_after_forward,

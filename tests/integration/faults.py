@@ -10,6 +10,16 @@ import time
 
 
 def read_json(run_dir: str, name: str) -> dict | None:
+    """A JSON file of the run's storage (a local path, or a URL read with this process's AWS
+    variables); None while it is missing or half-written."""
+    if "://" in run_dir:
+        from checkpointing import CheckpointError
+        from checkpointing.storage import Storage
+        storage = Storage(run_dir)
+        try:
+            return json.loads(storage.read_bytes(storage.path(name)))
+        except (CheckpointError, FileNotFoundError, json.JSONDecodeError):
+            return None
     try:
         with open(os.path.join(run_dir, name)) as f:
             return json.load(f)
@@ -26,13 +36,17 @@ class SignalAtStep(threading.Thread):
     hold it lands wherever the run is when the controller next reports (about once a second),
     and a short run may finish first."""
 
-    def __init__(self, run_dir: str, at_step: int, sig: int, rank: int, timeout_s: float = 120.0):
+    def __init__(self, run_dir: str, at_step: int, sig: int, rank: int, timeout_s: float = 120.0,
+                 gate: str | None = None, when=lambda status: True):
         super().__init__(daemon=True)
+        self.when = when                  # a further condition on status.json (e.g. a spare is ready)
         self.run_dir, self.at_step, self.sig, self.rank, self.timeout_s = run_dir, at_step, sig, rank, timeout_s
-        self.gate = run_dir.rstrip("/") + f".released-after-{at_step}"
+        # A local file the workers can see (give one for a run on object storage).
+        self.gate = gate or run_dir.rstrip("/") + f".released-after-{at_step}"
         self.pid: int | None = None
         self.sent_at: float | None = None
         self.step_seen: int | None = None
+        self.status_seen: dict | None = None       # status.json as it was when the signal went
 
     def hold_config(self) -> dict:
         return {"hold_at": [self.at_step, self.gate]}
@@ -47,10 +61,10 @@ class SignalAtStep(threading.Thread):
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
             status = read_json(self.run_dir, "status.json") or {}
-            if status.get("state") == "running" and status.get("step", 0) >= self.at_step:
+            if status.get("state") == "running" and status.get("step", 0) >= self.at_step and self.when(status):
                 pids = [w["pid"] for w in status.get("workers", []) if w["rank"] == self.rank]
                 if pids:
-                    self.pid, self.step_seen = pids[0], status["step"]
+                    self.pid, self.step_seen, self.status_seen = pids[0], status["step"], status
                     self.sent_at = time.time()
                     os.kill(self.pid, self.sig)
                     return

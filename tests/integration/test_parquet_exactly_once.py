@@ -1,6 +1,8 @@
-"""Exactly-once data from a Parquet corpus on S3: the main job with --data, a worker killed, then
-a resume as a separate run at another world size, consumes exactly the samples of a fault-free
-single run, in the same order (its hash computed from the loader's order function)."""
+"""The main job on S3 end to end: checkpoints and a Parquet corpus on S3, a worker killed, then a
+resume as a separate run at another world size. The resumed run keeps every step once,
+retains its newest checkpoints, counts consumption in global samples, and has consumed exactly
+the samples of a fault-free single run, in the same order (its hash computed from the loader's
+order function)."""
 from __future__ import annotations
 
 import json
@@ -33,30 +35,43 @@ def main_job(storage: str, env: dict, *args: str) -> dict:
     return read_json(storage, "summary.json")
 
 
+def s3_lines(url: str, name: str) -> list[dict]:
+    from checkpointing.storage import Storage
+    storage = Storage(url)
+    return [json.loads(line) for line in storage.read_bytes(storage.path(name)).decode().splitlines()]
+
+
 @pytest.mark.timeout(540)
-def test_kill_then_resume_at_another_world_size_consumes_what_a_clean_run_does(s3_env, tmp_path):
+def test_kill_then_resume_on_s3_at_another_world_size_consumes_what_a_clean_run_does(s3_env, tmp_path):
     corpus = f"s3://{s3_env['bucket']}/corpus"
     gpt.write_synthetic_corpus(corpus, seq_len=16, vocab=64, shards=3, rows_per_shard=100)
     assert len(ParquetTokens(corpus, 16)) == ROWS
     env, data = s3_env["env"], ("--data", corpus, "--checkpoint-every", "10")
 
-    faulty = str(tmp_path / "faulty")
-    fault = SignalAtStep(faulty, at_step=10, sig=signal.SIGKILL, rank=1)
+    run = f"s3://{s3_env['bucket']}/pretrain"
+    fault = SignalAtStep(run, at_step=10, sig=signal.SIGKILL, rank=1, gate=str(tmp_path / "released"))
     fault.start()
-    first = main_job(faulty, env, *data, "--workers", "2:2", "--steps", "100", "--hold-at", f"10:{fault.gate}")
+    first = main_job(run, env, *data, "--workers", "2:2", "--steps", "100", "--hold-at", f"10:{fault.gate}")
     fault.join(timeout=5)
     assert fault.fired(), f"the fault never fired (run ended at step {first['final_step']})"
     assert [r["cause"] for r in first["recoveries"]] == ["worker_died"] and first["final_step"] == 100
-    second = main_job(faulty, env, *data, "--workers", "3:3", "--steps", "120")
-    assert second["resumed_from"] == 100 and second["world_size_history"] == [[100, 3]]
-    assert not os.path.exists(os.path.join(faulty, "corpus"))     # --data given: nothing generated
-    metrics = [json.loads(line) for line in open(os.path.join(faulty, "metrics.jsonl"))]
-    assert [m["step"] for m in metrics if m["step"] > 100] == list(range(101, 121))
+    second = main_job(run, env, *data, "--workers", "3:3", "--steps", "120")
+    assert second["status"] == "finished" and second["resumed_from"] == 100 and second["final_step"] == 120
+    assert second["world_size_history"] == [[100, 3]]
+    assert second["checkpoints"] == [100, 110, 120]                  # keep=3 retention
+    from checkpointing.storage import Storage
+    assert not Storage(run).exists(Storage(run).path("corpus"))      # --data given: nothing generated
+    metrics = s3_lines(run, "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, 121))       # none repeated, none skipped
+    assert {m["world_size"] for m in metrics if m["step"] <= 100} == {2}
+    assert {m["world_size"] for m in metrics if m["step"] > 100} == {3}
+    # Consumption is counted in global samples: 100 steps x 2 x 8, then 20 steps x 3 x 8.
+    assert metrics[99]["samples_seen"] == 1600 and metrics[-1]["samples_seen"] == 1600 + 480
 
-    # 100 steps x 2 x 8, then 20 steps x 3 x 8: the same 2080 samples as 130 clean steps x 2 x 8,
-    # the first 2080 positions of the global order. Its hash is computed here from the loader's
-    # order function, the one a clean run follows (test_runtime.py checks a clean run against
-    # it): a third, fault-free job would add a minute and no check.
+    # The same 2080 samples as 130 clean steps x 2 x 8, the first 2080 positions of the global
+    # order. Its hash is computed here from the loader's order function, the one a clean run
+    # follows (test_runtime.py checks a clean run against it): a third, fault-free job would add
+    # a minute and no check.
     assert second["samples_consumed"] == 2080
     assert second["data_order_sha256"] == expected_data_order(2080, n_samples=ROWS)
 

@@ -1,12 +1,11 @@
-"""Checkpoints through the runtime: resume across runs on S3 at another world size, preemption
-notices, and a corrupt newest checkpoint."""
+"""Checkpoints through the runtime: S3 credentials reaching the workers, preemption notices, and
+a corrupt newest checkpoint. (The main job's resume on S3 at another world size:
+test_parquet_exactly_once.py.)"""
 from __future__ import annotations
 
 import json
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
 
@@ -16,40 +15,7 @@ from faults import SignalAtStep, pid_alive, wait_for
 
 pytestmark = [pytest.mark.integration]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = {"model_size": "tiny", "batch_size": 8}
-
-
-def run_main_job(storage: str, env: dict, *args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "examples/pretrain.py", "--storage", storage, "--model-size", "tiny", "--quiet", *args]
-    full_env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | env
-    return subprocess.run(command, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=150)
-
-
-def s3_json(s3_env, key: str):
-    import boto3
-    client = boto3.client("s3", endpoint_url=s3_env["env"]["AWS_ENDPOINT_URL"])
-    body = client.get_object(Bucket=s3_env["bucket"], Key=key)["Body"].read().decode()
-    return json.loads(body) if key.endswith(".json") else [json.loads(line) for line in body.splitlines()]
-
-
-@pytest.mark.timeout(400)
-def test_main_job_resumes_on_s3_at_another_world_size(s3_env):
-    url = f"s3://{s3_env['bucket']}/pretrain"
-    first = run_main_job(url, s3_env["env"], "--workers", "2:2", "--steps", "40", "--checkpoint-every", "10")
-    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
-    second = run_main_job(url, s3_env["env"], "--workers", "3:3", "--steps", "60", "--checkpoint-every", "10")
-    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-3000:]
-    summary = s3_json(s3_env, "pretrain/summary.json")
-    assert summary["status"] == "finished" and summary["resumed_from"] == 40 and summary["final_step"] == 60
-    assert summary["checkpoints"] == [40, 50, 60]         # keep=3 retention
-    assert summary["world_size_history"] == [[40, 3]]
-    metrics = s3_json(s3_env, "pretrain/metrics.jsonl")
-    assert [m["step"] for m in metrics] == list(range(1, 61))   # none repeated, none skipped
-    assert {m["world_size"] for m in metrics if m["step"] <= 40} == {2}
-    assert {m["world_size"] for m in metrics if m["step"] > 40} == {3}
-    # Consumption is counted in global samples: 40 steps x 2 x 8, then 20 steps x 3 x 8.
-    assert metrics[39]["samples_seen"] == 640 and metrics[-1]["samples_seen"] == 640 + 480
 
 
 @pytest.mark.timeout(120)

@@ -21,12 +21,12 @@ TINY = {"model_size": "tiny", "batch_size": 8}
 
 
 def trainer(run_dir, *, workers=(2, 2), steps=40, every=None, strategy="ddp", loop=gpt.train_loop,
-            heartbeat_timeout_s=10.0, max_failures=5, config=TINY, collective_timeout_s=30.0):
+            heartbeat_timeout_s=10.0, max_failures=5, config=TINY, collective_timeout_s=30.0, spare_workers=0):
     # startup_wait_s: the tests that rescale from 3 begin with all 3 workers, however slow their start.
     return ElasticTrainer(
         loop, train_loop_config=config, total_steps=steps, seed=0,
         scaling=ScalingConfig(min_workers=workers[0], max_workers=workers[1], strategy=strategy,
-                              startup_wait_s=120),
+                              startup_wait_s=120, spare_workers=spare_workers),
         checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=every),
         failure=FailureConfig(heartbeat_timeout_s=heartbeat_timeout_s, max_failures=max_failures,
                               collective_timeout_s=collective_timeout_s, rendezvous_timeout_s=60.0))
@@ -76,14 +76,20 @@ def test_clean_run_finishes_learns_and_writes_the_contract_files(ray_session, ru
 
 
 @pytest.mark.timeout(180)
-def test_sigkill_recovers_warm_then_grows_back(ray_session, run_dir):
-    fault = SignalAtStep(run_dir, at_step=60, sig=signal.SIGKILL, rank=1)
-    result = fit_with_fault(run_dir, fault, workers=(2, 3), steps=500, every=100)
+def test_sigkill_of_rank_0_recovers_warm_loses_no_metrics_line_then_grows_back(ray_session, run_dir):
+    # Not held at the fault's step (a held run would have reported every step before the kill):
+    # rank 0 dies with steps it completed that the controller had not polled yet, and a
+    # survivor has them. The run is long enough for the fault to land mid-run.
+    fault = SignalAtStep(run_dir, at_step=60, sig=signal.SIGKILL, rank=0)
+    result = fit_with_fault(run_dir, fault, hold=False, workers=(2, 3), steps=500, every=100)
     s = result.summary
     assert result.ok and s["final_step"] == 500
     (recovery,) = [r for r in s["recoveries"] if r["cause"] == "worker_died"]
     assert recovery["rung"] == "warm" and recovery["lost_steps"] <= 1
     assert recovery["from_world"] == 3 and recovery["to_world"] == 2
+    assert [f["cause"] for f in recovery["failures"]] == ["worker_died"]
+    assert recovery["detected_at"] <= recovery["recovered_at"]
+    assert metrics_steps(run_dir) == list(range(1, 501))
     sizes = [w for _, w in s["world_size_history"]]
     assert sizes[0] == 3 and 2 in sizes and sizes[-1] == 3, s["world_size_history"]
     assert not pid_alive(fault.pid)
@@ -100,21 +106,6 @@ def test_sigkill_recovers_warm_then_grows_back(ray_session, run_dir):
 
 def metrics_steps(run_dir):
     return [json.loads(line)["step"] for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-
-
-@pytest.mark.timeout(180)
-def test_sigkill_of_rank_0_loses_no_metrics_line(ray_session, run_dir):
-    # Rank 0 dies with steps it completed but the controller had not polled yet: a survivor has them.
-    fault = SignalAtStep(run_dir, at_step=40, sig=signal.SIGKILL, rank=0)
-    # Not held: held at a step, the controller would have every step before the kill.
-    result = fit_with_fault(run_dir, fault, hold=False, workers=(2, 3), steps=200)
-    s = result.summary
-    assert result.ok and s["final_step"] == 200
-    (recovery,) = [r for r in s["recoveries"] if r["cause"] == "worker_died"]
-    assert recovery["rung"] == "warm" and recovery["from_world"] == 3
-    assert [f["cause"] for f in recovery["failures"]] == ["worker_died"]
-    assert recovery["detected_at"] <= recovery["recovered_at"]
-    assert metrics_steps(run_dir) == list(range(1, 201))
 
 
 def dies_as_the_first_save_starts(ctx):
@@ -202,13 +193,16 @@ def _steps_at(summary, world_size):
 
 @pytest.mark.timeout(300)
 def test_kill_with_replacement_is_bitwise_identical_to_a_clean_run(ray_session, tmp_path):
-    # Three ranks: with two, a+b == b+a, so a changed reduction order could not show.
+    # Three ranks: with two, a+b == b+a, so a changed reduction order could not show. The
+    # replacement is the hot spare, ready before the kill (the run holds at the step until it is).
     clean = fit_with_fault(str(tmp_path / "clean"), None, workers=(3, 3), steps=150)
     faulty_dir = str(tmp_path / "faulty")
-    faulty = fit_with_fault(faulty_dir, SignalAtStep(faulty_dir, at_step=60, sig=signal.SIGKILL, rank=1),
-                            workers=(3, 3), steps=150)
+    fault = SignalAtStep(faulty_dir, at_step=60, sig=signal.SIGKILL, rank=1, when=lambda status: status["spares"])
+    faulty = fit_with_fault(faulty_dir, fault, workers=(3, 3), steps=150, spare_workers=1)
     assert faulty.ok and [r["cause"] for r in faulty.summary["recoveries"]] == ["worker_died"]
     assert {w for _, w in faulty.summary["world_size_history"]} == {3}
+    (spare,) = fault.status_seen["spares"]
+    assert spare["pid"] in [w["pid"] for w in read_json(faulty_dir, "status.json")["workers"]]
     assert faulty.summary["model_sha256"] == clean.summary["model_sha256"]
     for key in ("samples_consumed", "data_order_sha256"):
         assert faulty.summary[key] == clean.summary[key]

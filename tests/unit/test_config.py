@@ -19,6 +19,8 @@ def loop(ctx):
     ({"min_workers": 2, "strategy": "zero3"}, "strategy"),
     ({"resources_per_worker": {"CPU": -1}}, "resources_per_worker"),
     ({"startup_wait_s": -1}, "startup_wait_s"),
+    ({"max_workers": 3, "spare_workers": -1}, "spare_workers"),
+    ({"spare_workers": 1}, "spare_workers needs max_workers"),
 ])
 def test_scaling_config_rejects(kwargs, field):
     with pytest.raises(ConfigError, match=field):

@@ -14,12 +14,13 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def make(min_workers=2, max_workers=3, capacity=3, max_failures=3, latest=None, fence=None, startup_wait_s=10.0,
-         **kwargs):
+         spare_workers=0, **kwargs):
     clock, group = FakeClock(), FakeGroup(capacity)
     transitions = []
     controller = Controller(
         group, FakeRecorder(), FakeCheckpoints(latest, fence),
-        scaling=ScalingConfig(min_workers=min_workers, max_workers=max_workers, startup_wait_s=startup_wait_s),
+        scaling=ScalingConfig(min_workers=min_workers, max_workers=max_workers, startup_wait_s=startup_wait_s,
+                              spare_workers=spare_workers),
         failure=FailureConfig(max_failures=max_failures, heartbeat_timeout_s=5.0, collective_timeout_s=30.0,
                               rendezvous_timeout_s=60.0),
         total_steps=100, clock=clock, callbacks=(lambda old, new, why: transitions.append((old, new)),), **kwargs)
@@ -110,6 +111,25 @@ def test_dead_worker_rescales_warm_with_the_most_advanced_survivor_as_source():
     assert recovery["from_world"] == 3 and recovery["to_world"] == 2 and recovery["lost_steps"] == 0
     assert controller.recorder.generations == [(0, 3), (11, 2)]
     assert group.generations[-1][members[2]].generation == 1 and controller.checkpoints.fences == [0, 1]
+
+
+def test_a_hot_spare_replaces_a_lost_member_at_once_and_is_itself_replaced():
+    controller, group, clock, _ = make(min_workers=3, max_workers=3, capacity=4, spare_workers=1)
+    members = start(controller, group)
+    spare = next(w for w in group.live() if w not in members)
+    assert len(members) == 3 and len(group.live()) == 4       # three members and one idle spare
+    group.complete_steps(members[0], 1, 10, 3)
+    group.capacity = 3                                         # no room for a new worker now
+    group.die(members[1])
+    controller.tick()
+    interrupt(group, [members[0], members[2]], 0, 10)
+    controller.tick()
+    assert controller.state.state == RunState.RUNNING and controller.generation == 1
+    assert sorted(controller.state.members) == sorted([members[0], members[2], spare])
+    assert group.generations[-1][spare].world_size == 3        # back at full size without waiting
+    group.capacity = 4
+    controller.tick()
+    assert len(group.live()) == 4                              # a new spare is placed
 
 
 def test_replacement_is_added_when_capacity_returns():
