@@ -114,6 +114,7 @@ class CheckpointManager:
         if isinstance(outcome, mf.CommitInfo):
             self.consecutive_failures = 0
             self.last_commit = outcome
+            self.last_error = None        # the error of a save since the last commit, or none
             return outcome
         self.last_error = outcome
         if isinstance(outcome, FencedError):

@@ -242,6 +242,7 @@ class ConformanceSuite:
         fs.fail_writes = False
         mgr.save(3, make_state(3), generation=0)
         assert mgr.wait().step == 3 and mgr.consecutive_failures == 0
+        assert mgr.last_error is None      # a commit clears it: it never names an older save's failure
         fs.fail_writes = True
         mgr.save(4, make_state(4), generation=0)
         assert mgr.wait() is None
