@@ -170,6 +170,11 @@ class TrainContext:
             self._restore_warm(model, optimizer, plan.source_rank)
         elif plan.kind == "checkpoint":
             self._restore_checkpoint(self._model if model is self._raw_model else model, optimizer)
+        else:
+            # Nothing to load (e.g. FSDP lost a rank before its first commit): every rank starts
+            # over from step 0, a survivor's counters included, or the ranks would disagree.
+            carry.step, carry.samples_seen, carry.data_order = 0, 0, DATA_ORDER_START
+            carry.pending_samples, carry.last_saved_step = 0, None
         carry.model, carry.optimizer = model, optimizer
         carry.warm_capable = self._spec.strategy == "ddp" and model is not None
         carry.restored = (self.generation, carry.step)

@@ -63,6 +63,7 @@ def test_a_correct_run_passes_and_is_reported(tmp_path):
     assert report["faults_injected"] == 2 and report["kinds_injected"] == ["kill_worker", "preempt"]
     assert [f["outcome"] for f in report["faults"]] == ["recovered", "recovered"]
     assert [r["cause"] for r in report["recoveries"]] == ["worker_died", "preempted"]
+    assert report["goodput"]["campaign"] == 0.5 == report["goodput"]["per_attempt"][0]   # the fake job's
     assert os.path.getsize(tmp_path / "out" / "chaos_report.png") > 0
     pids = [pid for f in report["faults"] for pid in f["detail"]["pids"]]
     assert pids and not any(alive(p) for p in pids)

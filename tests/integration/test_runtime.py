@@ -246,6 +246,19 @@ def test_fsdp_trains_and_recovers_through_a_checkpoint(ray_session, run_dir):
     assert recovery["step"] in s["checkpoints"] or recovery["step"] % 10 == 0
 
 
+@pytest.mark.timeout(150)
+def test_fsdp_rank_lost_before_any_commit_starts_every_rank_over(ray_session, run_dir):
+    # No checkpoint and FSDP shards cannot be re-broadcast: the group starts fresh, and the
+    # survivor's counters must start over with the new rank's.
+    fault = SignalAtStep(run_dir, at_step=5, sig=signal.SIGKILL, rank=1)
+    result = fit_with_fault(run_dir, fault, workers=(2, 2), steps=20, strategy="fsdp")
+    s = result.summary
+    assert result.ok and s["final_step"] == 20, result.error_traceback
+    (recovery,) = s["recoveries"]
+    assert recovery["cause"] == "worker_died" and recovery["step"] == 0 and recovery["lost_steps"] == 5
+    assert s["samples_consumed"] == 20 * 16 and s["data_order_sha256"] == expected_data_order(20 * 16)
+
+
 def raise_at_step_3(ctx):
     model = ctx.prepare_model(torch.nn.Linear(4, 1))
     optimizer = ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
