@@ -171,8 +171,9 @@ class TrainWorker:
                 return
             self._stop_requested.set()
             training = self._thread is not None and self._thread.is_alive()
+            sockets = self._group_sockets      # this generation's (or, mid-join, the old one's)
         if cut_group and training:
-            self._cut_group()
+            self._cut_group(sockets)
 
     def poll(self, hold_s: float = 0.0) -> WorkerReport:
         """What this worker is doing. With `hold_s` the answer waits until something the
@@ -259,21 +260,21 @@ class TrainWorker:
         if not dist.is_initialized():
             return
         if abort:
-            self._cut_group()
+            self._cut_group(self._group_sockets)
         try:
             dist.destroy_process_group()
         except Exception:   # noqa: BLE001 - the old group may already be broken; it is discarded either way
             log.debug("destroying the previous process group failed", exc_info=True)
 
-    def _cut_group(self) -> None:
+    def _cut_group(self, sockets: "GroupSockets | None") -> None:
         """Fail every collective of the current group, on this rank and on the peers blocked on
         it: abort the NCCL communicators, shut down the gloo connections. Best effort."""
         try:
             if self._spec.use_gpu:
                 from torch.distributed.distributed_c10d import _abort_process_group
                 _abort_process_group()
-            if self._group_sockets is not None:
-                self._group_sockets.shutdown()
+            if sockets is not None:
+                sockets.shutdown()
         except Exception:   # noqa: BLE001 - best effort; the collective timeout still applies
             log.debug("aborting the process group failed", exc_info=True)
 
