@@ -5,15 +5,28 @@ A mixin of Controller (it reads and updates the controller's fields); kept apart
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 
-from elastic._ray_group import DEAD, READY
+from elastic._ray_group import DEAD, READY, SLOW_TICK_S
 from elastic._states import PendingRecovery, Running
 
 log = logging.getLogger("elastic.controller")
 
 
 class Bookkeeping:
+    @contextlib.contextmanager
+    def _warn_if_slow(self):
+        """Detection waits for the tick: say so when one took seconds (storage calls for
+        status.json and checkpoints, or Ray calls, can block it)."""
+        started = time.monotonic()
+        yield
+        took = time.monotonic() - started
+        if took > SLOW_TICK_S:
+            log.warning("controller tick took %.1fs in state %s: failures were not detected meanwhile",
+                        took, self.state.state.value)
+
     def _confirm_restore(self) -> None:
         """The step the new generation really restored (a corrupt checkpoint makes it older
         than the newest manifest the controller planned with)."""

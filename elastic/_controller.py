@@ -86,7 +86,8 @@ class Controller(Bookkeeping):
     def run(self, sleep: Callable[[float], None] = time.sleep) -> None:
         try:
             while not self.done:
-                self.tick()
+                with self._warn_if_slow():
+                    self.tick()
                 if not self.done:
                     sleep(self.failure.heartbeat_interval_s)
         finally:
@@ -376,8 +377,8 @@ class Controller(Bookkeeping):
         self._on_starting()
 
     def _slot_target(self) -> int:
-        """Worker slots to keep alive or pending: max_workers and the hot spares; with no maximum,
-        every placed worker plus one probe placement that becomes a spare whenever capacity appears."""
+        """Slots to keep alive or pending: max_workers and the spares; with no maximum, every placed
+        worker plus one probe placement (a spare whenever capacity appears)."""
         if self.scaling.max_workers is not None:
             return self.scaling.max_workers + self.scaling.spare_workers
         placed = sum(1 for v in self.views.values() if v.status in (READY, STARTING))
