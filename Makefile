@@ -19,8 +19,14 @@ RUN_ARGS ?= --storage runs/pretrain --workers 2:3 --steps 200 --checkpoint-every
 run: install
 	$(PY) examples/pretrain.py $(RUN_ARGS)
 
+# Two passes over the whole suite. Most tests run two at a time (pytest-xdist): one test's
+# waiting (process starts, Ray start-up, polls) overlaps another's work. Tests marked
+# `exclusive` measure time or need the whole machine (straggler scores, detection bounds,
+# clusters) and run alone afterwards. The target fails if either pass fails.
 test: install
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 -m "not exclusive"; parallel=$$?; \
+	$(PY) -m pytest -m exclusive; alone=$$?; \
+	test $$parallel -eq 0 && test $$alone -eq 0
 
 test-unit: install
 	$(PY) -m pytest tests/unit

@@ -54,6 +54,7 @@ def test_the_ci_variant_keeps_smokes_faults_of_those_kinds():
     assert [e for e in smoke.entries if e.fault.kind in CI_KINDS] == list(ci.entries)
 
 
+@pytest.mark.exclusive
 @pytest.mark.timeout(600)
 def test_smoke_scenario_injects_heals_and_passes_every_invariant(tmp_path, s3_env):
     out = tmp_path / "out"

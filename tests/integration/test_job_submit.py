@@ -27,7 +27,7 @@ import pytest
 
 from faults import pid_alive, read_json, wait_for
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(480)]
+pytestmark = [pytest.mark.integration, pytest.mark.exclusive, pytest.mark.timeout(480)]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.path.dirname(sys.executable)        # the venv's bin: ray, python

@@ -10,7 +10,7 @@ import gpt
 from elastic import CheckpointConfig, ElasticTrainer, FailureConfig, ScalingConfig
 from faults import read_json, wait_for
 
-pytestmark = [pytest.mark.integration]
+pytestmark = [pytest.mark.integration, pytest.mark.exclusive]
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ import pytest
 
 from faults import pid_alive, read_json, wait_for
 
-pytestmark = [pytest.mark.integration]
+pytestmark = [pytest.mark.integration, pytest.mark.exclusive]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EVERY = 10              # checkpoint interval

@@ -210,6 +210,7 @@ def test_kill_with_replacement_is_bitwise_identical_to_a_clean_run(ray_session, 
     assert clean.summary["data_order_sha256"] == expected_data_order(150 * 24), clean.summary
 
 
+@pytest.mark.exclusive
 @pytest.mark.timeout(180)
 def test_sigstop_is_detected_within_the_heartbeat_timeout_and_replaced(ray_session, run_dir,
                                                                        _no_stray_stopped_workers):

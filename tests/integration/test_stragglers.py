@@ -18,7 +18,7 @@ import gpt
 from elastic import CheckpointConfig, ElasticTrainer, FailureConfig, ScalingConfig, ScalingPolicy
 from faults import SlowDown
 
-pytestmark = [pytest.mark.integration]
+pytestmark = [pytest.mark.integration, pytest.mark.exclusive]
 
 SMALL = {"model_size": "small", "batch_size": 8}
 
