@@ -140,14 +140,21 @@ class Bookkeeping:
         log.info("recovery done: %s", entry)
         self.recorder.on_recovery(entry)
 
-    def _write_status(self, force: bool) -> None:
+    def _committed_for_status(self) -> int | None:
+        """The newest committed step, listed at most every 2 s. The recorder calls it when it
+        writes status.json (in its writer thread): a listing that stalls does not stall the loop."""
         now = self.clock()
-        if force or now - self._last_committed_at > 2.0:
+        if now - self._last_committed_at > 2.0:
             self._last_committed_at = now
             try:
                 self._last_committed = self.checkpoints.latest_step()
             except Exception:   # noqa: BLE001 - status is best effort; storage errors surface in saves
                 log.debug("could not read the latest checkpoint", exc_info=True)
+        return self._last_committed
+
+    def _write_status(self, force: bool) -> None:
+        if force:
+            self._last_committed_at = -1e9       # a transition: list again when status is written
         members = self._current_members()
         workers = [{"rank": rank, "pid": v.info.pid, "node_id": v.info.node_id, "actor_id": v.info.actor_id}
                    for rank, wid in enumerate(members) if (v := self.views.get(wid)) and v.info]
@@ -158,4 +165,4 @@ class Bookkeeping:
             self.world_size = len(members)
         self.recorder.write_status(force=force, state=self.state.state.value, generation=self.generation,
                                    step=self.step, world_size=self.world_size,
-                                   last_committed_step=self._last_committed, workers=workers, spares=spares)
+                                   last_committed_step=self._committed_for_status, workers=workers, spares=spares)

@@ -44,7 +44,7 @@ class ControllerActor:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         options = dict(checkpoint.storage_options) or None
         self._recorder = MeteredRecorder(
-            RunRecorder(checkpoint.storage, options, total_steps=total_steps, config=config), run=checkpoint.storage)
+            RunRecorder(checkpoint.storage, options, total_steps=total_steps, config=config, background=True), run=checkpoint.storage)
         self._checkpoints = CheckpointView(checkpoint.storage, options, checkpoint.keep)
         self._controller = Controller(
             RayWorkerGroup(spec, scaling, failure), self._recorder, self._checkpoints, scaling=scaling,

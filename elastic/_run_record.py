@@ -2,7 +2,9 @@
 
 Owned by the controller. status.json and summary.json are rewritten whole and atomically (one
 PUT on S3), so a reader never sees a torn file; rewrites are throttled to `min_interval_s` except
-on transitions. metrics.jsonl grows by appending the new lines at the same pace; it is rewritten
+on transitions. With `background=True` status.json and metrics.jsonl are written by a thread of
+their own: a storage call that stalls (seen for ~55 s on S3 when a node died) must not stall
+the controller's failure detection. metrics.jsonl grows by appending the new lines at the same pace; it is rewritten
 only when lines already written must go (steps discarded by a rollback, a resume from an earlier
 step than the file reaches, a torn line left by a crash).
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from typing import Any
 
@@ -21,7 +24,7 @@ log = logging.getLogger("elastic.record")
 
 class RunRecorder:
     def __init__(self, url: str, storage_options: dict | None, *, total_steps: int,
-                 config: dict[str, Any], min_interval_s: float = 1.0):
+                 config: dict[str, Any], min_interval_s: float = 1.0, background: bool = False):
         self._storage = Storage(url, storage_options)
         self._url = url
         self._total_steps = total_steps
@@ -43,6 +46,15 @@ class RunRecorder:
         self._last_write = 0.0
         self.resumed_from: int | None = None
         self._data: tuple[int, str | None] | None = None   # (samples_seen, data_order) after the newest step
+        # The writer thread writes snapshots; this lock guards what it shares with the controller.
+        self._lock = threading.Lock()
+        self._rollbacks: list[int] = []               # steps rolled back to, for a flush in flight
+        self._wake = threading.Event()
+        self._closing = False
+        self._writer: threading.Thread | None = None
+        if background:
+            self._writer = threading.Thread(target=self._write_loop, name="run-record-writer", daemon=True)
+            self._writer.start()
 
     @property
     def url(self) -> str:
@@ -87,8 +99,12 @@ class RunRecorder:
             self._world_size_history[-1][0] = step
 
     def on_step(self, record: StepRecord, lr: float | None = None) -> None:
+        with self._lock:
+            self._on_step(record, lr)
+
+    def _on_step(self, record: StepRecord, lr: float | None) -> None:
         if record.step <= self._newest_step:
-            self.rollback_to(record.step - 1)
+            self._rollback_to(record.step - 1)
         self._newest_step = record.step
         self._data = (record.samples_seen, record.data_order)
         previous = self._last_step_time or record.time
@@ -105,6 +121,11 @@ class RunRecorder:
     def rollback_to(self, step: int) -> None:
         """The steps after `step` were lost: their attempts leave the record (rare: only then is
         the scan paid, and the file rewritten if it already has them)."""
+        with self._lock:
+            self._rollback_to(step)
+
+    def _rollback_to(self, step: int) -> None:
+        self._rollbacks.append(step)
         for lost in [s for s in self._step_seconds if s > step]:
             del self._step_seconds[lost]
         self._unwritten = [line for line in self._unwritten if line["step"] <= step]
@@ -130,42 +151,90 @@ class RunRecorder:
 
     # ---- files -------------------------------------------------------------------------
     def write_status(self, *, force: bool = False, **status: Any) -> None:
-        self._status.update(status)
+        with self._lock:
+            self._status.update(status)
         now = time.monotonic()
         if not force and now - self._last_write < self._min_interval_s:
             return
         self._last_write = now
-        self._write_json("status.json", {**self._status, "updated_at": time.time()})
-        if self._unwritten or self._keep_through is not None:
+        if self._writer is not None:
+            self._wake.set()           # the writer takes the newest status when it gets to it
+        else:
+            self._write_files()
+
+    def close(self) -> None:
+        """Stop the writer thread (after its current write) and write the newest status and
+        lines; later writes are made inline."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            self._closing = True
+            self._wake.set()
+            writer.join(timeout=120)
+            self._write_files()
+
+    def _write_loop(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._closing:
+                return
+            try:
+                self._write_files()
+            except Exception:   # noqa: BLE001 - the next write retries; the run goes on
+                log.exception("could not write the run record under %s", self._url)
+
+    def _write_files(self) -> None:
+        with self._lock:
+            status = dict(self._status)
+            pending = bool(self._unwritten) or self._keep_through is not None
+        # A field may be given as a function: evaluated here, so that what it reads (e.g. a
+        # checkpoint listing) is read by the writer, not the controller's loop.
+        status = {k: v() if callable(v) else v for k, v in status.items()} | {"updated_at": time.time()}
+        self._write_json("status.json", status)
+        if pending:
             self.flush_metrics()
 
     def flush_metrics(self) -> None:
-        """Append the new lines; rewrite the file only when lines on it must go."""
+        """Append the new lines; rewrite the file only when lines on it must go. It writes a
+        snapshot: steps recorded meanwhile wait for the next flush, and lines it wrote past a
+        rollback made meanwhile are marked to go."""
+        with self._lock:
+            lines, keep, rollbacks_seen = list(self._unwritten), self._keep_through, len(self._rollbacks)
         path = self._storage.path("metrics.jsonl")
-        new = "".join(json.dumps(line) + "\n" for line in self._unwritten)
-        newest = self._unwritten[-1]["step"] if self._unwritten else None
+        new = "".join(json.dumps(line) + "\n" for line in lines)
+        through = None
         try:
-            if self._keep_through is not None:
+            if keep is not None:
                 kept, through = [], 0
                 for line in self._read_metrics().splitlines():
                     try:
                         step = int(json.loads(line)["step"])
                     except (ValueError, KeyError, TypeError):
                         continue       # torn by a crash
-                    if step <= self._keep_through:
+                    if step <= keep:
                         kept.append(line + "\n")
                         through = max(through, step)
                 self._storage.write_atomic(path, ("".join(kept) + new).encode())
-                self._keep_through, self._written_through = None, through
             elif new:
                 self._storage.append(path, new.encode())
         except BaseException:
             # A failed append may have written part of the lines: rewrite the file next time.
-            self._keep_through = self._written_through if self._keep_through is None else self._keep_through
+            with self._lock:
+                self._keep_through = self._written_through if self._keep_through is None else self._keep_through
             raise
-        if newest is not None:
-            self._written_through = newest
-        self._unwritten = []
+        with self._lock:
+            if keep is not None:
+                self._written_through = through
+                if self._keep_through == keep:
+                    self._keep_through = None
+            if lines:
+                self._written_through = lines[-1]["step"]
+                flushed = {id(line) for line in lines}
+                self._unwritten = [line for line in self._unwritten if id(line) not in flushed]
+            newer = self._rollbacks[rollbacks_seen:]
+            if newer and self._written_through > min(newer):
+                point = min(newer)
+                self._keep_through = point if self._keep_through is None else min(self._keep_through, point)
 
     def _write_json(self, name: str, payload: dict[str, Any]) -> None:
         try:
@@ -191,6 +260,7 @@ class RunRecorder:
             "data_order_sha256": self._data[1] if self._data else None,
             "config": self._config, "error": error,
         }
+        self.close()
         self.flush_metrics()
         self._write_json("summary.json", summary)
         return summary

@@ -1,5 +1,6 @@
 """The run record keeps the kept attempt of each step: redone steps replace the lost ones."""
 import json
+import threading
 
 import pytest
 
@@ -104,3 +105,41 @@ def test_an_object_store_gets_the_appended_lines_too():
     storage = Storage(url)
     text = storage.read_bytes(storage.path("metrics.jsonl")).decode()
     assert [json.loads(line)["step"] for line in text.splitlines()] == [1, 2, 3, 4, 5]
+
+
+class StalledStorage:
+    """Wraps the recorder's storage: appends wait until `release` is set (a stalled S3)."""
+
+    def __init__(self, storage):
+        self._storage, self.release, self.entered = storage, threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._storage, name)
+
+    def _stall(self):
+        self.entered.set()
+        assert self.release.wait(20), "never released"
+
+    def append(self, path, data):
+        self._stall()
+        return self._storage.append(path, data)
+
+
+def test_a_stalled_storage_does_not_stall_the_caller_in_background_mode(tmp_path):
+    recorder = RunRecorder(str(tmp_path), None, total_steps=10, config={}, background=True)
+    stalled = recorder._storage = StalledStorage(recorder._storage)
+    recorder.on_generation_start(0, 2)
+    for step in range(1, 6):
+        recorder.on_step(record(step, step))
+    recorder.write_status(force=True, state="running", step=5, last_committed_step=lambda: 4)
+    assert stalled.entered.wait(10)                  # the writer is appending steps 1-5 ...
+    recorder.rollback_to(3)                          # ... while the controller goes on: 4 and 5 lost
+    for step in range(4, 7):
+        recorder.on_step(record(step, 10 + step))
+    recorder.write_status(force=True, state="running", step=6, last_committed_step=lambda: 4)
+    stalled.release.set()
+    recorder.write_summary(status="finished", final_step=6, checkpoints=[], model_sha256=None, error=None)
+    assert steps_on_disk(tmp_path) == [1, 2, 3, 4, 5, 6]
+    assert [json.loads(line)["time"] for line in open(tmp_path / "metrics.jsonl")][3:] == [14.0, 15.0, 16.0]
+    status = json.load(open(tmp_path / "status.json"))
+    assert status["step"] == 6 and status["last_committed_step"] == 4      # a function, evaluated by the writer
