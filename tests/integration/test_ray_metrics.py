@@ -57,6 +57,7 @@ def test_world_size_steps_and_checkpoints_reach_the_prometheus_endpoint(ray_with
         # and rank 0 recorded in their last interval before the run ended may never be pushed.
         return seen.get("ray_elastic_steps_total", 0) >= 30 and seen.get("ray_elastic_checkpoint_seconds_count", 0) >= 1
 
-    wait_for(exported, 30, "the run's metrics on the Prometheus endpoint")
+    # A bound, not a measurement: the metrics agent pushes late on a loaded machine.
+    wait_for(exported, 90, "the run's metrics on the Prometheus endpoint")
     assert seen["ray_elastic_world_size"] == 2 and seen["ray_elastic_steps_per_second"] > 0
     assert seen["ray_elastic_checkpoint_bytes_total"] > 0
