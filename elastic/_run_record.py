@@ -2,11 +2,13 @@
 
 Owned by the controller. status.json and summary.json are rewritten whole and atomically (one
 PUT on S3), so a reader never sees a torn file; rewrites are throttled to `min_interval_s` except
-on transitions. With `background=True` status.json and metrics.jsonl are written by a thread of
-their own: a storage call that stalls (seen for ~55 s on S3 when a node died) must not stall
-the controller's failure detection. metrics.jsonl grows by appending the new lines at the same pace; it is rewritten
+on transitions. metrics.jsonl grows by appending the new lines at the same pace; it is rewritten
 only when lines already written must go (steps discarded by a rollback, a resume from an earlier
 step than the file reaches, a torn line left by a crash).
+
+With `background=True` status.json and metrics.jsonl are written by a thread of their own: a
+storage call that stalls (seen for ~55 s on S3 when a node died) must not stall the
+controller's failure detection.
 """
 from __future__ import annotations
 
