@@ -35,6 +35,9 @@ class StepRecord:
     data_order: str | None = None          # data-order hash after this step (see _state.chain_sample_ids)
     generation: int = 0                    # the generation that ran the step
     accum_steps: int = 1                   # micro-batches per rank in this step (constant_global_batch)
+    # "step": a completed step (counts one); "log": `ctx.log(...)` values recorded at `step`,
+    # counting no step (validation metrics). Only one rank's log record of a step is kept.
+    kind: str = "step"
 
 
 @dataclass(frozen=True)

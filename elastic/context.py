@@ -151,9 +151,12 @@ class TrainContext:
         return optimizer
 
     def prepare_data(self, dataset: Any, batch_size: int, *, shuffle: bool = True,
-                     collate_fn: Callable[[list[Any]], Any] | None = None) -> ElasticLoader:
-        """A loader of this rank's batches from the current step to `total_steps`."""
-        return ElasticLoader(self, dataset, batch_size, shuffle=shuffle, collate_fn=collate_fn)
+                     collate_fn: Callable[[list[Any]], Any] | None = None, **loader_options: Any) -> ElasticLoader:
+        """A loader of this rank's batches from the current step to `total_steps`.
+
+        `loader_options` (num_workers, pin_memory, prefetch_factor, ...) go to the torch
+        DataLoader that builds the batches; see ElasticLoader."""
+        return ElasticLoader(self, dataset, batch_size, shuffle=shuffle, collate_fn=collate_fn, **loader_options)
 
     # ---- state ----------------------------------------------------------------------
     def restore(self, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None) -> int:
@@ -349,6 +352,21 @@ class TrainContext:
                 self.save_checkpoint(wait=True)
             raise RescaleInterrupt()
         self._timer.start()
+
+    def log(self, **metrics: Any) -> None:
+        """Record metrics at the current step without counting a step (validation, eval).
+
+        Local to this rank, no collective: call it on one rank, or on every rank with the same
+        values (the lowest rank's record of a step is the one kept). Numeric values only."""
+        carry = self._carry
+        values = {k: as_float(v) for k, v in metrics.items()
+                  if isinstance(v, (int, float)) or hasattr(v, "detach")}
+        record = StepRecord(step=carry.step, loss=None, world_size=self.world_size, time=time.time(),
+                            samples_seen=carry.samples_seen, global_batch=self._global_batch,
+                            metrics=values, generation=self.generation, kind="log")
+        with carry.records_lock:
+            carry.records.append(record)
+            del carry.records[:-RECORDS_KEPT]
 
     def _keep_record(self, metrics: dict[str, Any], loss: float | None, compute_s: tuple[float, ...]) -> None:
         carry = self._carry
