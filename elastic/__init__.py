@@ -11,7 +11,8 @@ import importlib
 from checkpointing import CheckpointError, CorruptCheckpointError, FencedError, StorageError
 from elastic.config import CheckpointConfig, FailureConfig, LRScalingConfig, ScalingConfig
 from elastic.errors import (ConfigError, DatasetError, ElasticError, InsufficientWorkersError,
-                            StorageConfigError, TooManyFailuresError, UserCodeError, WorkerLostError)
+                            RestoreRequiredError, StateError, StorageConfigError, TooManyFailuresError,
+                            UserCodeError, WorkerLostError)
 from elastic.policies import Failure, FailureDecision, FailurePolicy, ResizeDecision, ScalingPolicy
 from elastic.trainer import ElasticTrainer, Result
 
@@ -39,6 +40,6 @@ __all__ = [
     "FailurePolicy", "ScalingPolicy", "Failure", "FailureDecision", "ResizeDecision",
     "ParquetTokens", "write_token_shards", "read_corpus_marker",
     "ElasticError", "ConfigError", "DatasetError", "StorageConfigError", "WorkerLostError",
-    "InsufficientWorkersError", "TooManyFailuresError", "UserCodeError",
+    "InsufficientWorkersError", "TooManyFailuresError", "UserCodeError", "StateError", "RestoreRequiredError",
     "CheckpointError", "StorageError", "CorruptCheckpointError", "FencedError",
 ]

@@ -84,6 +84,25 @@ class GenerationPlan:
     master_port: int
     restore: RestorePlan
     timeout_s: float
+    # Placement within the group, as torchrun names it: ranks on this rank's node, this rank's
+    # index among them, and its node's index among the group's nodes (in rank order).
+    local_rank: int = 0
+    local_world_size: int = 1
+    node_rank: int = 0
+
+
+def placement(infos: list["WorkerInfo | None"]) -> list[dict[str, int]]:
+    """GenerationPlan's placement fields of each rank, from the members' nodes in rank order:
+    nodes are numbered by their first rank, ranks within a node by rank. A member whose node is
+    not known yet counts as a node of its own."""
+    nodes: dict[str, list[int]] = {}
+    for rank, info in enumerate(infos):
+        nodes.setdefault(info.node_id if info is not None else f"?{rank}", []).append(rank)
+    places: list[dict[str, int]] = [{} for _ in infos]
+    for node_rank, ranks in enumerate(nodes.values()):
+        for local_rank, rank in enumerate(ranks):
+            places[rank] = {"local_rank": local_rank, "local_world_size": len(ranks), "node_rank": node_rank}
+    return places
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,17 @@ def _is_comm_error(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(m in str(error).lower() for m in _BACKEND_MARKERS)
 
 
+def _set_torchrun_environment(plan: GenerationPlan) -> None:
+    """The variables torchrun sets, for this generation's group: code and libraries that read
+    them (Accelerate, Lightning, HF Trainer, a user's own `int(os.environ["LOCAL_RANK"])`) see
+    the group the framework formed. Rewritten at every generation: ranks change with the group."""
+    os.environ.update({
+        "RANK": str(plan.rank), "WORLD_SIZE": str(plan.world_size),
+        "LOCAL_RANK": str(plan.local_rank), "LOCAL_WORLD_SIZE": str(plan.local_world_size),
+        "GROUP_RANK": str(plan.node_rank), "NODE_RANK": str(plan.node_rank),
+        "MASTER_ADDR": plan.master_addr, "MASTER_PORT": str(plan.master_port)})
+
+
 def _preload() -> None:
     """Import what the first step of a generation needs while the worker is still a spare, so a
     replacement joining a running group does not stall everyone on imports."""
@@ -89,13 +100,13 @@ class TrainWorker:
 
     def __init__(self, spec: RunSpec):
         import torch
-        from elastic.context import Carry
+        from elastic._worker_state import WorkerState
         self._spec = spec
         self._loop, self._loop_config = spec.load_user_code()
         self._lock = threading.Lock()
         self._phase = WorkerPhase.IDLE
         self._plan: GenerationPlan | None = None
-        self._carry = Carry()
+        self._state = WorkerState()
         self._stop_requested = threading.Event()
         self._preempted = threading.Event()
         self._thread: threading.Thread | None = None
@@ -112,7 +123,7 @@ class TrainWorker:
 
     def _announce(self) -> None:
         """Wake the controller's held poll: something it must hear at once has happened."""
-        self._carry.news.set()
+        self._state.outbox.news.set()
 
     def _on_preemption_notice(self, signum, frame) -> None:
         """SIGTERM (spot reclaim, node drain): commit at the next step boundary, then leave.
@@ -180,29 +191,31 @@ class TrainWorker:
         controller must hear at once happens (a phase change, an error, a preemption notice, a
         generation's first step) or `hold_s` passes: one answer per hold while training goes
         on, at once when it stops going on."""
+        state = self._state
         if hold_s > 0:
-            self._carry.news.wait(hold_s)
-        self._carry.news.clear()
-        with self._lock, self._carry.records_lock:
-            records, self._carry.records = self._carry.records, []
-            carry, plan, error = self._carry, self._plan, self._error or {}
+            state.outbox.news.wait(hold_s)
+        state.outbox.news.clear()
+        with self._lock:
+            records = state.outbox.drain()
+            progress, warm, session = state.progress, state.warm, state.checkpoints
+            plan, error = self._plan, self._error or {}
             return WorkerReport(
                 phase=self._phase, generation=plan.generation if plan else -1,
-                rank=plan.rank if plan else None, step=carry.step,
-                has_state=carry.warm_capable and carry.model is not None, records=records,
+                rank=plan.rank if plan else None, step=progress.step,
+                has_state=warm.available, records=records,
                 error_type=error.get("type"), error_message=error.get("message"),
                 error_traceback=error.get("traceback"), error_kind=error.get("kind"),
                 error=error.get("exception"), preempted=self._preempted.is_set(),
-                restored_step=carry.restored[1] if plan and carry.restored and carry.restored[0] == plan.generation
+                restored_step=warm.restored[1] if plan and warm.restored and warm.restored[0] == plan.generation
                 else None,
-                checkpoint_fallbacks=list(carry.load_fallbacks),
-                model_sha256=self._model_sha256, resumed_from=carry.resumed_from,
-                samples_seen=carry.samples_seen, data_order=carry.data_order)
+                checkpoint_fallbacks=list(session.load_fallbacks),
+                model_sha256=self._model_sha256, resumed_from=session.resumed_from,
+                samples_seen=progress.samples_seen, data_order=progress.data_order)
 
     def shutdown(self) -> None:
-        if self._carry.checkpoints is not None:
+        if self._state.checkpoints.manager is not None:
             try:
-                self._carry.checkpoints.close()
+                self._state.checkpoints.manager.close()
             except Exception:   # noqa: BLE001 - shutting down; the controller already has the outcome
                 log.exception("checkpoint manager close failed")
 
@@ -213,7 +226,7 @@ class TrainWorker:
         from elastic.context import RescaleInterrupt, TrainContext
         try:
             self._join_group(plan)
-            ctx = TrainContext(plan=plan, spec=self._spec, carry=self._carry, loop_config=self._loop_config,
+            ctx = TrainContext(plan=plan, spec=self._spec, worker=self._state, loop_config=self._loop_config,
                                stop_requested=self._stop_requested, preempted=self._preempted, device=self._device)
             # Identical initial weights on every rank and in every run with the same seed.
             torch.manual_seed(mix_seed(self._spec.seed, "init"))
@@ -245,7 +258,7 @@ class TrainWorker:
     def _settle_checkpoints(self, *, peers_alive: bool) -> None:
         """Before the group changes: finish the in-flight upload when every peer can, else drop
         it (its collectives would wait for a dead peer until collective_timeout_s)."""
-        manager = self._carry.checkpoints
+        manager = self._state.checkpoints.manager
         if manager is None:
             return
         if peers_alive:
@@ -283,6 +296,7 @@ class TrainWorker:
         from elastic._checkpoint_io import open_manager
         from elastic._group_sockets import GroupSockets
         self._leave_group()
+        _set_torchrun_environment(plan)
         sockets = GroupSockets()
         dist.init_process_group(
             "nccl" if self._spec.use_gpu else "gloo",
@@ -292,7 +306,7 @@ class TrainWorker:
         # The checkpoint side group is formed with the main group, inside the capture: a peer
         # lost during the first save then breaks its connections (cut by _leave_group) instead
         # of leaving the survivors waiting on the store for the side group's creation.
-        open_manager(self._carry, self._spec).bind_group()
+        open_manager(self._state.checkpoints, self._spec).bind_group()
         sockets.capture()
         self._group_sockets = sockets
 

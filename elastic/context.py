@@ -1,9 +1,10 @@
 """TrainContext: what the user's train_loop sees on each rank, for one generation.
 
 A generation is one formation of the process group. When the controller rescales, the loop is
-unwound at a step boundary (`report`) and re-entered with a new context; the state that must
-survive (step counters, the last model and optimizer for warm recovery, the checkpoint manager)
-lives in the worker's `Carry` (elastic/_carry.py).
+unwound at a step boundary (`report`) and re-entered with a new context; what must survive lives
+in the worker's `WorkerState` (elastic/_worker_state.py), and what the loop hands to
+`restore(...)` becomes the generation's `TrainState` (elastic/_train_state.py), the one object
+that warm broadcasts and checkpoints both save and load.
 """
 from __future__ import annotations
 
@@ -18,19 +19,24 @@ from torch import nn
 
 from elastic import _checkpoint_io, _wrap
 from elastic._accumulation import as_float, new_accumulation, wrap_optimizer
-from elastic._carry import Carry
 from elastic._data import ElasticLoader
-from elastic._protocol import GenerationPlan, RunSpec, StepRecord
 from elastic._lr import ScaleRamp, rule_lr
 from elastic._precision import Precision
-from elastic._state import DATA_ORDER_START, broadcast_state, chain_sample_ids, mix_seed, state_sha256
+from elastic._protocol import GenerationPlan, RunSpec, StepRecord
+from elastic._state import broadcast_state, chain_sample_ids, mix_seed, state_sha256
 from elastic._step_timer import StepTimer
+from elastic._train_state import TrainState
+from elastic._worker_state import WorkerState
 from elastic.config import ScalingConfig
-from elastic.errors import ConfigError, ElasticError
+from elastic.errors import ConfigError, ElasticError, RestoreRequiredError, StateError
 
 log = logging.getLogger("elastic.context")
 
-RECORDS_KEPT = 10_000   # step records a rank holds until polled (bounded if the controller stalls)
+MAX_METRICS = 32   # numeric report() keywords besides loss: fixed slots of the per-step all-gather
+# metrics.jsonl's own keys: a report() keyword may not take their place (loss and lr may be given).
+RESERVED_METRICS = frozenset({"step", "world_size", "time", "global_batch", "accum_steps", "samples_seen",
+                              "kind", "generation"})
+_HEADER = 5        # loss, stop flag, preemption flag, compute seconds, hash of the metric names
 
 
 class RescaleInterrupt(BaseException):
@@ -43,28 +49,28 @@ class RescaleInterrupt(BaseException):
 class TrainContext:
     """Per-rank handle given to `train_loop(ctx)`; re-created after every rescale."""
 
-    def __init__(self, *, plan: GenerationPlan, spec: RunSpec, carry: Carry, loop_config: Any,
+    def __init__(self, *, plan: GenerationPlan, spec: RunSpec, worker: WorkerState, loop_config: Any,
                  stop_requested: threading.Event, preempted: threading.Event, device: torch.device):
         self._plan = plan
         self._spec = spec
         self._loop_config = loop_config
-        self._carry = carry
+        self._worker = worker
         self._stop_requested = stop_requested
         self._preempted = preempted
         self.device = device
         self._comm_device = device if spec.use_gpu else torch.device("cpu")
         self._group_ratios: list[float] = []
-        self._model: nn.Module | None = None       # as returned to the user (wrapped)
-        self._raw_model: nn.Module | None = None
-        self._optimizer: torch.optim.Optimizer | None = None
+        self._models: list[tuple[nn.Module, nn.Module]] = []   # (as returned to the user, unwrapped)
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._state: TrainState | None = None                   # set by restore()
         self._global_batch = 0
         self._timer = StepTimer()
         self._first_step_announced = False
         self._step_ids: list[int] = []             # sample ids the whole group reads at this step
         self._scaling = spec.scaling or ScalingConfig(strategy=spec.strategy, use_gpu=spec.use_gpu)
-        if carry.grad_scaler is None:
-            carry.grad_scaler = Precision.new_scaler(self._scaling.precision, device)
-        self._precision = Precision(self._scaling.precision, spec.strategy, device, carry.grad_scaler)
+        if worker.grad_scaler is None:
+            worker.grad_scaler = Precision.new_scaler(self._scaling.precision, device)
+        self._precision = Precision(self._scaling.precision, spec.strategy, device, worker.grad_scaler)
         self._compression: _wrap.PowerSGDCompression | None = None
         self._accumulation = new_accumulation(spec.lr, plan.world_size)   # constant_global_batch mode
 
@@ -78,17 +84,32 @@ class TrainContext:
         return self._plan.world_size
 
     @property
+    def local_rank(self) -> int:
+        """This rank's index among the group's ranks on its node (torchrun's LOCAL_RANK)."""
+        return self._plan.local_rank
+
+    @property
+    def local_world_size(self) -> int:
+        """Ranks of the group on this rank's node (torchrun's LOCAL_WORLD_SIZE)."""
+        return self._plan.local_world_size
+
+    @property
+    def node_rank(self) -> int:
+        """Index of this rank's node among the group's nodes, in rank order (torchrun's GROUP_RANK)."""
+        return self._plan.node_rank
+
+    @property
     def generation(self) -> int:
         return self._plan.generation
 
     @property
     def step(self) -> int:
         """Steps completed so far (the step about to run, 0-based)."""
-        return self._carry.step
+        return self._worker.progress.step
 
     @property
     def samples_seen(self) -> int:
-        return self._carry.samples_seen
+        return self._worker.progress.samples_seen
 
     @property
     def accum_steps(self) -> int:
@@ -108,21 +129,31 @@ class TrainContext:
         """The `train_loop_config` passed to ElasticTrainer."""
         return self._loop_config
 
+    @property
+    def _model(self) -> nn.Module | None:
+        """The first prepared model as the user holds it (gradient accumulation toggles its sync)."""
+        return self._models[0][0] if self._models else None
+
     # ---- preparation ----------------------------------------------------------------
     def prepare_model(self, model: nn.Module, *, shard_modules: list[nn.Module] | None = None) -> nn.Module:
         """Move the model to this rank's device and wrap it: DDP (with the gradient compression
         hook of ScalingConfig), or FSDP2 `fully_shard` (with its precision and memory options).
 
         With FSDP, each module in `shard_modules` (default: every child of every ModuleList,
-        i.e. the transformer blocks) becomes its own shard unit, then the root.
+        i.e. the transformer blocks) becomes its own shard unit, then the root. Several models
+        may be prepared (GAN, teacher/student); hand each to `restore` under a name of its own.
+        Models that are not trained across ranks (an EMA copy) need no preparing: move them to
+        `ctx.device` and hand them to `restore`.
         """
         model = model.to(self.device)
-        self._raw_model = model
         # The same PowerSGD seed on every rank: its random projections must match across ranks.
-        self._model, self._compression = _wrap.wrap_model(
+        wrapped, compression = _wrap.wrap_model(
             model, device=self.device, world_size=self.world_size, scaling=self._scaling, timer=self._timer,
-            seed=mix_seed(self.seed, "powersgd"), shard_modules=shard_modules)
-        return self._model
+            seed=mix_seed(self.seed, "powersgd", len(self._models)), shard_modules=shard_modules)
+        self._models.append((wrapped, model))
+        # Checkpoints carry one PowerSGD state per rank: the first compressed model's.
+        self._compression = self._compression or compression
+        return wrapped
 
     def autocast(self):
         """Around forward and loss: autocast to ScalingConfig.precision (see elastic._precision)."""
@@ -133,19 +164,21 @@ class TrainContext:
         self._precision.backward(loss)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Register the optimizer so its state is restored, broadcast and checkpointed."""
-        self._optimizer = optimizer
+        """Register the optimizer: the LR rule and gradient accumulation act on it (the first one
+        prepared carries the LR rule). Hand it to `restore` so its state survives."""
+        self._optimizers.append(optimizer)
         self._precision.prepare_optimizer(optimizer)
         rule = self._spec.lr
-        if rule is not None:
+        if rule is not None and len(self._optimizers) == 1:
             first = optimizer.param_groups[0]["lr"]
             if rule.base_lr is None and not first > 0:
                 raise ConfigError(f"the optimizer's lr is the base LR (LRScalingConfig.base_lr is None) and must "
                                   f"be > 0, got {first!r}; set it or LRScalingConfig.base_lr")
             # Groups keep their LR ratios to the first group; the rule sets the first.
             self._group_ratios = [g["lr"] / first if first else 1.0 for g in optimizer.param_groups]
-            if self._carry.base_lr is None:
-                self._carry.base_lr = rule.base_lr if rule.base_lr is not None else first
+            progress = self._worker.progress
+            if progress.base_lr is None:
+                progress.base_lr = rule.base_lr if rule.base_lr is not None else first
         if self._accumulation is not None:
             wrap_optimizer(optimizer, self._accumulation)
         return optimizer
@@ -159,105 +192,134 @@ class TrainContext:
         return ElasticLoader(self, dataset, batch_size, shuffle=shuffle, collate_fn=collate_fn, **loader_options)
 
     # ---- state ----------------------------------------------------------------------
-    def restore(self, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None) -> int:
-        """Load the latest state into `model`/`optimizer` (defaults: the prepared ones).
+    def restore(self, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+                **more: Any) -> int:
+        """Load the latest state into the objects given, by name; call it once per generation,
+        after preparing and before the first `report()`. Returns the step to continue from.
+
+        `model` and `optimizer` default to the prepared ones when only one of each was
+        prepared. Every other keyword is a module, an optimizer, or any object with
+        `state_dict()`/`load_state_dict()` (an LR scheduler, an EMA, a GradScaler, your own
+        counters): all of them survive rescales and resumes, under these names. FSDP models
+        stay sharded; other objects are replicated (each rank holds the same state).
 
         Warm: broadcast from the survivor the controller chose. Checkpoint: the newest committed
-        checkpoint, resharded to this world size. Fresh: nothing to load. Returns the step.
+        checkpoint, resharded to this world size. Fresh: nothing to load.
         """
-        model = self._raw_model if model is None or model is self._model else model
-        optimizer = optimizer or self._optimizer
-        plan = self._plan.restore
-        carry = self._carry
+        state = TrainState(self._named_objects(model, optimizer, more), progress=self._worker.progress,
+                           precision=self._precision)
+        self._ensure_lr_ramp()
+        plan, worker = self._plan.restore, self._worker
         if plan.kind == "broadcast":
-            self._restore_warm(model, optimizer, plan.source_rank)
+            self._restore_warm(state, plan.source_rank)
         elif plan.kind == "checkpoint":
-            self._restore_checkpoint(self._model if model is self._raw_model else model, optimizer)
+            self._restore_checkpoint(state)
         else:
             # Nothing to load (e.g. FSDP lost a rank before its first commit): every rank starts
             # over from step 0, a survivor's counters included, or the ranks would disagree.
-            carry.step, carry.samples_seen, carry.data_order = 0, 0, DATA_ORDER_START
-            carry.pending_samples, carry.last_saved_step = 0, None
-        carry.model, carry.optimizer = model, optimizer
-        carry.warm_capable = self._spec.strategy == "ddp" and model is not None
-        carry.restored = (self.generation, carry.step)
-        with carry.records_lock:
-            # Steps past the restored one were lost with the failure: never report them.
-            carry.records = [r for r in carry.records if r.step <= carry.step]
-        log.info("rank %d generation %d restored (%s) at step %d",
-                 self.rank, self.generation, plan.kind, carry.step)
-        return carry.step
+            worker.progress.reset()
+            self._ensure_lr_ramp()
+            worker.checkpoints.last_saved_step = None
+        self._state = state
+        worker.warm.state = state
+        worker.warm.capable = self._spec.strategy == "ddp" and bool(state.modules())
+        worker.warm.restored = (self.generation, self.step)
+        worker.outbox.drop_after(self.step)
+        log.info("rank %d generation %d restored %s (%s) at step %d",
+                 self.rank, self.generation, sorted(state.objects), plan.kind, self.step)
+        return self.step
 
-    def _restore_warm(self, model: nn.Module | None, optimizer: torch.optim.Optimizer | None, src: int | None) -> None:
-        carry = self._carry
-        state = None
+    def _named_objects(self, model: Any, optimizer: Any, more: dict[str, Any]) -> dict[str, Any]:
+        """restore()'s keywords by name, modules unwrapped; every prepared object must be among them."""
+        def default(given: Any, prepared: list[Any], name: str) -> Any:
+            if given is not None or len(prepared) <= 1:
+                return given if given is not None else (prepared[0] if prepared else None)
+            raise StateError(f"{len(prepared)} {name}s were prepared: name each one, e.g. "
+                             f"ctx.restore(model=..., optimizer=..., {name}2=...)")
+        unwrapped = {id(wrapped): raw for wrapped, raw in self._models}
+        objects = {"model": default(model, [raw for _, raw in self._models], "model"),
+                   "optimizer": default(optimizer, self._optimizers, "optimizer"), **more}
+        objects = {n: unwrapped.get(id(o), o) for n, o in objects.items() if o is not None}
+        seen: dict[int, str] = {}
+        for name, obj in objects.items():
+            if id(obj) in seen:
+                raise StateError(f"ctx.restore got the same object as {seen[id(obj)]!r} and {name!r}; pass it once")
+            seen[id(obj)] = name
+        lost = [f"model #{i}" for i, (_, raw) in enumerate(self._models) if id(raw) not in seen]
+        lost += [f"optimizer #{i}" for i, o in enumerate(self._optimizers) if id(o) not in seen]
+        if lost:
+            raise StateError(f"{', '.join(lost)} (in the order prepared) were prepared but not handed to "
+                             f"ctx.restore: their state would be lost at the next rescale; pass them by name, "
+                             f"e.g. ctx.restore(model=model, optimizer=opt, teacher=teacher)")
+        return objects
+
+    def _restore_warm(self, state: TrainState, src: int | None) -> None:
+        payload = None
         if self.rank == src:
-            if carry.model is None:
+            source = self._worker.warm
+            if not source.available:
                 raise ElasticError(f"rank {src} was chosen as warm source but holds no state")
-            state = {"model": carry.model.state_dict(),
-                     "optim": carry.optimizer.state_dict() if carry.optimizer is not None else None,
-                     "step": carry.step, "samples_seen": carry.samples_seen, "data_order": carry.data_order,
-                     "lr": self._lr_state(), "precision": self._precision.state()}
-        state = broadcast_state(state, src, self._comm_device)
-        self._set_lr_state(state["lr"])
-        self._precision.load_state(state["precision"])
-        if model is not None:
-            model.load_state_dict(state["model"])
-        if optimizer is not None and state["optim"] is not None:
-            optimizer.load_state_dict(state["optim"])
-        carry.step, carry.samples_seen = int(state["step"]), int(state["samples_seen"])
-        carry.data_order = str(state["data_order"])
+            payload = source.state.state_dict()
+        payload = broadcast_state(payload, src, self._comm_device)
+        state.load_state_dict(payload, source=f"the in-memory state of rank {src}")
 
-    def _restore_checkpoint(self, model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> None:
-        carry = self._carry
-        extra = {"step": 0, "samples_seen": 0, "data_order": DATA_ORDER_START, **self._lr_state(),
-                 **self._precision.state()}
-        state, loaded = _wrap.load_with_compression_state(
+    def _restore_checkpoint(self, state: TrainState) -> None:
+        session = self._worker.checkpoints
+        loaded_state, loaded = _wrap.load_with_compression_state(
             self._checkpoints(), self._compression, self.rank, self.world_size, self._comm_device,
-            lambda with_keys: _checkpoint_io.build_state(model, optimizer, {**extra, **with_keys}))
+            lambda with_keys: state.state_dict(extra=with_keys))
         if loaded is None:
             log.warning("rank %d: no committed checkpoint under %s; starting fresh", self.rank, self._spec.storage)
-            carry.step, carry.samples_seen, carry.data_order = 0, 0, DATA_ORDER_START
+            self._worker.progress.reset()
+            self._ensure_lr_ramp()
             return
-        _checkpoint_io.apply_state(model, optimizer, state)
-        carry.load_fallbacks.extend(dict(s) for s in loaded.skipped)
-        self._set_lr_state(state["extra"])
-        self._precision.load_state(state["extra"])
-        carry.step = int(state["extra"]["step"])
-        carry.samples_seen = int(state["extra"]["samples_seen"])
-        carry.data_order = str(state["extra"]["data_order"])
-        carry.last_saved_step = carry.step
-        if self.generation == 0 and carry.resumed_from is None:
-            carry.resumed_from = carry.step
+        state.load_state_dict(loaded_state, source=f"checkpoint step {loaded.step} at {loaded.path}")
+        session.load_fallbacks.extend(dict(s) for s in loaded.skipped)
+        session.last_saved_step = self.step
+        if self.generation == 0 and session.resumed_from is None:
+            session.resumed_from = self.step
+
+    def _ensure_lr_ramp(self) -> None:
+        """The LR rule's state exists before anything is saved or loaded, so a checkpoint always
+        holds it and a load always asks for it."""
+        progress, rule = self._worker.progress, self._spec.lr
+        if rule is not None and progress.lr_ramp is None:
+            progress.lr_ramp = ScaleRamp.initial(self.world_size, rule.base_world_size)
 
     def _checkpoints(self):
-        return _checkpoint_io.open_manager(self._carry, self._spec)
+        return _checkpoint_io.open_manager(self._worker.checkpoints, self._spec)
+
+    def _require_state(self, where: str) -> TrainState:
+        if self._state is None:
+            raise RestoreRequiredError(
+                f"{where} before ctx.restore() in generation {self.generation} (rank {self.rank}): call "
+                f"ctx.restore(model=..., optimizer=..., ...) once per generation, after preparing and before "
+                f"the first step; without it a resume or a rescale would retrain from step 0")
+        return self._state
 
     def save_checkpoint(self, *, wait: bool = False) -> None:
         """Collective: commit a checkpoint of the current step (async unless `wait`)."""
-        carry = self._carry
-        state = _checkpoint_io.build_state(self._model, self._optimizer,
-                                           {"step": carry.step, "samples_seen": carry.samples_seen,
-                                            "data_order": carry.data_order, "world_size": self.world_size,
-                                            **self._lr_state(), **self._precision.state(),
-                                            **_wrap.compression_extra(self._compression, self.rank)})
+        state = self._require_state("ctx.save_checkpoint()")
+        session, step = self._worker.checkpoints, self.step
+        payload = state.state_dict(extra={"world_size": self.world_size,
+                                          **_wrap.compression_extra(self._compression, self.rank)})
         manager = self._checkpoints()
-        carry.save_started[carry.step] = time.time()
-        manager.save(carry.step, state, generation=self.generation)
-        carry.last_saved_step = carry.unconfirmed_save = carry.step
+        session.save_started[step] = time.time()
+        manager.save(step, payload, generation=self.generation)
+        session.last_saved_step = session.unconfirmed_save = step
         if wait:
             manager.wait()
         self._export_commit()
 
     def _export_commit(self) -> None:
         """Rank 0: checkpoint seconds and bytes of a commit it has learnt of, to Ray metrics."""
-        carry = self._carry
-        commit = carry.checkpoints.last_commit if carry.checkpoints is not None else None
-        if self.rank != 0 or commit is None or commit.step == carry.exported_commit:
+        session = self._worker.checkpoints
+        commit = session.manager.last_commit if session.manager is not None else None
+        if self.rank != 0 or commit is None or commit.step == session.exported_commit:
             return
-        carry.exported_commit = commit.step
-        started = carry.save_started.pop(commit.step, commit.committed_at)
-        carry.save_started = {s: t for s, t in carry.save_started.items() if s > commit.step}
+        session.exported_commit = commit.step
+        started = session.save_started.pop(commit.step, commit.committed_at)
+        session.save_started = {s: t for s, t in session.save_started.items() if s > commit.step}
         try:
             from elastic._ray_metrics import checkpoint_committed
             checkpoint_committed(self._spec.storage, commit.committed_at - started, commit.total_bytes)
@@ -268,86 +330,89 @@ class TrainContext:
     def _begin_step(self, global_batch: int, sample_ids: list[int]) -> None:
         self._global_batch = global_batch
         self._step_ids = sample_ids
-        self._carry.pending_samples = global_batch
+        self._worker.progress.pending_samples = global_batch
         self._apply_lr()
 
     def _apply_lr(self) -> None:
         """Set this step's LR from the rule: a function of the step and the world-size history."""
-        rule, carry = self._spec.lr, self._carry
-        if rule is None or self._optimizer is None or carry.base_lr is None:
+        rule, progress = self._spec.lr, self._worker.progress
+        if rule is None or not self._optimizers or progress.base_lr is None:
             return
-        step = carry.step
-        ramp = carry.lr_ramp or ScaleRamp.initial(self.world_size, rule.base_world_size)
-        carry.lr_ramp = ramp.rescaled(step, self.world_size, rule.base_world_size, rule.rescale_warmup_steps)
-        lr = rule_lr(rule, base_lr=carry.base_lr, ramp=carry.lr_ramp, step=step, total_steps=self.total_steps)
-        for group, ratio in zip(self._optimizer.param_groups, self._group_ratios):
+        step = progress.step
+        ramp = progress.lr_ramp or ScaleRamp.initial(self.world_size, rule.base_world_size)
+        progress.lr_ramp = ramp.rescaled(step, self.world_size, rule.base_world_size, rule.rescale_warmup_steps)
+        lr = rule_lr(rule, base_lr=progress.base_lr, ramp=progress.lr_ramp, step=step, total_steps=self.total_steps)
+        for group, ratio in zip(self._optimizers[0].param_groups, self._group_ratios):
             group["lr"] = lr * ratio
 
-    def _lr_state(self) -> dict[str, Any]:
-        """The LR rule's state, as plain values (travels in warm broadcasts and checkpoints)."""
-        if self._spec.lr is None:
-            return {}
-        ramp = self._carry.lr_ramp or ScaleRamp.initial(self.world_size, self._spec.lr.base_world_size)
-        return ramp.to_state(self._carry.base_lr)
-
-    def _set_lr_state(self, state: dict[str, Any]) -> None:
-        if self._spec.lr is None or "lr_base" not in state:
-            return
-        self._carry.base_lr, self._carry.lr_ramp = float(state["lr_base"]), ScaleRamp.from_state(state)
-
     def report(self, **metrics: Any) -> None:
-        """End of a step: count it, share the loss, checkpoint when due, unwind on rescale.
+        """End of a step: count it, share the metrics, checkpoint when due, unwind on rescale.
 
-        Call it once per batch, after `optimizer.step()`, with no collective in between. With
-        gradient accumulation a non-final micro-batch's report only notes its loss.
+        Call it once per batch, after `optimizer.step()`, with no collective in between. Every
+        numeric keyword (a number or a one-element tensor) reaches metrics.jsonl as the mean over
+        ranks (`loss` included; `lr` as this rank has it). For a sum or a max, reduce it yourself
+        first (`dist.all_reduce(t, op=SUM)`): every rank then reports the same value. Every rank
+        must report the same names. With gradient accumulation a non-final micro-batch's report
+        only notes its loss.
         """
+        self._require_state("ctx.report()")
         accumulation = self._accumulation
         if accumulation is not None and accumulation.defer_report(as_float(metrics.get("loss"))):
             return
-        carry = self._carry
+        names, values = _numeric_metrics(metrics, skip=frozenset({"loss", "lr"}))
+        progress = self._worker.progress
         # The optimizer step has run: the in-memory state is now the state after this step.
-        carry.step += 1
-        carry.samples_seen += carry.pending_samples
-        carry.pending_samples = 0
+        progress.step += 1
+        progress.samples_seen += progress.pending_samples
+        progress.pending_samples = 0
         # The step's samples count as consumed with the step itself, before the collective below:
         # if it fails, the state that survives has this step, so its hash must have its samples.
         if self._step_ids:
-            carry.data_order = chain_sample_ids(carry.data_order, self._step_ids)
+            progress.data_order = chain_sample_ids(progress.data_order, self._step_ids)
             self._step_ids = []
-        if carry.model is None and self._raw_model is not None:
-            carry.model, carry.optimizer = self._raw_model, self._optimizer
-            carry.warm_capable = self._spec.strategy == "ddp"
-        if self._optimizer is not None:
-            metrics.setdefault("lr", self._optimizer.param_groups[0]["lr"])
+        lr = as_float(metrics["lr"]) if "lr" in metrics else \
+            (self._optimizers[0].param_groups[0]["lr"] if self._optimizers else None)
         loss = metrics.get("loss")
         loss_value = accumulation.mean_loss() if accumulation is not None else (as_float(loss) or 0.0)
         # One small all-gather per step carries every rank's loss, rescale flag, preemption
-        # flag and compute time, so every rank leaves the loop at the same step and every rank can
-        # record the mean loss and the ranks' compute times (straggler scoring).
-        mine = torch.tensor([loss_value, float(self._stop_requested.is_set()), float(self._preempted.is_set()),
-                             self._timer.compute_s()], dtype=torch.float64, device=self._comm_device)
+        # flag, compute time and metrics, so every rank leaves the loop at the same step and every
+        # rank can record the means and the ranks' compute times (straggler scoring). Fixed size
+        # (MAX_METRICS slots), whatever the names: ranks that disagree are caught by the names' hash.
+        mine = torch.zeros(_HEADER + MAX_METRICS, dtype=torch.float64)
+        mine[:_HEADER] = torch.tensor([loss_value, float(self._stop_requested.is_set()),
+                                       float(self._preempted.is_set()), self._timer.compute_s(),
+                                       float(mix_seed("metrics", names) & ((1 << 52) - 1))], dtype=torch.float64)
+        mine[_HEADER:_HEADER + len(values)] = torch.tensor(values, dtype=torch.float64)
+        mine = mine.to(self._comm_device)
         gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
         try:
             dist.all_gather(gathered, mine)
         except BaseException:
             # The update is applied: this state may be the one the group restores (warm), so the
-            # step keeps a record, with this rank's own loss (the others' never arrived).
-            self._keep_record(metrics, loss_value if loss is not None else None, ())
+            # step keeps a record, with this rank's own values (the others' never arrived).
+            self._keep_record(dict(zip(names, values)), lr, loss_value if loss is not None else None, ())
             raise
         shared = torch.stack(gathered).cpu()
+        if bool((shared[:, 4] != shared[0, 4]).any()):
+            raise StateError(f"ctx.report() at step {self.step}: the ranks reported different metric names "
+                             f"(rank {self.rank}: {list(names)}); report the same names on every rank, and "
+                             f"rank-local values through ctx.log()")
+        means = shared[:, _HEADER:_HEADER + len(names)].mean(dim=0).tolist()
         stop, preempted = bool(shared[:, 1].max() > 0), bool(shared[:, 2].max() > 0)
         # Every rank keeps the record (same all-gathered values): if rank 0 dies before the
         # controller polls it, a survivor still has the step.
-        self._keep_record(metrics, float(shared[:, 0].sum()) / self.world_size if loss is not None else None,
+        self._keep_record(dict(zip(names, means)), lr,
+                          float(shared[:, 0].sum()) / self.world_size if loss is not None else None,
                           tuple(round(float(c), 6) for c in shared[:, 3]))
+        session = self._worker.checkpoints
         every = self._spec.checkpoint_every
-        if every is not None and carry.step % every == 0 and carry.step < self.total_steps:
+        if every is not None and progress.step % every == 0 and progress.step < self.total_steps:
             self.save_checkpoint()
-        if preempted and carry.last_saved_step != carry.step:
+        if preempted and session.last_saved_step != progress.step:
             # A rank got its preemption notice: commit this step before it leaves.
             self.save_checkpoint(wait=True)
         if stop or preempted:
-            if not carry.warm_capable and carry.last_saved_step != carry.step:
+            if not self._worker.warm.capable and session.last_saved_step != progress.step:
                 # FSDP shards cannot be re-broadcast after the group changes: commit them first.
                 self.save_checkpoint(wait=True)
             raise RescaleInterrupt()
@@ -357,60 +422,90 @@ class TrainContext:
         """Record metrics at the current step without counting a step (validation, eval).
 
         Local to this rank, no collective: call it on one rank, or on every rank with the same
-        values (the lowest rank's record of a step is the one kept). Numeric values only."""
-        carry = self._carry
-        values = {k: as_float(v) for k, v in metrics.items()
-                  if isinstance(v, (int, float)) or hasattr(v, "detach")}
-        record = StepRecord(step=carry.step, loss=None, world_size=self.world_size, time=time.time(),
-                            samples_seen=carry.samples_seen, global_batch=self._global_batch,
-                            metrics=values, generation=self.generation, kind="log")
-        with carry.records_lock:
-            carry.records.append(record)
-            del carry.records[:-RECORDS_KEPT]
+        values (one record of a step is kept). Numbers and one-element tensors only."""
+        names, values = _numeric_metrics(metrics, reserved=RESERVED_METRICS | {"loss", "lr"})
+        progress = self._worker.progress
+        self._worker.outbox.put(StepRecord(
+            step=progress.step, loss=None, world_size=self.world_size, time=time.time(),
+            samples_seen=progress.samples_seen, global_batch=self._global_batch, metrics=dict(zip(names, values)),
+            generation=self.generation, kind="log"))
 
-    def _keep_record(self, metrics: dict[str, Any], loss: float | None, compute_s: tuple[float, ...]) -> None:
-        carry = self._carry
-        extra = {k: float(v) for k, v in metrics.items() if k != "loss" and isinstance(v, (int, float))}
-        record = StepRecord(step=carry.step, loss=loss, world_size=self.world_size, time=time.time(),
-                            samples_seen=carry.samples_seen, global_batch=self._global_batch, metrics=extra,
-                            compute_s=compute_s, data_order=carry.data_order, generation=self.generation,
-                            accum_steps=self.accum_steps)
-        with carry.records_lock:
-            carry.records.append(record)
-            del carry.records[:-RECORDS_KEPT]
+    def _keep_record(self, metrics: dict[str, float], lr: float | None, loss: float | None,
+                     compute_s: tuple[float, ...]) -> None:
+        progress = self._worker.progress
+        if lr is not None:
+            metrics = {**metrics, "lr": lr}
+        self._worker.outbox.put(StepRecord(
+            step=progress.step, loss=loss, world_size=self.world_size, time=time.time(),
+            samples_seen=progress.samples_seen, global_batch=self._global_batch, metrics=metrics,
+            compute_s=compute_s, data_order=progress.data_order, generation=self.generation,
+            accum_steps=self.accum_steps))
         if not self._first_step_announced:
             # The generation's first step ends a recovery: the controller hears it at once,
             # not when the held poll would have come back anyway.
             self._first_step_announced = True
-            carry.news.set()
+            self._worker.outbox.news.set()
 
     def _confirm_final_commit(self) -> None:
         """A run is finished only once its final state is committed. Every rank learns the
         commit's outcome from rank 0 (checkpointing broadcasts it): if rank 0 was lost mid-commit
         or storage refused it, this rank reports that failure instead of a finish, and the run
         recovers and commits the final step again."""
-        carry = self._carry
-        if carry.unconfirmed_save != carry.step:
+        session, step = self._worker.checkpoints, self.step
+        if session.unconfirmed_save != step:
             return
-        commit = carry.checkpoints.last_commit
-        if commit is None or commit.step != carry.step:
-            carry.last_saved_step = commit.step if commit is not None else None
+        commit = session.manager.last_commit
+        if commit is None or commit.step != step:
+            session.last_saved_step = commit.step if commit is not None else None
             from checkpointing import CheckpointError
-            raise carry.checkpoints.last_error or CheckpointError(
-                f"the final checkpoint of step {carry.step} was not committed", url=self._spec.storage)
-        carry.unconfirmed_save = None
+            raise session.manager.last_error or CheckpointError(
+                f"the final checkpoint of step {step} was not committed", url=self._spec.storage)
+        session.unconfirmed_save = None
 
     def _finish(self) -> str | None:
-        """After the loop: commit the final state and hash the full model (collective)."""
-        carry = self._carry
-        if self._model is not None and carry.last_saved_step != carry.step:
+        """After the loop: commit the final state and hash the full models (collective)."""
+        if self._state is None:
+            if self._models or self._optimizers:
+                self._require_state("train_loop returned")
+            return None
+        session = self._worker.checkpoints
+        if session.last_saved_step != self.step:
             self.save_checkpoint(wait=True)
-        if carry.checkpoints is not None:
-            carry.checkpoints.wait()
+        if session.manager is not None:
+            session.manager.wait()
             self._export_commit()
             self._confirm_final_commit()
-        if self._model is None:
+        modules = self._state.modules()
+        if not modules:
             return None
-        full = _checkpoint_io.full_model_state(self._model) if self._spec.strategy == "fsdp" \
-            else self._raw_model.state_dict()
-        return state_sha256(full) if self.rank == 0 else None
+        full = {name: _checkpoint_io.full_model_state(m) if self._spec.strategy == "fsdp" else m.state_dict()
+                for name, m in modules.items()}
+        if self.rank != 0:
+            return None
+        # One model: the hash of its own state dict (as before several models were possible).
+        if len(full) == 1:
+            return state_sha256(next(iter(full.values())))
+        return state_sha256({f"{name}.{key}": v for name, sd in full.items() for key, v in sd.items()})
+
+
+def _numeric_metrics(metrics: dict[str, Any], *, skip: frozenset[str] = frozenset(),
+                     reserved: frozenset[str] = RESERVED_METRICS) -> tuple[tuple[str, ...], list[float]]:
+    """The numeric keywords (numbers, one-element tensors) by sorted name, and their values;
+    `skip`: names handled apart (report's loss and lr); `reserved`: names refused."""
+    clash = sorted(set(metrics) & reserved)
+    if clash:
+        raise StateError(f"metric names {clash} are metrics.jsonl's own; rename them")
+    names: list[str] = []
+    for name, value in metrics.items():
+        if name in skip or isinstance(value, bool):
+            continue
+        if isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.numel() == 1):
+            names.append(name)
+        elif isinstance(value, torch.Tensor):
+            raise StateError(f"metric {name!r} is a tensor of {value.numel()} elements; report a number or a "
+                             f"one-element tensor")
+    names.sort()
+    if len(names) > MAX_METRICS:
+        raise StateError(f"{len(names)} metrics in one call; at most {MAX_METRICS} besides loss and lr "
+                         f"(split them over report() and ctx.log())")
+    return tuple(names), [as_float(metrics[n]) for n in names]

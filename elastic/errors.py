@@ -35,6 +35,16 @@ class DatasetError(ElasticError):
     length than the model's; the message names the file and what to change."""
 
 
+class StateError(ElasticError):
+    """The loop's state handling breaks the contract: `ctx.restore()` was not called before the
+    first `report()`, or the objects handed to it do not match the state being loaded."""
+
+
+class RestoreRequiredError(StateError):
+    """A generation reached `ctx.report()` without calling `ctx.restore()`: on a resume or a
+    rescale it would silently retrain from step 0 on fresh weights."""
+
+
 class UserCodeError(ElasticError):
     """The user's train_loop raised; carries the original type name and traceback.
 

@@ -1,11 +1,9 @@
 """Precision, gradient compression and FSDP memory options: config checks, and the wrapping on a
 one-rank gloo group in this process (no Ray)."""
 import functools
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import gpt
@@ -37,19 +35,6 @@ def test_valid_combinations():
     ScalingConfig(precision="fp16", use_gpu=True, grad_compression="powersgd")
     ScalingConfig(strategy="fsdp", precision="bf16", fsdp_reshard_after_forward=False, fsdp_cpu_offload=True)
     ScalingConfig(precision="bf16", grad_compression="bf16")
-
-
-@pytest.fixture
-def one_rank_group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, 1, True)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 CFG = gpt.GPTConfig.named("tiny")

@@ -42,7 +42,7 @@ def test_news_answers_a_held_poll_at_once(worker, news):
     elif news == "error":
         worker._record_error(ValueError("bad batch"))
     else:
-        worker._carry.news.set()                    # what TrainContext does after a generation's first step
+        worker._state.outbox.news.set()                 # what TrainContext does after a generation's first step
     thread.join(30)
     assert not thread.is_alive() and len(answers) == 1
     if news == "error":

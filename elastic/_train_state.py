@@ -1,0 +1,149 @@
+"""The one state contract: everything that must survive a rescale or a resume.
+
+`TrainState` holds the framework's own progress (`Progress`: step, samples seen, data order,
+the LR rule's ramp) and precision state (the GradScaler), and every object the user hands to
+`ctx.restore(model=..., optimizer=..., **more)`, by name. Its `state_dict()` /
+`load_state_dict()` are used the same way by the warm broadcast (a survivor's state sent to
+every rank) and by checkpoints (saved and loaded through DCP), so what survives one survives the
+other. The shape follows torchtitan's `Trainer.state_dict` and torchft's `_manager_state_dict`:
+one dict, one key per named part, plus the framework's progress under "extra".
+
+Per kind:
+- a module: `get_model_state_dict` / `set_model_state_dict` (DDP's `module.` prefix is never
+  seen: the unwrapped module is used; FSDP2 modules stay sharded as DTensors);
+- an optimizer: `get_optimizer_state_dict` over all of the state's modules, so its state is keyed
+  by parameter names (FQNs), which holds across world sizes and several models;
+- anything else with `state_dict()` / `load_state_dict()` (torch's `Stateful`: LR schedulers, a
+  GradScaler, an EMA object, a user's counters): its own state dict, replicated on every rank.
+"""
+from __future__ import annotations
+
+import enum
+import json
+import keyword
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping
+
+from elastic._lr import ScaleRamp
+from elastic._state import DATA_ORDER_START
+from elastic.errors import StateError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+EXTRA = "extra"                    # the framework's own key in every state dict
+STATE_KINDS = "state_kinds"        # extra[STATE_KINDS]: JSON {name: kind}, read by `elastic export`
+
+
+class StateKind(str, enum.Enum):
+    MODULE = "module"
+    OPTIMIZER = "optimizer"
+    STATEFUL = "stateful"
+
+
+def kind_of(name: str, obj: Any) -> StateKind:
+    import torch
+    if isinstance(obj, torch.nn.Module):
+        return StateKind.MODULE
+    if isinstance(obj, torch.optim.Optimizer):
+        return StateKind.OPTIMIZER
+    if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
+        return StateKind.STATEFUL
+    raise StateError(f"ctx.restore({name}=...) got a {type(obj).__name__}, which is neither a module, an "
+                     f"optimizer nor an object with state_dict() and load_state_dict(); wrap it in one that "
+                     f"has them, or keep it out of restore()")
+
+
+@dataclass
+class Progress:
+    """The framework's own progress on this rank: plain values, identical on every rank."""
+
+    step: int = 0                          # optimizer steps completed
+    samples_seen: int = 0                  # global samples consumed by those steps
+    data_order: str = DATA_ORDER_START     # chained hash of every consumed sample id, in order
+    pending_samples: int = 0               # samples of the step in flight (counted at its report)
+    base_lr: float | None = None           # LR rule: LR at base_world_size
+    lr_ramp: ScaleRamp | None = None       # LR rule: batch-size scale and its ramp
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"step": self.step, "samples_seen": self.samples_seen,
+                                 "data_order": self.data_order}
+        if self.lr_ramp is not None:
+            state.update(self.lr_ramp.to_state(self.base_lr))
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.step, self.samples_seen = int(state["step"]), int(state["samples_seen"])
+        self.data_order, self.pending_samples = str(state["data_order"]), 0
+        if "lr_base" in state:
+            self.base_lr, self.lr_ramp = float(state["lr_base"]), ScaleRamp.from_state(state)
+
+    def reset(self) -> None:
+        """Back to step 0 (a fresh start), keeping the LR rule's base LR."""
+        self.step, self.samples_seen, self.data_order, self.pending_samples = 0, 0, DATA_ORDER_START, 0
+        self.lr_ramp = None
+
+
+class TrainState:
+    """One generation's state: the framework's progress and the user's named objects.
+
+    Built by `ctx.restore(...)`; the worker keeps the last one as the warm source of the next
+    generation (its objects are the previous loop's model, optimizer, ...)."""
+
+    def __init__(self, objects: Mapping[str, Any], *, progress: Progress, precision: Any):
+        import torch
+        for name in objects:
+            if not name.isidentifier() or keyword.iskeyword(name) or name == EXTRA:
+                raise StateError(f"ctx.restore: {name!r} cannot name a state (use an identifier other than "
+                                 f"{EXTRA!r})")
+        self.objects = dict(objects)
+        self.kinds = {name: kind_of(name, obj) for name, obj in self.objects.items()}
+        self.progress = progress
+        self._precision = precision
+        # The optimizers' states are keyed by parameter names: over this container, the names are
+        # "<module name>.<parameter>", whichever module an optimizer's parameters belong to.
+        self._container = torch.nn.ModuleDict(
+            {n: o for n, o in self.objects.items() if self.kinds[n] is StateKind.MODULE})
+
+    def modules(self) -> dict[str, nn.Module]:
+        return {n: o for n, o in self.objects.items() if self.kinds[n] is StateKind.MODULE}
+
+    def extra(self) -> dict[str, Any]:
+        """The framework's part: plain values only (no tensors, no user objects)."""
+        kinds = {n: k.value for n, k in self.kinds.items()}
+        return {**self.progress.state_dict(), **self._precision.state(), STATE_KINDS: json.dumps(kinds)}
+
+    def state_dict(self, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Everything, by name; `extra` adds framework values (world size, per-rank compression)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+        state: dict[str, Any] = {EXTRA: {**self.extra(), **(extra or {})}}
+        for name, obj in self.objects.items():
+            kind = self.kinds[name]
+            if kind is StateKind.MODULE:
+                state[name] = get_model_state_dict(obj)
+            elif kind is StateKind.OPTIMIZER:
+                state[name] = get_optimizer_state_dict(self._container, obj)
+            else:
+                state[name] = obj.state_dict()
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any], *, source: str) -> None:
+        """Load a state from `state_dict()` (here or on another rank); `source` names it in errors."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+        missing = [n for n in self.objects if n not in state]
+        if missing or EXTRA not in state:
+            held = sorted(k for k in state if k != EXTRA)
+            raise StateError(f"{source} holds no state for {missing} (it holds {held}); pass ctx.restore the same "
+                             f"names the saved run used")
+        self.progress.load_state_dict(state[EXTRA])
+        self._precision.load_state(state[EXTRA])
+        # Modules first: an optimizer's state is matched to their parameters by name.
+        order = sorted(self.objects, key=lambda n: self.kinds[n] is not StateKind.MODULE)
+        for name in order:
+            obj, kind = self.objects[name], self.kinds[name]
+            if kind is StateKind.MODULE:
+                set_model_state_dict(obj, state[name])
+            elif kind is StateKind.OPTIMIZER:
+                set_optimizer_state_dict(self._container, obj, state[name])
+            else:
+                obj.load_state_dict(state[name])

@@ -1,0 +1,82 @@
+"""What a worker keeps across generations, in named parts.
+
+A generation's `TrainContext` is discarded at every rescale; what outlives it is here:
+- `Progress` (elastic._train_state): the framework's counters, identical on every rank;
+- `WarmSource`: the last generation's state, offered to the next one (warm recovery);
+- `CheckpointSession`: the checkpoint manager and what this rank knows of its saves and loads;
+- `Outbox`: step records waiting for the controller's poll, and the event that wakes a held poll.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from elastic._protocol import StepRecord
+from elastic._train_state import Progress
+
+if TYPE_CHECKING:
+    from elastic._train_state import TrainState
+
+RECORDS_KEPT = 10_000   # step records a rank holds until polled (bounded if the controller stalls)
+
+
+@dataclass
+class WarmSource:
+    """The state this rank can broadcast to a re-formed group (DDP: full state on every rank)."""
+
+    state: TrainState | None = None
+    capable: bool = False                      # `state` holds the full state (not FSDP shards)
+    restored: tuple[int, int] | None = None    # (generation, step) of the last ctx.restore
+
+    @property
+    def available(self) -> bool:
+        return self.capable and self.state is not None
+
+
+@dataclass
+class CheckpointSession:
+    """This rank's view of the run's checkpoints (the manager lives across generations)."""
+
+    manager: Any = None                        # checkpointing.CheckpointManager, created lazily
+    last_saved_step: int | None = None
+    unconfirmed_save: int | None = None        # step of the latest save issued here, until its commit is seen
+    save_started: dict[int, float] = field(default_factory=dict)   # step -> wall time its save began
+    exported_commit: int | None = None         # newest commit exported to Ray metrics
+    resumed_from: int | None = None            # step the run's first generation loaded
+    load_fallbacks: list[dict] = field(default_factory=list)   # committed checkpoints skipped as corrupt
+
+
+@dataclass
+class Outbox:
+    """Step records not yet polled; the poll drains them under `lock`."""
+
+    records: list[StepRecord] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    news: threading.Event = field(default_factory=threading.Event)   # wakes a held poll
+
+    def put(self, record: StepRecord) -> None:
+        with self.lock:
+            self.records.append(record)
+            del self.records[:-RECORDS_KEPT]
+
+    def drain(self) -> list[StepRecord]:
+        with self.lock:
+            records, self.records = self.records, []
+        return records
+
+    def drop_after(self, step: int) -> None:
+        """Steps past `step` were lost with a failure: never report them."""
+        with self.lock:
+            self.records = [r for r in self.records if r.step <= step]
+
+
+@dataclass
+class WorkerState:
+    """Per-worker state that outlives a generation."""
+
+    progress: Progress = field(default_factory=Progress)
+    warm: WarmSource = field(default_factory=WarmSource)
+    checkpoints: CheckpointSession = field(default_factory=CheckpointSession)
+    outbox: Outbox = field(default_factory=Outbox)
+    grad_scaler: Any = None                    # fp16: the framework's torch.amp.GradScaler

@@ -1,0 +1,65 @@
+"""Fixtures of the unit tests (no Ray): a one-rank gloo group in this process, and a real
+TrainContext over it, which covers most of the worker side."""
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.fixture
+def one_rank_group():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, 1, True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class Generations:
+    """Builds one TrainContext per generation over the same WorkerState, as a worker does."""
+
+    def __init__(self, storage: str, **spec):
+        from elastic._protocol import RunSpec
+        from elastic._worker_state import WorkerState
+        defaults = dict(user_code=b"", total_steps=100, seed=0, strategy="ddp", use_gpu=False, storage=storage,
+                        storage_options={}, checkpoint_every=None, keep=None, async_save=False,
+                        max_consecutive_failures=3, cpus_per_worker=1, collective_timeout_s=60.0)
+        self.spec = RunSpec(**{**defaults, **spec})
+        self.worker = WorkerState()
+        self.generation = 0
+
+    def context(self, restore: str = "fresh", source_rank: int | None = None):
+        from elastic._protocol import GenerationPlan, RestorePlan
+        from elastic.context import TrainContext
+        self.generation += 1
+        plan = GenerationPlan(generation=self.generation, rank=0, world_size=1, master_addr="127.0.0.1",
+                              master_port=0, restore=RestorePlan(restore, source_rank=source_rank),
+                              timeout_s=60.0)
+        return TrainContext(plan=plan, spec=self.spec, worker=self.worker, loop_config=None,
+                            stop_requested=threading.Event(), preempted=threading.Event(),
+                            device=torch.device("cpu"))
+
+    def close(self) -> None:
+        if self.worker.checkpoints.manager is not None:
+            self.worker.checkpoints.manager.close()
+
+
+@pytest.fixture
+def generations(one_rank_group, tmp_path):
+    """`generations.context(restore)`: the next generation's TrainContext on the one-rank group."""
+    made: list[Generations] = []
+
+    def make(**spec) -> Generations:
+        made.append(Generations(str(tmp_path / f"run{len(made)}"), **spec))
+        return made[-1]
+    yield make
+    for g in made:
+        g.close()

@@ -1,0 +1,233 @@
+"""The state contract on a real TrainContext over a one-rank gloo group (no Ray): every object
+handed to `ctx.restore` survives a warm restore and a checkpoint restore; the guards; report()'s
+metrics; the torchrun environment; the run's end status."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from elastic import CheckpointError, RestoreRequiredError, StateError
+from elastic._controller_actor import run_status
+from elastic._protocol import GenerationPlan, RestorePlan, WorkerInfo, placement
+from elastic._train_state import STATE_KINDS
+from elastic._worker import _set_torchrun_environment
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Counter:
+    """A user's own Stateful object."""
+
+    def __init__(self):
+        self.seen = 0
+
+    def state_dict(self):
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state):
+        self.seen = int(state["seen"])
+
+
+class Objects:
+    """A GAN-like job: two models, two optimizers, a LambdaLR, an EMA module and a counter."""
+
+    def __init__(self, ctx, seed: int):
+        torch.manual_seed(seed)
+        self.gen = ctx.prepare_model(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4)))
+        self.disc = ctx.prepare_model(nn.Linear(4, 1))
+        self.opt_g = ctx.prepare_optimizer(torch.optim.AdamW(self.gen.parameters(), lr=1e-2))
+        self.opt_d = ctx.prepare_optimizer(torch.optim.SGD(self.disc.parameters(), lr=1e-2, momentum=0.9))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt_g, lambda s: 1.0 / (1 + s))
+        self.ema = torch.optim.swa_utils.AveragedModel(
+            self.gen.module, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+        self.counter = Counter()
+
+    def restore(self, ctx) -> int:
+        return ctx.restore(model=self.gen, optimizer=self.opt_g, disc=self.disc, opt_d=self.opt_d,
+                           sched=self.sched, ema=self.ema, counter=self.counter)
+
+    def train(self, ctx, steps: int) -> None:
+        for _ in range(steps):
+            x = torch.randn(8, 4)
+            loss = self.disc(self.gen(x)).mean()
+            loss.backward()
+            self.opt_g.step()
+            self.opt_d.step()
+            self.opt_g.zero_grad()
+            self.opt_d.zero_grad()
+            self.sched.step()
+            self.ema.update_parameters(self.gen.module)
+            self.counter.seen += 8
+            ctx.report(loss=loss, accuracy=0.5, grad_norm=torch.tensor(2.0))
+
+    def snapshot(self) -> dict:
+        """Every object's state, copied."""
+        return copy.deepcopy({"gen": self.gen.module.state_dict(), "disc": self.disc.module.state_dict(),
+                              "opt_g": self.opt_g.state_dict()["state"], "opt_d": self.opt_d.state_dict()["state"],
+                              "sched": {k: v for k, v in self.sched.state_dict().items() if k != "lr_lambdas"},
+                              "lr": self.opt_g.param_groups[0]["lr"],
+                              "ema": self.ema.state_dict(), "counter": self.counter.seen})
+
+
+def assert_same(a, b, path="state"):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert set(a) == set(b), (path, set(a) ^ set(b))
+        for k in a:
+            assert_same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, (path, a, b)
+
+
+@pytest.mark.parametrize("rung", ["broadcast", "checkpoint"])
+def test_every_object_handed_to_restore_survives_both_rungs(generations, rung):
+    run = generations()
+    ctx = run.context("fresh")
+    first = Objects(ctx, seed=1)
+    assert first.restore(ctx) == 0
+    first.train(ctx, 3)
+    ctx.save_checkpoint(wait=True)
+    before = first.snapshot()
+    assert before["sched"]["last_epoch"] == 3 and before["counter"] == 24
+
+    # The next generation builds everything afresh (other initial weights) and restores it.
+    ctx = run.context(rung, source_rank=0)
+    second = Objects(ctx, seed=2)
+    assert second.restore(ctx) == 3 and ctx.step == 3
+    assert_same(before, second.snapshot())
+    # The scheduler continues where it was: the next step's LR is the one the first would set.
+    first.sched.step()
+    second.sched.step()
+    assert second.opt_g.param_groups[0]["lr"] == first.opt_g.param_groups[0]["lr"]
+
+
+def test_the_checkpoint_names_each_objects_kind_for_export(generations):
+    run = generations()
+    ctx = run.context("fresh")
+    objects = Objects(ctx, seed=1)
+    objects.restore(ctx)
+    objects.train(ctx, 1)
+    extra = ctx._state.state_dict()["extra"]
+    assert json.loads(extra[STATE_KINDS]) == {
+        "model": "module", "optimizer": "optimizer", "disc": "module", "opt_d": "optimizer",
+        "sched": "stateful", "ema": "module", "counter": "stateful"}
+
+
+def test_a_checkpoint_without_a_name_the_loop_asks_for_fails_naming_it(generations):
+    # DCP refuses the load (the key is missing); the error names it, and nothing is half-loaded.
+    run = generations()
+    ctx = run.context("fresh")
+    model = ctx.prepare_model(nn.Linear(4, 1))
+    ctx.restore(model=model)
+    ctx.save_checkpoint(wait=True)
+    ctx = run.context("checkpoint")
+    model = ctx.prepare_model(nn.Linear(4, 1))
+    with pytest.raises(CheckpointError, match=r"Missing key in checkpoint state_dict: counter\.seen"):
+        ctx.restore(model=model, counter=Counter())
+
+
+def test_report_without_restore_is_a_typed_error(generations):
+    ctx = generations().context("fresh")
+    model = ctx.prepare_model(nn.Linear(4, 1))
+    ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(RestoreRequiredError, match=r"ctx.report\(\) before ctx.restore\(\)"):
+        ctx.report(loss=1.0)
+    # A loop that returns without restoring what it prepared cannot end as a finish either.
+    with pytest.raises(RestoreRequiredError, match="train_loop returned"):
+        ctx._finish()
+
+
+def test_prepared_objects_must_all_reach_restore_by_name(generations):
+    ctx = generations().context("fresh")
+    a = ctx.prepare_model(nn.Linear(4, 1))
+    b = ctx.prepare_model(nn.Linear(4, 1))
+    with pytest.raises(StateError, match="2 models were prepared: name each one"):
+        ctx.restore()
+    with pytest.raises(StateError, match=r"model #1 \(in the order prepared\) were prepared but not handed"):
+        ctx.restore(model=a)
+    with pytest.raises(StateError, match="same object"):
+        ctx.restore(model=a, other=a, b=b)
+    with pytest.raises(StateError, match="neither a module, an optimizer"):
+        ctx.restore(model=a, b=b, steps=3)
+    assert ctx.restore(model=a, teacher=b) == 0
+
+
+def test_report_and_log_metrics_reach_the_step_records(generations):
+    ctx = generations().context("fresh")
+    model = ctx.prepare_model(nn.Linear(4, 1))
+    optimizer = ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.25))
+    ctx.restore()
+    ctx.report(loss=torch.tensor(1.5), accuracy=0.75, grad_norm=torch.tensor(3.0), note="text")
+    ctx.log(val_loss=0.5, val_accuracy=torch.tensor(0.9))
+    records = ctx._worker.outbox.drain()
+    step, logged = records
+    assert (step.kind, step.step, step.loss) == ("step", 1, 1.5)
+    assert step.metrics == {"accuracy": 0.75, "grad_norm": 3.0, "lr": 0.25}
+    assert (logged.kind, logged.step, logged.loss) == ("log", 1, None)
+    assert logged.metrics == pytest.approx({"val_loss": 0.5, "val_accuracy": 0.9})
+    assert ctx.step == 1 and optimizer is not None   # the log counted no step
+    with pytest.raises(StateError, match="metrics.jsonl's own"):
+        ctx.report(loss=1.0, step=3)
+    with pytest.raises(StateError, match="tensor of 4 elements"):
+        ctx.log(val=torch.ones(4))
+
+
+def test_torchrun_variables_follow_the_generations_placement(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    infos = [WorkerInfo(1, "node-a", "x", "ip"), WorkerInfo(2, "node-b", "y", "ip"), WorkerInfo(3, "node-a", "z", "ip")]
+    places = placement(infos)
+    assert places == [{"local_rank": 0, "local_world_size": 2, "node_rank": 0},
+                      {"local_rank": 0, "local_world_size": 1, "node_rank": 1},
+                      {"local_rank": 1, "local_world_size": 2, "node_rank": 0}]
+    plan = GenerationPlan(generation=4, rank=2, world_size=3, master_addr="10.0.0.1", master_port=29500,
+                          restore=RestorePlan("fresh"), timeout_s=60, **places[2])
+    _set_torchrun_environment(plan)
+    assert {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                                       "MASTER_ADDR", "MASTER_PORT")} == {
+        "RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
+        "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+
+
+def test_a_loop_that_returns_before_total_steps_stopped_early():
+    assert run_status(True, 100, 100) == "finished"
+    assert run_status(True, 40, 100) == "stopped_early"
+    assert run_status(False, 40, 100) == "failed"
+
+
+def test_fsdp_models_and_their_optimizers_restore_from_a_checkpoint(generations):
+    run = generations(strategy="fsdp")
+
+    def build(ctx, seed):
+        torch.manual_seed(seed)
+        model = ctx.prepare_model(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1)))
+        opt = ctx.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+        ctx.restore(model=model, optimizer=opt, sched=sched)
+        return model, opt, sched
+
+    ctx = run.context("fresh")
+    model, opt, sched = build(ctx, 1)
+    for _ in range(2):
+        model(torch.randn(8, 4)).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        ctx.report(loss=0.0)
+    ctx.save_checkpoint(wait=True)
+    want = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+    ctx = run.context("checkpoint")
+    model2, opt2, sched2 = build(ctx, 2)
+    assert ctx.step == 2 and sched2.last_epoch == 2 and opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    assert all(torch.equal(v.full_tensor(), want[k]) for k, v in model2.state_dict().items())
+    assert ctx._state.state_dict()["optimizer"]["state"]   # Adam moments came back, keyed by name
