@@ -4,7 +4,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 PYTHON3 ?= python3
 
-.PHONY: install run test test-unit bench bench-full clean
+.PHONY: install run test test-unit test-gpu bench bench-full clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON3) -m venv $(VENV)
@@ -30,6 +30,11 @@ test: install
 
 test-unit: install
 	$(PY) -m pytest tests/unit
+
+# The GPU suite (tests/gpu): NCCL, CUDA staging, bf16/fp16, FSDP2 on one CUDA GPU. Without CUDA
+# every test there is skipped (`make test` collects them too, and skips them on CPU machines).
+test-gpu: install
+	$(PY) -m pytest tests/gpu -v
 
 # Side-by-side benchmarks (benchmarks/peers.py): each writes its JSON line to $(BENCH_OUT)/NAME.json
 # and a PNG to $(BENCH_OUT)/NAME.png. `bench` is a quick set (about 8 minutes on 2 cores);

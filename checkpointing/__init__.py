@@ -5,12 +5,16 @@ Public API:
     CommitInfo, LoadResult     what a manifest says; what load_latest loaded (and skipped)
     latest_committed(url)      newest committed checkpoint, from any process (no process group)
     read_fence(url)            current generation in <url>/checkpoints/FENCE, or None
+    export_model_state(url)    the model weights of a committed checkpoint, plain CPU tensors
+    export(url, out)           the same, written as one file `torch.load(out, weights_only=True)` reads
+    ExportResult               what export wrote
     CheckpointError > StorageError, CorruptCheckpointError, FencedError
 
 A checkpoint is `<url>/checkpoints/step_<step:08d>/` with a `COMMITTED` manifest written last,
 by one writer, in one PUT. This package does not import the runtime (`elastic`).
 """
 
+from checkpointing._export import ExportResult, export, export_model_state
 from checkpointing.errors import CheckpointError, CorruptCheckpointError, FencedError, StorageError
 from checkpointing.manager import CheckpointManager
 from checkpointing.manifest import CommitInfo, LoadResult, latest_committed
@@ -29,6 +33,9 @@ __all__ = [
     "LoadResult",
     "latest_committed",
     "read_fence",
+    "export_model_state",
+    "export",
+    "ExportResult",
     "CheckpointError",
     "StorageError",
     "CorruptCheckpointError",

@@ -14,7 +14,9 @@ from elastic.errors import (ConfigError, DatasetError, ElasticError, Insufficien
                             RestoreRequiredError, StateError, StorageConfigError, TooManyFailuresError,
                             UserCodeError, WorkerLostError)
 from elastic.policies import Failure, FailureDecision, FailurePolicy, ResizeDecision, ScalingPolicy
-from elastic.trainer import ElasticTrainer, Result
+from elastic.trainer import ElasticTrainer, Result, RunMetrics
+# Light (TensorBoardCallback imports torch's writer only when one is made).
+from elastic.callbacks import Callback, TensorBoardCallback
 
 # Imported on first use: these pull in torch (and pyarrow), which the controller's process,
 # the CLI and a driver that only submits never need.
@@ -35,7 +37,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "ElasticTrainer", "Result", "TrainContext",
+    "ElasticTrainer", "Result", "RunMetrics", "TrainContext", "Callback", "TensorBoardCallback",
     "ScalingConfig", "CheckpointConfig", "FailureConfig", "LRScalingConfig",
     "FailurePolicy", "ScalingPolicy", "Failure", "FailureDecision", "ResizeDecision",
     "ParquetTokens", "write_token_shards", "read_corpus_marker",

@@ -5,6 +5,8 @@
                                    --plot draws loss, world size and LR over time (default PATH:
                                    <URL>/report.png)
     elastic ckpt list|verify|gc URL   committed checkpoints (same as `python -m checkpointing`)
+    elastic export URL [--step N] --out FILE   the model weights of a committed checkpoint as one
+                                   file that plain `torch.load(FILE, weights_only=True)` reads
     elastic chaos run|list|schedule|heal ...   fault injection (same as `python -m chaos`)
 """
 from __future__ import annotations
@@ -99,6 +101,31 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0 if summary["status"] == "finished" else 1
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """Exit 0 written; 1 the checkpoint does not match its manifest; 2 no such checkpoint,
+    storage or usage error. One line on stderr for an error, progress lines on stderr."""
+    from checkpointing import CorruptCheckpointError, export
+    from checkpointing.cli import _options
+    from checkpointing.errors import CheckpointError
+    try:
+        options = _options(args.option)
+    except SystemExit as bad:
+        print(f"error: {bad}", file=sys.stderr)
+        return 2
+    try:
+        result = export(args.url, args.out, step=args.step, storage_options=options,
+                        progress=lambda line: print(line, file=sys.stderr, flush=True))
+    except CheckpointError as error:
+        one_line = " ".join(str(error).split())
+        print(f"error: {one_line}", file=sys.stderr)
+        return 1 if isinstance(error, CorruptCheckpointError) else 2
+    shape = (f"{{name: state_dict}} for {', '.join(result.modules)}" if result.nested
+             else f"the state dict of '{result.modules[0]}'")
+    size = f"{result.bytes / 1e6:.1f} MB" if result.bytes >= 1e5 else f"{result.bytes / 1e3:.1f} kB"
+    print(f"exported step {result.step} to {result.out}: {shape}, {result.tensors} tensors, {size}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["ckpt"]:
@@ -122,6 +149,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="also draw loss, world size and LR over time with recoveries marked, as a PNG "
                              "(default PATH: <URL>/report.png; needs matplotlib)")
     report.set_defaults(run=cmd_report)
+    export_cmd = sub.add_parser(
+        "export", help="write the model weights of a committed checkpoint to one torch.load-able file",
+        description="Write the model weights of a committed checkpoint (default: the newest one "
+                    "that matches its manifest) to one file that plain "
+                    "torch.load(FILE, weights_only=True) reads. Exit 0 written, 1 the checkpoint "
+                    "does not match its manifest, 2 no such checkpoint or a storage error.")
+    export_cmd.add_argument("url", metavar="STORAGE", help="the run's storage URL (checkpoints/ is below it)")
+    export_cmd.add_argument("--step", type=int, default=None,
+                            help="this committed step (default: the newest that verifies)")
+    export_cmd.add_argument("--out", required=True, metavar="FILE", help="local file to write")
+    export_cmd.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                            help="fsspec storage option, e.g. endpoint_url=http://127.0.0.1:9000 "
+                                 "(credentials and endpoint also come from the AWS_* variables)")
+    export_cmd.set_defaults(run=cmd_export)
     sub.add_parser("ckpt", help="list|verify|gc URL: committed checkpoints")
     sub.add_parser("chaos", help="run|list|schedule|heal: fault injection (python -m chaos)")
     args = parser.parse_args(argv)

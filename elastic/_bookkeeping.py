@@ -9,6 +9,7 @@ import contextlib
 import logging
 import time
 
+from elastic._protocol import WorkerPhase
 from elastic._ray_group import DEAD, READY, SLOW_TICK_S
 from elastic._states import PendingRecovery, Running
 
@@ -48,6 +49,8 @@ class Bookkeeping:
 
     def _absorb_records(self) -> None:
         members = set(self._current_members())
+        if isinstance(self.state, Running):
+            self._log_records.note_members(self.state.generation, self.state.members)
         fresh = {}
         for view in self.views.values():
             if view.report is not None:
@@ -58,20 +61,48 @@ class Bookkeeping:
             # Every rank reports every step it completed: take each step once, from whichever
             # rank has it (rank 0 may have died with steps it never reported).
             for record in view.records:
-                if record.step > self._recorded_step and self._kept(record):
+                if record.kind == "log":
+                    self._log_records.offer(view.wid, record)
+                elif record.step > self._recorded_step and self._kept(record):
                     fresh.setdefault(record.step, record)
         for step in sorted(fresh):
             record = fresh[step]
             if self._last_record_time is not None and record.step == self.step + 1:
                 self._step_s = 0.8 * self._step_s + 0.2 * (record.time - self._last_record_time)
             self._last_record_time = record.time
-            self.recorder.on_step(record)
-            self._score_stragglers(record)
-            self.step = self._recorded_step = record.step
             st = self.state
+            # The recovery is told before the step that closes it: a callback hears of the
+            # recovery (and of the steps it lost) before the redone steps come.
             if isinstance(st, Running) and st.recovery is not None and record.step > st.recovery.restored_step:
                 self._close_recovery(st.recovery)
                 st.recovery = None
+            self.recorder.on_step(record)
+            self._score_stragglers(record)
+            self.step = self._recorded_step = record.step
+        self._release_logs()
+
+    def _release_logs(self, everything: bool = False) -> None:
+        """`ctx.log` records go to the run record once no lower rank can send its own (see
+        _log_records). They count no step and feed neither straggler scores nor step times."""
+        for record in self._log_records.release(self._sent_all_of, everything=everything):
+            if self._kept(record):
+                self.recorder.on_log(record)
+
+    def flush_logs(self) -> None:
+        """The run ended: the log records still held go as they are."""
+        self._release_logs(everything=True)
+
+    def _sent_all_of(self, wid: int, record) -> bool:
+        """Whether worker `wid` can send no more records of `record`'s generation and step: its
+        records come in order and it has reported a later step or left that generation's loop."""
+        view = self.views.get(wid)
+        if view is None or view.status == DEAD:
+            return True
+        report = view.report
+        if report is None or report.generation < record.generation:
+            return False
+        return (report.generation > record.generation or report.step > record.step
+                or report.phase != WorkerPhase.RUNNING)
 
     def _kept(self, record) -> bool:
         """False for a step that a later generation discarded (it restored an earlier step)."""
@@ -147,7 +178,9 @@ class Bookkeeping:
         if now - self._last_committed_at > 2.0:
             self._last_committed_at = now
             try:
-                self._last_committed = self.checkpoints.latest_step()
+                committed = self.checkpoints.committed_steps()
+                self._last_committed = committed[-1] if committed else None
+                self.recorder.on_commits(committed)        # the callbacks' on_checkpoint
             except Exception:   # noqa: BLE001 - status is best effort; storage errors surface in saves
                 log.debug("could not read the latest checkpoint", exc_info=True)
         return self._last_committed

@@ -10,10 +10,11 @@ import logging
 import time
 from typing import Any, Callable, Protocol
 
-from elastic._protocol import GenerationPlan, RestorePlan, WorkerPhase, WorkerReport
+from elastic._protocol import GenerationPlan, RestorePlan, WorkerPhase, WorkerReport, placement
 from elastic._ray_group import DEAD, READY, STARTING, WorkerView
 from elastic._stragglers import StragglerDetector
 from elastic._bookkeeping import Bookkeeping
+from elastic._log_records import LogRecordPicker
 from elastic._states import (AnyState, Failed, Finished, PendingRecovery, Recovering, Running, RunState,
                              Scheduling, Starting)
 from elastic.config import FailureConfig, ScalingConfig
@@ -65,6 +66,7 @@ class Controller(Bookkeeping):
         self.step = 0
         self._recorded_step = 0                  # newest step handed to the run record
         self._restored: dict[int, int] = {}      # generation -> the step it restored
+        self._log_records = LogRecordPicker()    # ctx.log records held until the lowest rank's is known
         self.infra_failures = 0
         self.failures: list[Failure] = []
         self.error: dict[str, Any] | None = None
@@ -164,9 +166,10 @@ class Controller(Bookkeeping):
         world = len(st.members)
         try:
             addr, port = self.group.rendezvous_address(st.members[0])
+            places = placement([self.views[wid].info for wid in st.members])
             self.group.start_generation({wid: GenerationPlan(
                 generation=self.generation, rank=rank, world_size=world, master_addr=addr, master_port=port,
-                restore=st.restore, timeout_s=self.failure.collective_timeout_s)
+                restore=st.restore, timeout_s=self.failure.collective_timeout_s, **places[rank])
                 for rank, wid in enumerate(st.members)})
         except WorkerLostError as error:
             log.warning("generation %d could not start: %s", self.generation, error)

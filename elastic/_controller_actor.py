@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from elastic._controller import Controller
+from elastic._feed import Event, RunFeed
 from elastic._ray_group import RayWorkerGroup
 from elastic._ray_metrics import MeteredRecorder
 from elastic._run_record import RunRecorder
@@ -38,13 +39,24 @@ class CheckpointView:
         return read_fence(self._manager.url, self._storage_options)
 
 
+def run_status(finished: bool, step: int, total_steps: int) -> str:
+    """summary.json's status: a loop that returned before total_steps stopped early, which is
+    not a finish (a later resume trains on to total_steps)."""
+    if not finished:
+        return "failed"
+    return "finished" if step >= total_steps else "stopped_early"
+
+
 class ControllerActor:
     def __init__(self, spec: RunSpec, scaling: ScalingConfig, failure: FailureConfig, checkpoint: CheckpointConfig,
-                 total_steps: int, config: dict[str, Any], failure_policy, scaling_policy):
+                 total_steps: int, config: dict[str, Any], failure_policy, scaling_policy, feed: bool = False):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         options = dict(checkpoint.storage_options) or None
+        # The driver's callbacks drain the feed (`events`); without callbacks nobody would.
+        self._feed = RunFeed() if feed else None
         self._recorder = MeteredRecorder(
-            RunRecorder(checkpoint.storage, options, total_steps=total_steps, config=config, background=True), run=checkpoint.storage)
+            RunRecorder(checkpoint.storage, options, total_steps=total_steps, config=config, background=True,
+                        feed=self._feed), run=checkpoint.storage)
         self._checkpoints = CheckpointView(checkpoint.storage, options, checkpoint.keep)
         self._controller = Controller(
             RayWorkerGroup(spec, scaling, failure), self._recorder, self._checkpoints, scaling=scaling,
@@ -59,14 +71,20 @@ class ControllerActor:
             logging.getLogger("elastic.controller").exception("controller crashed")
             controller.error = {"type": type(error).__name__, "message": str(error), "traceback": None,
                                 "exception": error, "ranks": []}
+        try:
+            controller.flush_logs()
+        except Exception:   # noqa: BLE001 - the summary matters more than a last log line
+            logging.getLogger("elastic.controller").exception("could not record the last ctx.log values")
         finished = controller.state.state == RunState.FINISHED
         error = controller.error
         try:
             checkpoints = self._checkpoints.committed_steps()
         except Exception:   # noqa: BLE001 - listing may fail when storage is the thing that broke
             checkpoints = []
+        self._recorder.on_commits(checkpoints)     # the final commit, too recent for the status listing
         summary = self._recorder.write_summary(
-            status="finished" if finished else "failed", final_step=controller.step, checkpoints=checkpoints,
+            status=run_status(finished, controller.step, controller.total_steps), final_step=controller.step,
+            checkpoints=checkpoints,
             model_sha256=controller.model_sha256,
             error=None if error is None else {k: error[k] for k in ("type", "message", "traceback", "ranks")})
         self._recorder.write_status(force=True, state=controller.state.state.value)
@@ -74,7 +92,12 @@ class ControllerActor:
         if error is not None:
             exception = error.get("exception") or UserCodeError(f"{error['type']}: {error['message']}")
         return {"status": summary["status"], "final_step": controller.step, "summary": summary,
-                "error": exception, "traceback": error.get("traceback") if error else None}
+                "metrics": self._recorder.user_metrics(), "error": exception,
+                "traceback": error.get("traceback") if error else None}
+
+    def events(self, after: int) -> list[Event]:
+        """The driver's callbacks' events after number `after` (see elastic._feed)."""
+        return self._feed.after(after) if self._feed is not None else []
 
     def snapshot(self) -> dict[str, Any]:
         c = self._controller

@@ -20,7 +20,8 @@ def parse_metrics(text: str) -> list[dict]:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(row, dict) and "step" in row and "time" in row:
+        # A line with a `kind` ("log": ctx.log values) is no step of its own.
+        if isinstance(row, dict) and "step" in row and "time" in row and "kind" not in row:
             rows.append(row)
     return sorted(rows, key=lambda r: r["step"])
 

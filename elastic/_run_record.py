@@ -9,24 +9,96 @@ step than the file reaches, a torn line left by a crash).
 With `background=True` status.json and metrics.jsonl are written by a thread of their own: a
 storage call that stalls (seen for ~55 s on S3 when a node died) must not stall the
 controller's failure detection.
+
+metrics.jsonl has two kinds of lines. A step's line: the framework's keys (STEP_KEYS) and, after
+them, every metric the loop reported (rank mean). A `ctx.log(...)` line: `{"step": N, "kind":
+"log", "time": ..., <its metrics>}`, a line of its own at the step it was logged at (the step's
+line may be on storage already), counting no step; readers that count steps skip lines with a
+`kind`. A user metric named like a framework key of its line never overwrites it: it is left out
+of the line (and of the run's metrics) with a warning, once per name. Both kinds go with the
+steps a rollback discards. Every file here is strict JSON: a non-finite value is written `null`.
 """
 from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
+from array import array
 from typing import Any
 
 from checkpointing.storage import Storage
+from elastic._feed import FeedKind, RunFeed
 from elastic._protocol import StepRecord
 
 log = logging.getLogger("elastic.record")
 
+# The framework's keys of a step's line and of a log line: a user metric never replaces them.
+STEP_KEYS = ("step", "loss", "world_size", "time", "lr", "global_batch", "accum_steps", "samples_seen",
+             "compute_s", "kind")
+LOG_KEYS = ("step", "kind", "time")
+LOG_KIND = "log"
+
+
+def strict(value: Any) -> Any:
+    """`value` with every non-finite float replaced by None (JSON has no NaN nor Infinity)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict(v) for v in value]
+    return value
+
+
+def dumps(payload: Any, **kwargs: Any) -> str:
+    """Strict JSON of `payload` (non-finite floats as null): what every reader's parser accepts."""
+    return json.dumps(strict(payload), allow_nan=False, **kwargs)
+
+
+class MetricHistory:
+    """Each user metric's kept values, as (step, value), compact (a long run has millions)."""
+
+    def __init__(self) -> None:
+        self._series: dict[str, tuple[array, array]] = {}
+
+    def add(self, step: int, values: dict[str, Any]) -> None:
+        for name, value in values.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue        # only numbers are metrics
+            steps, vals = self._series.setdefault(name, (array("q"), array("d")))
+            steps.append(step)
+            vals.append(value)
+
+    def drop_after(self, step: int) -> None:
+        for name, (steps, vals) in list(self._series.items()):
+            keep = [i for i, s in enumerate(steps) if s <= step]
+            if len(keep) == len(steps):
+                continue
+            if keep:
+                self._series[name] = (array("q", (steps[i] for i in keep)), array("d", (vals[i] for i in keep)))
+            else:
+                del self._series[name]
+
+    def history(self) -> dict[str, list[list]]:
+        """name -> [[step, value], ...] in step order (a log line may arrive after a later step)."""
+        return {name: sorted(([s, v] for s, v in zip(steps, vals)), key=lambda sv: sv[0])
+                for name, (steps, vals) in self._series.items()}
+
+    def last(self) -> dict[str, float]:
+        """name -> its value at the newest step that has one."""
+        out = {}
+        for name, (steps, vals) in self._series.items():
+            newest = max(range(len(steps)), key=lambda i: (steps[i], i))
+            out[name] = vals[newest]
+        return out
+
 
 class RunRecorder:
     def __init__(self, url: str, storage_options: dict | None, *, total_steps: int,
-                 config: dict[str, Any], min_interval_s: float = 1.0, background: bool = False):
+                 config: dict[str, Any], min_interval_s: float = 1.0, background: bool = False,
+                 feed: RunFeed | None = None):
         self._storage = Storage(url, storage_options)
         self._url = url
         self._total_steps = total_steps
@@ -44,6 +116,10 @@ class RunRecorder:
         self._stragglers: list[dict[str, Any]] = []
         self._fallbacks: list[dict[str, Any]] = []
         self._losses: list[float] = []
+        self._metrics = MetricHistory()               # loss, lr and the loop's metrics of the kept steps
+        self._refused: set[str] = set()               # user metric names that collide with a framework key
+        self._feed = feed                             # the driver's callbacks' events (None: no callbacks)
+        self._newest_commit = 0                       # newest committed step the feed announced (or resumed)
         self._status: dict[str, Any] = {}
         self._last_write = 0.0
         self.resumed_from: int | None = None
@@ -67,23 +143,31 @@ class RunRecorder:
         return self._losses[-1] if self._losses else None
 
     def load_previous_metrics(self, up_to_step: int) -> None:
-        """On resume, keep the lines of the previous run up to the step we resume from."""
-        steps, clean = self._steps_on_storage()
+        """On resume, keep the lines of the previous run up to the step we resume from (their
+        metrics start the run's history: Result.metrics covers the steps before the resume too)."""
+        rows, clean = self._lines_on_storage()
+        steps = [row["step"] for row in rows]
+        self._newest_commit = max(self._newest_commit, up_to_step)     # the previous run's commit
         self._written_through = max(steps, default=0)
         self._newest_step = max((step for step in steps if step <= up_to_step), default=0)
         if self._written_through > up_to_step or not clean:
             self._keep_through = up_to_step
+        for row in rows:
+            if row["step"] <= up_to_step:
+                self._metrics.add(row["step"], _metrics_of_line(row))
 
-    def _steps_on_storage(self) -> tuple[list[int], bool]:
-        """Steps of the metrics lines on storage, and whether every line is whole."""
+    def _lines_on_storage(self) -> tuple[list[dict[str, Any]], bool]:
+        """The metrics lines on storage (each with an int `step`), and whether every line is whole."""
         text = self._read_metrics()
-        steps, clean = [], not text or text.endswith("\n")
+        rows, clean = [], not text or text.endswith("\n")
         for line in text.splitlines():
             try:
-                steps.append(int(json.loads(line)["step"]))
+                row = json.loads(line)
+                row["step"] = int(row["step"])
+                rows.append(row)
             except (ValueError, KeyError, TypeError):
                 clean = False
-        return steps, clean
+        return rows, clean
 
     def _read_metrics(self) -> str:
         try:
@@ -114,11 +198,42 @@ class RunRecorder:
         self._last_step_time = record.time
         if record.loss is not None:
             self._losses.append(record.loss)
-        self._unwritten.append({
+        line = {
             "step": record.step, "loss": record.loss, "world_size": record.world_size,
             "time": record.time, "lr": record.metrics.get("lr", lr),
             "global_batch": record.global_batch, "accum_steps": record.accum_steps,
-            "samples_seen": record.samples_seen, "compute_s": list(record.compute_s)})
+            "samples_seen": record.samples_seen, "compute_s": list(record.compute_s)}
+        user = self._user_metrics(record, STEP_KEYS)
+        line.update(user)
+        kept = {"loss": record.loss} if record.loss is not None else {}
+        if "lr" in record.metrics:
+            kept["lr"] = record.metrics["lr"]
+        self._metrics.add(record.step, kept | user)
+        self._unwritten.append(line)
+        if self._feed is not None:
+            self._feed.put(FeedKind.STEP, dict(line))
+
+    def on_log(self, record: StepRecord) -> None:
+        """`ctx.log(...)` values at `record.step`: a line of their own, counting no step."""
+        with self._lock:
+            user = self._user_metrics(record, LOG_KEYS)
+            line = {"step": record.step, "kind": LOG_KIND, "time": record.time} | user
+            self._metrics.add(record.step, user)
+            self._unwritten.append(line)
+            if self._feed is not None:
+                self._feed.put(FeedKind.LOG, dict(line))
+
+    def _user_metrics(self, record: StepRecord, framework: tuple[str, ...]) -> dict[str, float]:
+        """The record's numeric metrics that are not the line's framework keys (a refused name is
+        warned of once). A step's "lr" is no user metric: it is the line's own lr."""
+        refused = [k for k in record.metrics if k in framework and k != "lr"]
+        for name in refused:
+            if name not in self._refused:
+                self._refused.add(name)
+                log.warning("metric %r (%s line of step %d) has the name of a framework key of metrics.jsonl: "
+                            "it is left out; rename it", name, record.kind, record.step)
+        return {k: float(v) for k, v in record.metrics.items()
+                if k not in framework and isinstance(v, (int, float))}
 
     def rollback_to(self, step: int) -> None:
         """The steps after `step` were lost: their attempts leave the record (rare: only then is
@@ -131,6 +246,7 @@ class RunRecorder:
         for lost in [s for s in self._step_seconds if s > step]:
             del self._step_seconds[lost]
         self._unwritten = [line for line in self._unwritten if line["step"] <= step]
+        self._metrics.drop_after(step)
         if self._written_through > step:
             self._keep_through = min(step, self._keep_through if self._keep_through is not None else step)
         self._newest_step = min(self._newest_step, step)
@@ -141,6 +257,25 @@ class RunRecorder:
 
     def on_recovery(self, recovery: dict[str, Any]) -> None:
         self._recoveries.append(recovery)
+        if self._feed is not None:
+            self._feed.put(FeedKind.RECOVERY, dict(recovery))
+
+    def on_commits(self, steps: list[int]) -> None:
+        """The committed steps as listed now: the feed announces those newer than any before.
+        (Listed every few seconds: a commit that `keep` already removed again is not announced.)"""
+        with self._lock:
+            new = sorted(step for step in steps if step > self._newest_commit)
+            if new:
+                self._newest_commit = new[-1]
+        if self._feed is not None:
+            for step in new:
+                self._feed.put(FeedKind.CHECKPOINT, {"step": step, "url": checkpoint_url(self._url, step)})
+
+    def user_metrics(self) -> dict[str, Any]:
+        """Result.metrics: {"last": {name: value}, "history": {name: [[step, value], ...]}} of the
+        kept steps; names are loss, lr and every metric the loop reported or logged."""
+        with self._lock:
+            return {"last": self._metrics.last(), "history": self._metrics.history()}
 
     def on_straggler(self, flag: dict[str, Any]) -> None:
         self._stragglers.append(flag)
@@ -203,7 +338,9 @@ class RunRecorder:
         with self._lock:
             lines, keep, rollbacks_seen = list(self._unwritten), self._keep_through, len(self._rollbacks)
         path = self._storage.path("metrics.jsonl")
-        new = "".join(json.dumps(line) + "\n" for line in lines)
+        # In step order within the batch (stable: a step's line stays before its log lines), since
+        # the controller records a tick's log lines after its step lines.
+        new = "".join(dumps(line) + "\n" for line in sorted(lines, key=lambda line: line["step"]))
         through = None
         try:
             if keep is not None:
@@ -230,7 +367,8 @@ class RunRecorder:
                 if self._keep_through == keep:
                     self._keep_through = None
             if lines:
-                self._written_through = lines[-1]["step"]
+                # Lines are in the order they came: a log line may be of an older step than the last.
+                self._written_through = max(self._written_through, max(line["step"] for line in lines))
                 flushed = {id(line) for line in lines}
                 self._unwritten = [line for line in self._unwritten if id(line) not in flushed]
             newer = self._rollbacks[rollbacks_seen:]
@@ -240,7 +378,7 @@ class RunRecorder:
 
     def _write_json(self, name: str, payload: dict[str, Any]) -> None:
         try:
-            self._storage.write_atomic(self._storage.path(name), json.dumps(payload, indent=1).encode())
+            self._storage.write_atomic(self._storage.path(name), dumps(payload, indent=1).encode())
         except Exception:   # noqa: BLE001 - a status write must not kill the run; the next one retries
             log.exception("could not write %s under %s", name, self._url)
 
@@ -255,6 +393,7 @@ class RunRecorder:
             "loss_first": self._losses[0] if self._losses else None,
             "loss_last": self._losses[-1] if self._losses else None,
             "model_sha256": model_sha256, "wall_s": round(wall_s, 3),
+            "metrics": self.user_metrics()["last"],
             "goodput": round(min(1.0, kept / wall_s), 4) if wall_s > 0 else None,
             "resumed_from": self.resumed_from, "stragglers": self._stragglers,
             "checkpoint_fallbacks": self._fallbacks,
@@ -265,4 +404,26 @@ class RunRecorder:
         self.close()
         self.flush_metrics()
         self._write_json("summary.json", summary)
-        return summary
+        return strict(summary)      # as on storage
+
+
+def _metrics_of_line(row: dict[str, Any]) -> dict[str, float]:
+    """The run's metrics in a metrics.jsonl line read back (what on_step/on_log kept of it)."""
+    if row.get("kind") == LOG_KIND:
+        framework: tuple[str, ...] = LOG_KEYS
+    else:
+        framework = tuple(k for k in STEP_KEYS if k not in ("loss", "lr"))
+    out = {}
+    for name, value in row.items():
+        if name in framework:
+            continue
+        if value is None and name not in ("loss", "lr"):
+            out[name] = math.nan     # a user metric's null was a non-finite value (a loss's may be none)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[name] = float(value)
+    return out
+
+
+def checkpoint_url(storage_url: str, step: int) -> str:
+    """The URL of the checkpoint of `step` under the run's storage (see checkpointing's layout)."""
+    return f"{storage_url.rstrip('/')}/checkpoints/step_{step:08d}"

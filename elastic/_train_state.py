@@ -18,6 +18,7 @@ Per kind:
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import keyword
@@ -122,7 +123,8 @@ class TrainState:
             if kind is StateKind.MODULE:
                 state[name] = get_model_state_dict(obj)
             elif kind is StateKind.OPTIMIZER:
-                state[name] = get_optimizer_state_dict(self._container, obj)
+                with _plain_steps(obj):
+                    state[name] = get_optimizer_state_dict(self._container, obj)
             else:
                 state[name] = obj.state_dict()
         return state
@@ -144,6 +146,24 @@ class TrainState:
             if kind is StateKind.MODULE:
                 set_model_state_dict(obj, state[name])
             elif kind is StateKind.OPTIMIZER:
-                set_optimizer_state_dict(self._container, obj, state[name])
+                with _plain_steps(obj):
+                    set_optimizer_state_dict(self._container, obj, state[name])
             else:
                 obj.load_state_dict(state[name])
+
+
+@contextlib.contextmanager
+def _plain_steps(optimizer: Any):
+    """The optimizer's own step() and zero_grad() for the duration.
+
+    DCP fills an optimizer's empty state by one step() with zero gradients at lr 0, so that its
+    state dict has every key a checkpoint holds. The framework patches step() on the instance
+    (fp16: through the GradScaler, which refuses a step without ctx.backward; gradient
+    accumulation: a no-op on non-final micro-steps, which would leave the state empty and a
+    checkpoint's Adam moments silently unloaded). Those patches are instance attributes: hidden
+    here, the class's own methods run."""
+    patched = {k: optimizer.__dict__.pop(k) for k in ("step", "zero_grad") if k in optimizer.__dict__}
+    try:
+        yield
+    finally:
+        optimizer.__dict__.update(patched)

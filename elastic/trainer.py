@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from elastic._accumulation import CONSTANT_GLOBAL_BATCH, check_divisible
+from elastic.callbacks import CallbackRunner, check_callbacks
 from elastic.config import CheckpointConfig, FailureConfig, LRScalingConfig, ScalingConfig, to_jsonable
 from elastic._protocol import RunSpec
 from elastic.errors import ConfigError, StorageConfigError
@@ -25,6 +26,22 @@ _STORAGE_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", 
                 "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION", "AWS_REGION", "AWS_PROFILE")
 
 
+@dataclass(frozen=True)
+class RunMetrics:
+    """The loop's metrics over the kept steps (a step lost in a failure and redone counts once,
+    with its redone value; a resumed run's include the steps before the resume, read back from
+    metrics.jsonl): `loss`, `lr` (when the loop prepared an optimizer) and every metric it passed
+    to `ctx.report` (rank mean) or `ctx.log`. A non-finite value is a float here (NaN for one read
+    back as null).
+
+    `last`: name -> the value at the newest step that has one (summary.json's `metrics`).
+    `history`: name -> `[[step, value], ...]` in step order.
+    """
+
+    last: dict[str, float] = field(default_factory=dict)
+    history: dict[str, list[list]] = field(default_factory=dict)
+
+
 @dataclass
 class Result:
     """Outcome of `ElasticTrainer.fit()`."""
@@ -32,9 +49,11 @@ class Result:
     status: str                          # "finished" | "failed"
     final_step: int
     storage: str
-    summary: dict[str, Any] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)   # summary.json as written (strict JSON values)
     error: BaseException | None = None   # the user's exception (original type) or a typed ElasticError
     error_traceback: str | None = None
+    metrics: RunMetrics = field(default_factory=RunMetrics)
+    checkpoint: str | None = None        # URL of the newest committed checkpoint, <storage>/checkpoints/step_<step:08d>
 
     @property
     def ok(self) -> bool:
@@ -58,6 +77,8 @@ class ElasticTrainer:
         seed: seeds initial weights, data order and per-(step, rank) randomness.
         failure_policy, scaling_policy: decide on failures and resizes; defaults in elastic.policies.
         progress: called about once a second in the driver with a snapshot dict of the run.
+        callbacks: driver-side hooks (subclasses of elastic.Callback, e.g. TensorBoardCallback):
+            every step's metrics line, log line, recovery and commit, once each, then the Result.
     """
 
     def __init__(self, train_loop: Callable[..., Any], *, scaling: ScalingConfig, checkpoint: CheckpointConfig,
@@ -65,7 +86,8 @@ class ElasticTrainer:
                  train_loop_config: Any = None, lr: LRScalingConfig | None = None,
                  failure_policy: FailurePolicy | None = None,
                  scaling_policy: ScalingPolicy | None = None,
-                 progress: Callable[[dict[str, Any]], None] | None = None):
+                 progress: Callable[[dict[str, Any]], None] | None = None,
+                 callbacks: list[Any] | tuple[Any, ...] | None = None):
         if not callable(train_loop):
             raise ConfigError(f"train_loop must be callable, got {type(train_loop).__name__}")
         if not isinstance(total_steps, int) or total_steps < 1:
@@ -90,6 +112,7 @@ class ElasticTrainer:
         self.lr = lr
         self.failure_policy, self.scaling_policy = failure_policy, scaling_policy
         self._progress = progress
+        self._callbacks = check_callbacks(callbacks)
 
     def effective_config(self) -> dict[str, Any]:
         config = {"scaling": to_jsonable(self.scaling), "checkpoint": to_jsonable(self.checkpoint),
@@ -112,9 +135,8 @@ class ElasticTrainer:
     def _pickled_user_code(self) -> bytes:
         """The loop and its config as bytes for the workers (see RunSpec): pickled here, so an
         unpicklable config fails in `fit()` with its name rather than inside Ray."""
-        from ray import cloudpickle
         try:
-            return cloudpickle.dumps((self._train_loop, self.train_loop_config))
+            return _dumps_user_code((self._train_loop, self.train_loop_config))
         except Exception as error:
             raise ConfigError(f"train_loop or train_loop_config cannot be pickled for the workers: "
                               f"{type(error).__name__}: {error}; pass picklable values (open files, "
@@ -152,8 +174,13 @@ class ElasticTrainer:
             # run may lose. If the driver's node goes, the run goes with it anyway.
             scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
         ).remote(self._spec(), self.scaling, self.failure, self.checkpoint, self.total_steps,
-                 self.effective_config(), self.failure_policy, self.scaling_policy)
+                 self.effective_config(), self.failure_policy, self.scaling_policy, feed=bool(self._callbacks))
         done = actor.run.remote()
+        runner = CallbackRunner(self._callbacks) if self._callbacks else None
+
+        def events(after: int) -> list:
+            return ray.get(actor.events.remote(after), timeout=30)
+
         try:
             while not ray.wait([done], timeout=1.0)[0]:
                 if self._progress is not None:
@@ -161,11 +188,59 @@ class ElasticTrainer:
                         self._progress(ray.get(actor.snapshot.remote(), timeout=5))
                     except Exception:   # noqa: BLE001 - progress display is best effort
                         log.debug("progress snapshot failed", exc_info=True)
+                if runner is not None:
+                    try:
+                        runner.poll(events)
+                    except Exception:   # noqa: BLE001 - asked again next time: nothing is lost
+                        log.debug("fetching the callbacks' events failed", exc_info=True)
             outcome = ray.get(done)
+            if runner is not None:
+                try:
+                    runner.drain(events)
+                except Exception:   # noqa: BLE001 - the run's outcome matters more
+                    log.warning("the callbacks missed the run's last events (after event %d)", runner.delivered,
+                                exc_info=True)
         finally:
             ray.kill(actor, no_restart=True)
-        return Result(status=outcome["status"], final_step=outcome["final_step"], storage=self.checkpoint.storage,
-                      summary=outcome["summary"], error=outcome["error"], error_traceback=outcome["traceback"])
+        result = Result(status=outcome["status"], final_step=outcome["final_step"], storage=self.checkpoint.storage,
+                        summary=outcome["summary"], error=outcome["error"], error_traceback=outcome["traceback"],
+                        metrics=RunMetrics(**outcome["metrics"]),
+                        checkpoint=newest_checkpoint(self.checkpoint.storage, outcome["summary"].get("checkpoints")))
+        if runner is not None:
+            runner.end(result)
+        return result
+
+
+def newest_checkpoint(storage: str, committed: list[int] | None) -> str | None:
+    """The URL of the newest committed checkpoint, or None."""
+    from elastic._run_record import checkpoint_url
+    return checkpoint_url(storage, max(committed)) if committed else None
+
+
+def _dumps_user_code(obj: Any) -> bytes:
+    """cloudpickle, with every module of a ModuleType subclass pickled as that module's import.
+    torch installs some config modules as instances of a subclass (e.g. `torch.distributed.config`);
+    cloudpickle ships a by-value loop's submodules by reference only when their type is exactly
+    ModuleType, so a loop that used `dist` and `ctx.config` could not be pickled."""
+    import importlib
+    import io
+    import sys
+    import types
+
+    from ray import cloudpickle
+    stand_ins = {id(m): name for name, m in list(sys.modules.items())
+                 if isinstance(m, types.ModuleType) and type(m) is not types.ModuleType}
+
+    class _Pickler(cloudpickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            name = stand_ins.get(id(obj))
+            if name is not None:
+                return importlib.import_module, (name,)
+            return super().reducer_override(obj)
+
+    buffer = io.BytesIO()
+    _Pickler(buffer, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(obj)
+    return buffer.getvalue()
 
 
 def _ship_user_module_by_value(function: Callable[..., Any]) -> None:

@@ -5,7 +5,8 @@
 Starts a local Ray instance (or joins the cluster in RAY_ADDRESS), checkpoints to --storage and
 resumes from it when run again. Trains on the Parquet token corpus at --data URL, or on a
 synthetic one written under <storage>/corpus/ on the first run and reused afterwards. Kill a worker (its pid is in <storage>/status.json) and watch
-the run re-form and go on. Exit code 0 when the run finished.
+the run re-form and go on. Exit code 0 when the run finished. With --gpu each worker trains on
+one GPU of its own (NCCL), which --precision fp16 needs.
 """
 from __future__ import annotations
 
@@ -35,6 +36,16 @@ def positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
     return value
 
 
@@ -86,8 +97,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cpus-per-worker", type=float, default=1.0)
     p.add_argument("--sync-checkpoints", action="store_true", help="block training while a checkpoint uploads")
     p.add_argument("--quiet", action="store_true", help="no live progress line")
+    p.add_argument("--loader-workers", type=non_negative_int, default=0, metavar="N",
+                   help="DataLoader worker processes per worker, fetching batches ahead (0: in the training process)")
+    p.add_argument("--gpu", action="store_true",
+                   help="one GPU per worker: ScalingConfig(use_gpu=True), NCCL and CUDA (default: CPU and gloo)")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
-                   help="bf16 autocast (CPU or GPU), fp16 with loss scaling (GPU only)")
+                   help="bf16 autocast (CPU or GPU), fp16 with loss scaling (needs --gpu)")
     p.add_argument("--grad-compression", choices=("none", "bf16", "powersgd"), default="none",
                    help="DDP gradient compression hook")
     p.add_argument("--activation-checkpointing", action="store_true",
@@ -101,7 +116,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hold-at", type=parse_hold_at, metavar="STEP:FILE",
                    help="fault injection (tests): every rank waits after step STEP until FILE exists, "
                         "so a fault injected from outside lands at that step")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.precision == "fp16" and not args.gpu:
+        p.error("--precision fp16 needs --gpu (its GradScaler runs on the GPU); add --gpu, "
+                "or use --precision bf16 on CPU")
+    return args
 
 
 def lr_config(args: argparse.Namespace) -> LRScalingConfig | None:
@@ -114,6 +133,18 @@ def lr_config(args: argparse.Namespace) -> LRScalingConfig | None:
         base = high if args.lr_mode == "linear" else math.lcm(*range(low, high + 1))
     return LRScalingConfig(base_world_size=base, base_lr=args.lr, warmup_steps=args.warmup_steps,
                            rescale_warmup_steps=args.rescale_warmup_steps, mode=args.lr_mode, schedule=args.schedule)
+
+
+def scaling_config(args: argparse.Namespace) -> ScalingConfig:
+    """The workers, hardware and strategy the flags ask for; invalid values raise ConfigError.
+    With --gpu each worker also reserves one GPU (the runtime adds it to the worker's bundle)."""
+    low, high = args.workers
+    return ScalingConfig(min_workers=low, max_workers=high, spare_workers=args.spare_workers,
+                         use_gpu=args.gpu, strategy=args.strategy,
+                         resources_per_worker={"CPU": args.cpus_per_worker}, precision=args.precision,
+                         grad_compression=None if args.grad_compression == "none" else args.grad_compression,
+                         fsdp_reshard_after_forward=args.fsdp_reshard_after_forward,
+                         fsdp_cpu_offload=args.fsdp_cpu_offload)
 
 
 class InjectedUserError(Exception):
@@ -203,13 +234,8 @@ def main(argv: list[str] | None = None) -> int:
             train_loop,
             train_loop_config={"model_size": args.model_size, "batch_size": args.batch_size, "lr": args.lr,
                                "activation_checkpointing": args.activation_checkpointing, "data": data_url,
-                               "hold_at": args.hold_at},
-            scaling=ScalingConfig(min_workers=low, max_workers=high, spare_workers=args.spare_workers,
-                                  strategy=args.strategy,
-                                  resources_per_worker={"CPU": args.cpus_per_worker}, precision=args.precision,
-                                  grad_compression=None if args.grad_compression == "none" else args.grad_compression,
-                                  fsdp_reshard_after_forward=args.fsdp_reshard_after_forward,
-                                  fsdp_cpu_offload=args.fsdp_cpu_offload),
+                               "hold_at": args.hold_at, "loader_workers": args.loader_workers},
+            scaling=scaling_config(args),
             checkpoint=CheckpointConfig(storage=args.storage, every_n_steps=args.checkpoint_every,
                                         async_save=not args.sync_checkpoints),
             failure=FailureConfig(heartbeat_timeout_s=args.heartbeat_timeout),
@@ -219,11 +245,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not os.environ.get("RAY_ADDRESS"):
         import ray
+        gpus = None     # Ray counts them itself
+        if args.gpu:
+            import torch
+            # A worker waits for its GPU forever: fail now when this machine cannot seat MIN.
+            gpus = torch.cuda.device_count()
+            if gpus < low:
+                print(f"--gpu: this machine has {gpus} CUDA device(s), --workers {low}:{high} needs one per "
+                      f"worker; lower MIN, or leave out --gpu to train on CPU", file=sys.stderr)
+                return 2
         # Logical CPUs: one per worker even on a small machine, so max_workers always fits.
         # address="local": a Ray of its own, even when another one runs on this machine (the
         # cluster to join is given by RAY_ADDRESS, as `ray job submit` does).
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(high * args.cpus_per_worker)),
-                 include_dashboard=False)
+                 num_gpus=gpus, include_dashboard=False)
     result = trainer.fit()
     s = result.summary
     print()

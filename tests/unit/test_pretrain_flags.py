@@ -1,4 +1,5 @@
-"""The main job's LR and batch flags become an LRScalingConfig; bad values fail before any Ray."""
+"""The main job's LR and batch flags become an LRScalingConfig, --gpu and the hardware flags a
+ScalingConfig; bad values fail before any Ray."""
 import pytest
 
 import pretrain
@@ -50,3 +51,28 @@ def test_hold_at_names_a_step_and_a_file():
     for bad in ("30", "0:/tmp/gate", "x:/tmp/gate", "30:"):
         with pytest.raises(SystemExit):
             args("--hold-at", bad)
+
+
+def test_gpu_flag_sets_use_gpu_and_is_off_by_default():
+    assert args().gpu is False and pretrain.scaling_config(args()).use_gpu is False
+    scaling = pretrain.scaling_config(args("--gpu", "--precision", "fp16", "--strategy", "fsdp"))
+    assert (scaling.use_gpu, scaling.precision, scaling.strategy) == (True, "fp16", "fsdp")
+    assert (scaling.min_workers, scaling.max_workers) == (2, 4)
+    assert pretrain.scaling_config(args("--gpu", "--precision", "bf16")).use_gpu
+
+
+def test_fp16_without_gpu_says_to_add_the_flag(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        args("--precision", "fp16")
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--precision fp16 needs --gpu" in err and "bf16" in err
+    assert pretrain.parse_args(["--storage", "unused", "--gpu", "--precision", "fp16"]).precision == "fp16"
+
+
+def test_main_with_gpu_refuses_a_machine_without_enough_gpus(tmp_path, capsys, monkeypatch):
+    import torch
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)     # fewer than MIN, on any machine
+    code = pretrain.main(["--storage", str(tmp_path), "--workers", "2:2", "--gpu", "--model-size", "tiny", "--quiet"])
+    assert code == 2 and "1 CUDA device(s)" in capsys.readouterr().err

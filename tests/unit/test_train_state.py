@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from elastic import CheckpointError, RestoreRequiredError, StateError
@@ -231,3 +232,45 @@ def test_fsdp_models_and_their_optimizers_restore_from_a_checkpoint(generations)
     assert ctx.step == 2 and sched2.last_epoch == 2 and opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
     assert all(torch.equal(v.full_tensor(), want[k]) for k, v in model2.state_dict().items())
     assert ctx._state.state_dict()["optimizer"]["state"]   # Adam moments came back, keyed by name
+
+
+def loop_with_dist_and_config(ctx):
+    # `dist` plus a `.config` attribute made cloudpickle look for torch.distributed.config, which
+    # torch keeps in sys.modules as an object that does not pickle.
+    return dist.get_world_size(), ctx.config
+
+
+def test_a_loop_using_dist_and_ctx_config_pickles_for_the_workers(tmp_path):
+    import ray.cloudpickle
+
+    import torch.distributed.config  # noqa: F401  (the stand-in module that broke the pickling)
+    from elastic import CheckpointConfig, ElasticTrainer, ScalingConfig
+    from elastic.trainer import _ship_user_module_by_value
+    _ship_user_module_by_value(loop_with_dist_and_config)    # as fit() does: this file is not installed
+    trainer = ElasticTrainer(loop_with_dist_and_config, scaling=ScalingConfig(min_workers=1, max_workers=1),
+                             checkpoint=CheckpointConfig(storage=str(tmp_path)), total_steps=1,
+                             train_loop_config={"a": 1})
+    loop, config = ray.cloudpickle.loads(trainer._pickled_user_code())
+    assert config == {"a": 1} and loop.__code__.co_names == loop_with_dist_and_config.__code__.co_names
+
+
+@pytest.mark.parametrize("patch", ["accumulation", "fp16"])
+def test_a_fresh_optimizers_state_has_every_key_despite_the_frameworks_step_patches(one_rank_group, patch):
+    # DCP fills an empty optimizer state with a zero-lr step() before saving or loading; the
+    # framework's patched step() (a no-op on a non-final micro-step; fp16's scaler, which refuses
+    # a step without ctx.backward) must not see it, or a load would skip the Adam moments (or fail).
+    from elastic._accumulation import Accumulation, wrap_optimizer
+    from elastic._precision import Precision
+    from elastic._train_state import Progress, TrainState
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    precision = Precision("fp32", "ddp", torch.device("cpu"), None)
+    if patch == "accumulation":
+        wrap_optimizer(optimizer, Accumulation(steps=3))        # micro-step 0 of 3: not final
+    else:
+        precision = Precision("fp16", "ddp", torch.device("cpu"), torch.amp.GradScaler("cpu"))
+        precision.prepare_optimizer(optimizer)
+    state = TrainState({"model": model, "optimizer": optimizer}, progress=Progress(), precision=precision)
+    template = state.state_dict()["optimizer"]["state"]
+    assert set(template) == {"model.weight", "model.bias"} and "exp_avg" in template["model.weight"]
+    assert "step" in optimizer.__dict__                          # the patch is back in place

@@ -1,0 +1,189 @@
+"""Driver-side callbacks: hooks the user's code gets in the driver as the run goes.
+
+`ElasticTrainer(..., callbacks=[...])` calls, in the driver's process and in the order the
+controller recorded things (a log line comes after its step's line, maybe after later steps'):
+
+- `on_step(step_info)`: once per metrics.jsonl step line, with that line as a dict (`step`,
+  `loss`, `world_size`, `time`, `lr`, `global_batch`, `accum_steps`, `samples_seen`,
+  `compute_s` and every metric the loop reported, rank mean). A non-finite value is a float
+  here (the file has `null`). A step lost in a failure is redone and comes again after the
+  recovery that lost it (`on_recovery`'s `step` is the step training went on from).
+- `on_log(log_info)`: once per `ctx.log(...)` line: `{"step", "kind": "log", "time", <metrics>}`.
+- `on_recovery(recovery)`: a recovery as summary.json lists it (`cause`, `rung`, `detect_s`,
+  `recover_s`, `lost_steps`, `from_world`, `to_world`, `step`, ...), when the re-formed group
+  completes its first step, before that step's `on_step`.
+- `on_checkpoint(commit)`: `{"step", "url"}` of a checkpoint committed during the run. Commits
+  are listed every couple of seconds: with `CheckpointConfig.keep` and commits more frequent
+  than that, one already removed again may go unannounced.
+- `on_end(result)`: the `Result`, once, after the run ended (finished or failed).
+
+The events travel from the controller's actor in order, numbered, each delivered once (see
+elastic._feed); they reach the driver about once a second. A callback that raises does not stop
+the run: its first error is logged with the traceback, later ones are counted and summed up at
+the end.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+from elastic._feed import Event, FeedKind
+from elastic.errors import ConfigError
+
+if TYPE_CHECKING:
+    from elastic.trainer import Result
+
+log = logging.getLogger("elastic.callbacks")
+
+HOOKS = ("on_step", "on_log", "on_recovery", "on_checkpoint", "on_end")
+_HOOK_OF = {FeedKind.STEP: "on_step", FeedKind.LOG: "on_log", FeedKind.RECOVERY: "on_recovery",
+            FeedKind.CHECKPOINT: "on_checkpoint"}
+
+
+class Callback:
+    """Base class of driver-side callbacks: override the hooks you need (the others do nothing)."""
+
+    def on_step(self, step_info: dict[str, Any]) -> None:
+        """A step completed: its metrics.jsonl line."""
+
+    def on_log(self, log_info: dict[str, Any]) -> None:
+        """`ctx.log(...)` values: their metrics.jsonl line."""
+
+    def on_recovery(self, recovery: dict[str, Any]) -> None:
+        """A recovery completed (the re-formed group made its first step)."""
+
+    def on_checkpoint(self, commit: dict[str, Any]) -> None:
+        """A checkpoint was committed: {"step", "url"}."""
+
+    def on_end(self, result: "Result") -> None:
+        """The run ended; `result` is what `fit()` returns."""
+
+
+def check_callbacks(callbacks: Any) -> tuple[Any, ...]:
+    """`callbacks` as a tuple, or a ConfigError that says what is wrong."""
+    if callbacks is None:
+        return ()
+    if isinstance(callbacks, (str, bytes, Callback)) or not isinstance(callbacks, Iterable):
+        raise ConfigError(f"callbacks must be a list of elastic.Callback objects, got {type(callbacks).__name__}")
+    callbacks = tuple(callbacks)
+    for index, callback in enumerate(callbacks):
+        if isinstance(callback, type) or not any(callable(getattr(callback, hook, None)) for hook in HOOKS):
+            raise ConfigError(f"callbacks[{index}] ({callback!r}) has none of the hooks {', '.join(HOOKS)}; "
+                              f"pass an instance of a subclass of elastic.Callback")
+    return callbacks
+
+
+class CallbackRunner:
+    """The driver's end of the feed: fetches the events after the last one delivered and calls
+    the hooks; a raising hook is logged, never raised."""
+
+    def __init__(self, callbacks: Iterable[Any]):
+        self._callbacks = tuple(callbacks)
+        self._delivered = 0                       # number of the newest event delivered
+        self._errors: dict[int, int] = {}         # callback index -> errors raised
+
+    @property
+    def delivered(self) -> int:
+        return self._delivered
+
+    def poll(self, fetch: Callable[[int], list[Event]]) -> int:
+        """Deliver what `fetch(after)` returns after the last delivered event; returns how many."""
+        count = 0
+        for number, kind, payload in fetch(self._delivered):
+            if number <= self._delivered:
+                continue           # delivered already (an answer that crossed a retry)
+            self._delivered = number
+            self._call(_HOOK_OF[FeedKind(kind)], payload)
+            count += 1
+        return count
+
+    def drain(self, fetch: Callable[[int], list[Event]]) -> None:
+        """Deliver every event left (the run has ended: no new ones come)."""
+        while self.poll(fetch):
+            pass
+
+    def end(self, result: "Result") -> None:
+        self._call("on_end", result)
+        for index, errors in self._errors.items():
+            if errors > 1:
+                log.warning("callback %r raised %d times in this run (the first is logged above)",
+                            self._callbacks[index], errors)
+
+    def _call(self, hook: str, argument: Any) -> None:
+        for index, callback in enumerate(self._callbacks):
+            method = getattr(callback, hook, None)
+            if method is None:
+                continue
+            try:
+                method(argument)
+            except Exception:   # noqa: BLE001 - a user's callback must not end the run
+                self._errors[index] = self._errors.get(index, 0) + 1
+                if self._errors[index] == 1:
+                    log.exception("callback %r raised in %s; the run goes on (later errors of this "
+                                  "callback are only counted)", callback, hook)
+
+
+class TensorBoardCallback(Callback):
+    """Writes the run's metrics as TensorBoard scalars under `log_dir` (in the driver).
+
+    Every metric of a step line and of a `ctx.log` line is a scalar under its own name at its
+    step (loss, lr, the loop's metrics); the framework's counts go under `elastic/`
+    (world_size, global_batch, accum_steps, samples_seen), and each recovery as
+    `elastic/recovery_s` and `elastic/lost_steps` at the step training went on from, with a text
+    line under `elastic/recoveries`. A recovery also writes TensorBoard's restart marker (the one
+    `SummaryWriter(purge_step=...)` writes) at the step after it: TensorBoard hides the points the
+    lost attempts left past it, and the redone steps take their place.
+
+    Needs the `tensorboard` package: `pip install elastic-train[tensorboard]`.
+    """
+
+    FRAMEWORK = ("world_size", "global_batch", "accum_steps", "samples_seen")
+    NOT_SCALARS = ("step", "time", "compute_s", "kind")
+
+    def __init__(self, log_dir: str, *, flush_secs: int = 10):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as error:
+            raise ConfigError("TensorBoardCallback needs the tensorboard package: "
+                              "pip install elastic-train[tensorboard]") from error
+        self.log_dir = log_dir
+        self._writer = SummaryWriter(log_dir=log_dir, flush_secs=flush_secs)
+
+    def on_step(self, step_info: dict[str, Any]) -> None:
+        self._scalars(step_info)
+
+    def on_log(self, log_info: dict[str, Any]) -> None:
+        self._scalars(log_info)
+
+    def on_recovery(self, recovery: dict[str, Any]) -> None:
+        step = int(recovery.get("step") or 0)
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+        self._writer._get_file_writer().add_event(Event(step=step + 1, session_log=SessionLog(status=SessionLog.START)))
+        for name in ("recover_s", "lost_steps"):
+            value = recovery.get(name)
+            if isinstance(value, (int, float)):
+                tag = "elastic/recovery_s" if name == "recover_s" else "elastic/lost_steps"
+                self._writer.add_scalar(tag, value, step)
+        self._writer.add_text("elastic/recoveries", (
+            f"{recovery.get('cause')} ({recovery.get('rung')}): world {recovery.get('from_world')} -> "
+            f"{recovery.get('to_world')}, {recovery.get('lost_steps')} steps lost, "
+            f"recovered in {recovery.get('recover_s')} s"), step)
+
+    def on_end(self, result: "Result") -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._writer.flush()
+        self._writer.close()
+
+    def _scalars(self, line: dict[str, Any]) -> None:
+        step, walltime = int(line["step"]), line.get("time")
+        for name, value in line.items():
+            if name in self.NOT_SCALARS or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            tag = f"elastic/{name}" if name in self.FRAMEWORK and line.get("kind") is None else name
+            self._writer.add_scalar(tag, float(value), step,
+                                    walltime=walltime if isinstance(walltime, float) and math.isfinite(walltime)
+                                    else None)
