@@ -11,8 +11,8 @@ import importlib
 from checkpointing import CheckpointError, CorruptCheckpointError, FencedError, StorageError
 from elastic.config import CheckpointConfig, FailureConfig, LRScalingConfig, ScalingConfig
 from elastic.errors import (ConfigError, DatasetError, ElasticError, InsufficientWorkersError,
-                            RestoreRequiredError, StateError, StorageConfigError, TooManyFailuresError,
-                            UserCodeError, WorkerLostError)
+                            NonFiniteLossError, RestoreRequiredError, StateError, StorageConfigError,
+                            TooManyFailuresError, UserCodeError, WorkerLostError)
 from elastic.policies import Failure, FailureDecision, FailurePolicy, ResizeDecision, ScalingPolicy
 from elastic.trainer import ElasticTrainer, Result, RunMetrics
 # Light (TensorBoardCallback imports torch's writer only when one is made).
@@ -43,5 +43,6 @@ __all__ = [
     "ParquetTokens", "write_token_shards", "read_corpus_marker",
     "ElasticError", "ConfigError", "DatasetError", "StorageConfigError", "WorkerLostError",
     "InsufficientWorkersError", "TooManyFailuresError", "UserCodeError", "StateError", "RestoreRequiredError",
+    "NonFiniteLossError",
     "CheckpointError", "StorageError", "CorruptCheckpointError", "FencedError",
 ]

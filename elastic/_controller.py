@@ -79,6 +79,7 @@ class Controller(Bookkeeping):
                                             threshold=failure.straggler_threshold or float("inf"),
                                             min_excess_s=failure.straggler_min_excess_s)
         self._eviction_asked: dict[int, int] = {}   # rank -> step the policy was last asked at
+        self._storage_trouble: dict[str, float] | None = None   # an ongoing storage error: since, attempts, retry_at
 
     @property
     def done(self) -> bool:
@@ -134,7 +135,9 @@ class Controller(Bookkeeping):
         enough = len(ready) >= self.scaling.min_workers
         if (maximum is not None and len(ready) >= maximum) or (
                 enough and (settled or waited >= self.scaling.startup_wait_s)):
-            plan = self._resume_plan()
+            ok, plan = self._storage("read the checkpoints to resume from", self._resume_plan)
+            if not ok:
+                return
             self._transition(Starting(self._capped(ready), plan), f"{len(ready)} workers ready")
             self._on_starting()
         elif not enough and waited > self.failure.rendezvous_timeout_s:
@@ -161,9 +164,12 @@ class Controller(Bookkeeping):
 
     def _on_starting(self) -> None:
         st: Starting = self.state
+        ok, _ = self._storage("write the generation fence", lambda: self.checkpoints.fence(self.generation + 1))
+        if not ok:
+            return
         self.generation += 1
-        self.checkpoints.fence(self.generation)
         world = len(st.members)
+        start_error = None
         try:
             addr, port = self.group.rendezvous_address(st.members[0])
             places = placement([self.views[wid].info for wid in st.members])
@@ -173,14 +179,21 @@ class Controller(Bookkeeping):
                 for rank, wid in enumerate(st.members)})
         except WorkerLostError as error:
             log.warning("generation %d could not start: %s", self.generation, error)
+            start_error = error
         if st.recovery is not None:
             st.recovery.to_world, st.recovery.restored_step = world, st.restore.step
         self.recorder.on_generation_start(st.restore.step, world)
         self._note_restore(self.generation, st.restore.step)
         self.stragglers.reset(world)
         self._eviction_asked = {}
-        self._transition(Running(self.generation, st.members, st.recovery, start_step=st.restore.step),
+        self._transition(Running(self.generation, st.members, st.recovery, start_step=st.restore.step,
+                                 started_at=self.clock()),
                          f"generation {self.generation}: world size {world}, restore {st.restore.kind}")
+        if start_error is not None:
+            # Not every member was handed the generation (e.g. rank 0's rendezvous lookup timed
+            # out): recover now rather than wait in RUNNING for a generation that never starts.
+            self._handle_failure(st.members, Failure("hang", (0,), f"generation {self.generation} could not start: "
+                                                                   f"{start_error}"), [], 0.0)
 
     def _on_running(self) -> None:
         st: Running = self.state
@@ -220,6 +233,8 @@ class Controller(Bookkeeping):
             if self.clock() - st.suspect_since > self.failure.heartbeat_timeout_s:
                 self._handle_failure(st.members, Failure("collective_error", tuple(comm_ranks),
                                                          "process group broke with no lost peer"), [], 0.0)
+        elif self._generation_stalled(st):
+            pass
         elif finished == len(st.members):
             self._record_final(self.views[st.members[0]].report, st.recovery)
             st.recovery = None
@@ -228,6 +243,63 @@ class Controller(Bookkeeping):
             self.group.scale_to(self._slot_target())
             if not self._maybe_evict(st):
                 self._maybe_grow(st)
+
+    def _generation_stalled(self, st: Running) -> bool:
+        """Handle a generation that never started on some members within rendezvous_timeout_s,
+        or in which no step completed within FailureConfig.step_timeout_s (every rank stuck
+        outside a collective: no heartbeat shows that). Returns whether it did."""
+        now = self.clock()
+        if any(self.views[w].records for w in st.members):
+            st.progress_at = now
+        not_started = [rank for rank, w in enumerate(st.members)
+                       if self.views[w].report is None or self.views[w].report.generation != st.generation]
+        if not_started and now - st.started_at > self.failure.rendezvous_timeout_s:
+            self._handle_failure(st.members, Failure("hang", tuple(not_started), (
+                f"generation {st.generation} did not start on ranks {not_started} within "
+                f"FailureConfig.rendezvous_timeout_s={self.failure.rendezvous_timeout_s:.0f}s")),
+                [st.members[r] for r in not_started], now - st.started_at)
+            return True
+        bound = self.failure.step_timeout(self._step_s)
+        quiet = now - max(st.started_at, st.progress_at or 0.0)
+        if not_started or bound is None or quiet <= bound:
+            return False
+        self._handle_failure(st.members, Failure("hang", tuple(range(len(st.members))), (
+            f"no step completed for {quiet:.0f}s (FailureConfig.step_timeout_s: {bound:.0f}s); every rank is "
+            f"replaced")), list(st.members), quiet)
+        return True
+
+    def _storage(self, what: str, call: Callable[[], Any]) -> tuple[bool, Any]:
+        """A storage call of the control loop. A transient storage error is retried on later
+        ticks with backoff, counted once as a storage_error, instead of ending the run; it fails
+        the run only once it has lasted FailureConfig.rendezvous_timeout_s."""
+        from checkpointing import StorageError
+        now, trouble = self.clock(), self._storage_trouble
+        if trouble is not None and now < trouble["retry_at"]:
+            return False, None
+        try:
+            value = call()
+        except StorageError as error:
+            if trouble is None:
+                trouble = self._storage_trouble = {"since": now, "attempts": 0, "retry_at": now}
+                failure = Failure("storage_error", (), f"{what}: {error}")
+                self.failures.append(failure)
+                decision = self.failure_policy.decide(failure, infra_failures_so_far=self.infra_failures,
+                                                      max_failures=self.failure.max_failures)
+                self.infra_failures += 1
+                if decision.action == "fail":
+                    self._fail(TooManyFailuresError(f"{decision.reason}; causes so far: "
+                                                    f"{', '.join(f.cause for f in self.failures)}"), failure)
+                    return False, None
+            trouble["attempts"] += 1
+            if now - trouble["since"] > self.failure.rendezvous_timeout_s:
+                self._fail(error)
+                return False, None
+            delay = min(10.0, 0.5 * 2 ** trouble["attempts"])
+            trouble["retry_at"] = now + delay
+            log.warning("storage: %s failed (%s); retrying in %.1fs", what, error, delay)
+            return False, None
+        self._storage_trouble = None
+        return True, value
 
     def _record_final(self, report: WorkerReport, open_recovery: PendingRecovery | None) -> None:
         """The finished state as rank 0 holds it: model hash and data consumed. A recovery still
@@ -370,7 +442,9 @@ class Controller(Bookkeeping):
             plan = RestorePlan("broadcast", source_rank=members.index(warm[0]),
                                step=self.views[warm[0]].report.step)
         else:
-            latest = self.checkpoints.latest_step()
+            ok, latest = self._storage("list the committed checkpoints", self.checkpoints.latest_step)
+            if not ok:
+                return
             plan = RestorePlan("checkpoint", step=latest) if latest is not None else RestorePlan("fresh")
             if st.recovery.rung != "cold":
                 st.recovery.rung = "checkpoint"

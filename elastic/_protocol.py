@@ -135,8 +135,21 @@ class RunSpec:
     collective_timeout_s: float
     lr: LRScalingConfig | None = None
     scaling: ScalingConfig | None = None      # precision, compression, FSDP options (None: defaults)
+    on_nonfinite_loss: str = "fail"           # FailureConfig.on_nonfinite_loss
+    # The driver's storage credentials (AWS_ACCESS_KEY_ID, ...): an actor argument, which Ray does
+    # not display, unlike runtime_env (see elastic._credentials). Each actor applies them first.
+    storage_env: dict[str, str] = field(default_factory=dict, repr=False)
+
+    def apply_storage_env(self) -> None:
+        """Put the run's storage credentials in this process's environment (before any storage
+        client is made: botocore reads them then)."""
+        from elastic._credentials import apply_env
+        apply_env(self.storage_env)
 
     def load_user_code(self) -> tuple[Callable[..., Any], Any]:
-        """(train_loop, train_loop_config), unpickled in the calling process."""
+        """(train_loop, train_loop_config), unpickled in the calling process: a worker's first
+        use of its spec, so the storage credentials are set here too, before the user's code
+        (or anything after it) opens storage."""
         import ray.cloudpickle
+        self.apply_storage_env()
         return ray.cloudpickle.loads(self.user_code)

@@ -56,6 +56,8 @@ class Running:
     suspect_since: float | None = None   # a rank reported a broken group, no peer is known lost yet
     restore_confirmed: bool = False      # rank 0 reported the step it actually restored
     start_step: int = 0                  # the step the generation restored
+    started_at: float = 0.0              # controller clock when the generation was started
+    progress_at: float | None = None     # controller clock of its newest step record
     state: RunState = RunState.RUNNING
 
 

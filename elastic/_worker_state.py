@@ -45,6 +45,7 @@ class CheckpointSession:
     exported_commit: int | None = None         # newest commit exported to Ray metrics
     resumed_from: int | None = None            # step the run's first generation loaded
     load_fallbacks: list[dict] = field(default_factory=list)   # committed checkpoints skipped as corrupt
+    nonfinite_step: int | None = None          # newest step whose loss was NaN/inf: never committed
 
 
 @dataclass

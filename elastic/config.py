@@ -142,6 +142,9 @@ class CheckpointConfig:
                  "CheckpointConfig.max_consecutive_failures must be >= 1")
 
 
+NONFINITE_LOSS_ACTIONS = ("fail", "ignore")
+
+
 @dataclass(frozen=True, kw_only=True)
 class FailureConfig:
     """How failures are detected and how many the run tolerates."""
@@ -172,6 +175,23 @@ class FailureConfig:
     (median over the window, its time minus the others'): a high ratio on a few milliseconds of
     compute is scheduling noise, not worth a recovery. 0 flags on the ratio alone."""
 
+    on_nonfinite_loss: str = "fail"
+    """What a step whose loss (mean over ranks) is NaN or infinite does: "fail" ends the run with
+    a NonFiniteLossError naming the step; "ignore" trains on. Either way no checkpoint is
+    committed from such a step, so retention never deletes the last good one for it."""
+
+    step_timeout_s: float | str | None = "auto"
+    """Longest time without a completed step (or ctx.log) while the run trains before every rank
+    is declared hung and replaced: catches a training thread stuck outside any collective (a
+    dead data service, a deadlock), which no heartbeat sees. "auto": 100 smoothed step times,
+    at least 600 s (an evaluation between steps counts against it); None turns it off."""
+
+    def step_timeout(self, step_s: float) -> float | None:
+        """The bound in force, given the smoothed step time (0 before any step)."""
+        if self.step_timeout_s == "auto":
+            return max(600.0, 100.0 * step_s)
+        return self.step_timeout_s   # type: ignore[return-value]
+
     @property
     def poll_hold_s(self) -> float:
         """How long a worker may hold a poll while the run trains (answering at once when
@@ -192,6 +212,14 @@ class FailureConfig:
                  f"FailureConfig.straggler_window must be an int >= 3, got {self.straggler_window!r}")
         _require(self.straggler_min_excess_s >= 0,
                  f"FailureConfig.straggler_min_excess_s must be >= 0 seconds, got {self.straggler_min_excess_s!r}")
+        _require(self.on_nonfinite_loss in NONFINITE_LOSS_ACTIONS,
+                 f"FailureConfig.on_nonfinite_loss must be one of {NONFINITE_LOSS_ACTIONS}, "
+                 f"got {self.on_nonfinite_loss!r}")
+        _require(self.step_timeout_s is None or self.step_timeout_s == "auto" or (
+            isinstance(self.step_timeout_s, (int, float)) and not isinstance(self.step_timeout_s, bool)
+            and 0 < self.step_timeout_s < float("inf")),
+                 f"FailureConfig.step_timeout_s must be a finite number of seconds > 0, \"auto\" or None "
+                 f"(off), got {self.step_timeout_s!r}")
         _require(self.straggler_threshold is None or self.straggler_threshold > 1.0,
                  f"FailureConfig.straggler_threshold must be > 1.0 (a ratio to the other ranks) or None "
                  f"to turn scoring off, got {self.straggler_threshold!r}")

@@ -9,6 +9,7 @@ that warm broadcasts and checkpoints both save and load.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from typing import Any, Callable
@@ -28,7 +29,7 @@ from elastic._step_timer import StepTimer
 from elastic._train_state import TrainState
 from elastic._worker_state import WorkerState
 from elastic.config import ScalingConfig
-from elastic.errors import ConfigError, ElasticError, RestoreRequiredError, StateError
+from elastic.errors import ConfigError, ElasticError, NonFiniteLossError, RestoreRequiredError, StateError
 
 log = logging.getLogger("elastic.context")
 
@@ -301,6 +302,10 @@ class TrainContext:
         """Collective: commit a checkpoint of the current step (async unless `wait`)."""
         state = self._require_state("ctx.save_checkpoint()")
         session, step = self._worker.checkpoints, self.step
+        if session.nonfinite_step == step:
+            # A state trained into a NaN/inf loss must never replace the last good checkpoint.
+            log.warning("rank %d: no checkpoint of step %d, whose loss was not finite", self.rank, step)
+            return
         payload = state.state_dict(extra={"world_size": self.world_size,
                                           **_wrap.compression_extra(self._compression, self.rank)})
         manager = self._checkpoints()
@@ -310,6 +315,20 @@ class TrainContext:
         if wait:
             manager.wait()
         self._export_commit()
+
+    def _commit_before_leaving(self) -> None:
+        """Commit this step and make sure it is committed: the group is about to change and this
+        state will not be in memory to retry with. A failed commit is raised, not left behind
+        unseen (the recovery then counts the steps it loses)."""
+        session, step = self._worker.checkpoints, self.step
+        self.save_checkpoint(wait=True)
+        commit = session.manager.last_commit if session.manager is not None else None
+        if session.nonfinite_step != step and (commit is None or commit.step != step):
+            from checkpointing import CheckpointError
+            error = session.manager.last_error if session.manager is not None else None
+            session.last_saved_step = commit.step if commit is not None else None
+            raise CheckpointError(f"the checkpoint of step {step}, taken before the group changes, was not "
+                                  f"committed: {error}", url=self._spec.storage) from error
 
     def _export_commit(self) -> None:
         """Rank 0: checkpoint seconds and bytes of a commit it has learnt of, to Ray metrics."""
@@ -401,20 +420,27 @@ class TrainContext:
         stop, preempted = bool(shared[:, 1].max() > 0), bool(shared[:, 2].max() > 0)
         # Every rank keeps the record (same all-gathered values): if rank 0 dies before the
         # controller polls it, a survivor still has the step.
-        self._keep_record(dict(zip(names, means)), lr,
-                          float(shared[:, 0].sum()) / self.world_size if loss is not None else None,
-                          tuple(round(float(c), 6) for c in shared[:, 3]))
+        mean_loss = float(shared[:, 0].sum()) / self.world_size if loss is not None else None
+        self._keep_record(dict(zip(names, means)), lr, mean_loss, tuple(round(float(c), 6) for c in shared[:, 3]))
         session = self._worker.checkpoints
+        if mean_loss is not None and not math.isfinite(mean_loss):
+            session.nonfinite_step = progress.step
+            if self._spec.on_nonfinite_loss == "fail":
+                # Every rank raises the same error at the same step (the values are all-gathered).
+                raise NonFiniteLossError(
+                    f"the loss of step {progress.step} is {mean_loss} (mean over {self.world_size} ranks); no "
+                    f"checkpoint was committed from it. Lower the learning rate, clip gradients or check the "
+                    f"data; FailureConfig.on_nonfinite_loss='ignore' trains on")
         every = self._spec.checkpoint_every
         if every is not None and progress.step % every == 0 and progress.step < self.total_steps:
             self.save_checkpoint()
         if preempted and session.last_saved_step != progress.step:
             # A rank got its preemption notice: commit this step before it leaves.
-            self.save_checkpoint(wait=True)
+            self._commit_before_leaving()
         if stop or preempted:
             if not self._worker.warm.capable and session.last_saved_step != progress.step:
                 # FSDP shards cannot be re-broadcast after the group changes: commit them first.
-                self.save_checkpoint(wait=True)
+                self._commit_before_leaving()
             raise RescaleInterrupt()
         self._timer.start()
 

@@ -45,6 +45,12 @@ class RestoreRequiredError(StateError):
     rescale it would silently retrain from step 0 on fresh weights."""
 
 
+class NonFiniteLossError(ElasticError):
+    """The loss (mean over ranks) of a step was NaN or infinite, with
+    FailureConfig.on_nonfinite_loss="fail"; the message names the step. No checkpoint was
+    committed from that step."""
+
+
 class UserCodeError(ElasticError):
     """The user's train_loop raised; carries the original type name and traceback.
 

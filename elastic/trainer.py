@@ -130,7 +130,8 @@ class ElasticTrainer:
                        storage=c.storage, storage_options=dict(c.storage_options), checkpoint_every=c.every_n_steps,
                        keep=c.keep, async_save=c.async_save, max_consecutive_failures=c.max_consecutive_failures,
                        cpus_per_worker=self.scaling.cpus_per_worker,
-                       collective_timeout_s=self.failure.collective_timeout_s, lr=self.lr, scaling=self.scaling)
+                       collective_timeout_s=self.failure.collective_timeout_s, lr=self.lr, scaling=self.scaling,
+                       on_nonfinite_loss=self.failure.on_nonfinite_loss)
 
     def _pickled_user_code(self) -> bytes:
         """The loop and its config as bytes for the workers (see RunSpec): pickled here, so an

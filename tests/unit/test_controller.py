@@ -14,7 +14,7 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def make(min_workers=2, max_workers=3, capacity=3, max_failures=3, latest=None, fence=None, startup_wait_s=10.0,
-         spare_workers=0, **kwargs):
+         spare_workers=0, step_timeout_s="auto", **kwargs):
     clock, group = FakeClock(), FakeGroup(capacity)
     transitions = []
     controller = Controller(
@@ -22,7 +22,7 @@ def make(min_workers=2, max_workers=3, capacity=3, max_failures=3, latest=None, 
         scaling=ScalingConfig(min_workers=min_workers, max_workers=max_workers, startup_wait_s=startup_wait_s,
                               spare_workers=spare_workers),
         failure=FailureConfig(max_failures=max_failures, heartbeat_timeout_s=5.0, collective_timeout_s=30.0,
-                              rendezvous_timeout_s=60.0),
+                              rendezvous_timeout_s=60.0, step_timeout_s=step_timeout_s),
         total_steps=100, clock=clock, callbacks=(lambda old, new, why: transitions.append((old, new)),), **kwargs)
     return controller, group, clock, transitions
 

@@ -274,3 +274,37 @@ def test_a_fresh_optimizers_state_has_every_key_despite_the_frameworks_step_patc
     template = state.state_dict()["optimizer"]["state"]
     assert set(template) == {"model.weight", "model.bias"} and "exp_avg" in template["model.weight"]
     assert "step" in optimizer.__dict__                          # the patch is back in place
+
+
+@pytest.mark.parametrize("action", ["fail", "ignore"])
+def test_a_nonfinite_loss_fails_or_trains_on_and_is_never_committed(generations, action):
+    from checkpointing import CheckpointManager
+    from elastic import NonFiniteLossError
+    run = generations(checkpoint_every=1, on_nonfinite_loss=action)
+    ctx = run.context("fresh")
+    model = ctx.prepare_model(nn.Linear(4, 1))
+    ctx.restore()
+    ctx.report(loss=1.0)                                  # step 1: committed
+    if action == "fail":
+        with pytest.raises(NonFiniteLossError, match="the loss of step 2 is nan"):
+            ctx.report(loss=float("nan"))
+    else:
+        ctx.report(loss=torch.tensor(float("inf")))      # step 2: trains on, not committed
+        ctx.report(loss=0.5)                              # step 3: committed
+    run.worker.checkpoints.manager.wait()
+    assert [c.step for c in CheckpointManager(run.spec.storage).committed()] == ([1] if action == "fail" else [1, 3])
+    assert model is not None
+
+
+def test_a_commit_before_leaving_that_fails_is_raised_not_left_unseen(generations, monkeypatch):
+    from checkpointing import CheckpointError
+    run = generations()
+    ctx = run.context("fresh")
+    ctx.prepare_model(nn.Linear(4, 1))
+    ctx.restore()
+    ctx.report(loss=1.0)
+    manager = ctx._checkpoints()
+    monkeypatch.setattr(manager, "save", lambda *a, **k: None)    # the save never commits
+    ctx._preempted.set()
+    with pytest.raises(CheckpointError, match="taken before the group changes, was not committed"):
+        ctx.report(loss=1.0)
