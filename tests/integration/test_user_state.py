@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from elastic import CheckpointConfig, ElasticTrainer, FailureConfig, ScalingConfig
+from elastic import Callback, CheckpointConfig, ElasticTrainer, FailureConfig, ScalingConfig, TensorBoardCallback
 from elastic._state import state_sha256
 from faults import SignalAtStep, read_json
 
@@ -60,6 +60,7 @@ def gan_loop(ctx):
     for batch in loader:
         lr = opt_g.param_groups[0]["lr"]
         critic(gen(batch)).mean().backward()
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in critic.parameters()])
         opt_g.step()
         opt_c.step()
         opt_g.zero_grad()
@@ -67,7 +68,11 @@ def gan_loop(ctx):
         sched.step()
         ema.update_parameters(gen.module)
         counter.samples += len(batch) * ctx.world_size
-        ctx.report(loss=critic(batch).pow(2).mean().detach(), lr=lr, critic_bias=critic.module.bias.detach())
+        ctx.report(loss=critic(batch).pow(2).mean().detach(), lr=lr, critic_bias=critic.module.bias.detach(),
+                   grad_norm=grad_norm)
+        if ctx.step % 20 == 0:
+            with torch.no_grad():   # the unwrapped modules: a forward outside DDP's training steps
+                ctx.log(val_score=float(critic.module(gen.module(batch)).mean()))
         if ctx.step == cfg.get("stop_at"):
             return
         if ctx.step == (cfg.get("hold_at") or [None])[0]:
@@ -99,7 +104,27 @@ def _flat(tree, prefix=""):
     return {prefix: tree}
 
 
-def fit(run_dir, out, *, workers, steps, fault=None, spare_workers=0, every=None, stop_at=None, ok=True):
+class Seen(Callback):
+    """What the driver-side hooks were given."""
+
+    def __init__(self):
+        self.steps, self.logs, self.recoveries, self.ended = [], [], [], []
+
+    def on_step(self, step_info):
+        self.steps.append(step_info["step"])
+
+    def on_log(self, log_info):
+        self.logs.append(log_info["step"])
+
+    def on_recovery(self, recovery):
+        self.recoveries.append(recovery)
+
+    def on_end(self, result):
+        self.ended.append(result.status)
+
+
+def fit(run_dir, out, *, workers, steps, fault=None, spare_workers=0, every=None, stop_at=None, ok=True,
+        callbacks=()):
     config = {"out": out, "stop_at": stop_at, **(fault.hold_config() if fault is not None else {})}
     if fault is not None:
         fault.start()
@@ -108,7 +133,8 @@ def fit(run_dir, out, *, workers, steps, fault=None, spare_workers=0, every=None
         scaling=ScalingConfig(min_workers=workers[0], max_workers=workers[1], startup_wait_s=120,
                               spare_workers=spare_workers),
         checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=every),
-        failure=FailureConfig(heartbeat_timeout_s=10.0, max_failures=3, rendezvous_timeout_s=60.0)).fit()
+        failure=FailureConfig(heartbeat_timeout_s=10.0, max_failures=3, rendezvous_timeout_s=60.0),
+        callbacks=list(callbacks)).fit()
     if fault is not None:
         fault.join(timeout=5)
         assert fault.fired(), f"the fault never fired (run ended at step {result.final_step})"
@@ -124,8 +150,9 @@ def test_kill_with_a_spare_ends_bitwise_equal_in_every_object(ray_session, tmp_p
     _, clean = fit(str(tmp_path / "clean"), str(tmp_path / "clean.json"), workers=(3, 3), steps=80)
     faulty_dir = str(tmp_path / "faulty")
     fault = SignalAtStep(faulty_dir, at_step=30, sig=signal.SIGKILL, rank=1, when=lambda status: status["spares"])
+    seen = Seen()
     result, faulty = fit(faulty_dir, str(tmp_path / "faulty.json"), workers=(3, 3), steps=80, fault=fault,
-                         spare_workers=1)
+                         spare_workers=1, callbacks=[seen, TensorBoardCallback(str(tmp_path / "tb"))])
     (recovery,) = result.summary["recoveries"]
     # Restored at the kill's step with no checkpoint on storage: every object came from a survivor's
     # memory (a loaded machine may also replace a survivor slow to leave the collective: "cold").
@@ -133,7 +160,17 @@ def test_kill_with_a_spare_ends_bitwise_equal_in_every_object(ray_session, tmp_p
     assert faulty == clean
     assert clean["sched"]["last_epoch"] == 80 and clean["counter"] == 80 * 12 and clean["step"] == 80
     lines = [json.loads(line) for line in open(os.path.join(faulty_dir, "metrics.jsonl"))]
-    assert [m["step"] for m in lines] == list(range(1, 81)) and all("critic_bias" in m for m in lines)
+    steps = [m for m in lines if "kind" not in m]
+    assert [m["step"] for m in steps] == list(range(1, 81))
+    assert all("critic_bias" in m and m["grad_norm"] > 0 for m in steps)
+    assert [m["step"] for m in lines if m.get("kind") == "log"] == [20, 40, 60, 80]
+    # The driver's callbacks saw every kept step, the recovery before its first redone step, the end.
+    assert seen.steps[-50:] == list(range(31, 81)) and sorted(set(seen.steps)) == list(range(1, 81))
+    assert [r["cause"] for r in seen.recoveries] == ["worker_died"] and seen.ended == ["finished"]
+    assert seen.logs == [20, 40, 60, 80] and result.metrics.last["val_score"] == [m for m in lines if "val_score" in m][-1]["val_score"]
+    assert [s for s, _ in result.metrics.history["grad_norm"]] == list(range(1, 81))
+    assert result.checkpoint.endswith("checkpoints/step_00000080")
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "tb"))
 
 
 @pytest.mark.timeout(300)
@@ -146,6 +183,8 @@ def test_resume_at_another_world_size_continues_the_scheduler(ray_session, tmp_p
     # The counter went on from the first run's samples, at the new global batch.
     assert state["counter"] == 40 * 8 + 30 * 12
     lines = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    assert [m["step"] for m in lines if m.get("kind") == "log"] == [20, 40, 60]
+    lines = [m for m in lines if "kind" not in m]
     assert [m["step"] for m in lines] == list(range(1, 71))
     # Step k ran with the LambdaLR's LR of k-1 steps taken, across the resume.
     assert [m["lr"] for m in lines] == pytest.approx([BASE_LR * warmup(k - 1) for k in range(1, 71)], rel=1e-12)
