@@ -1,9 +1,13 @@
 """The operator CLI, `elastic` (or `python -m elastic`): look at a run from outside.
 
-    elastic status URL [--watch]   live view of <URL>/status.json
-    elastic report URL [--plot [PATH]]   the summary and the recoveries table of a finished run;
-                                   --plot draws loss, world size and LR over time (default PATH:
-                                   <URL>/report.png)
+    elastic status URL [--watch] [--json]   live view of <URL>/status.json; exit 0, 1 when the
+                                   run failed, 2 no run there or a storage error
+    elastic report URL [--json] [--plot [PATH]]   the summary and the recoveries table of a
+                                   finished run; exit 0 finished, 1 otherwise, 2 no summary or a
+                                   storage error; --plot draws loss, world size and LR over time
+                                   (default PATH: <URL>/report.png)
+                                   (status and report take --option KEY=VALUE: fsspec storage
+                                   options; credentials and endpoint also come from AWS_*)
     elastic ckpt list|verify|gc URL   committed checkpoints (same as `python -m checkpointing`)
     elastic export URL [--step N] --out FILE   the model weights of a committed checkpoint as one
                                    file that plain `torch.load(FILE, weights_only=True)` reads
@@ -16,15 +20,46 @@ import json
 import sys
 import time
 
+from checkpointing.errors import StorageError
 from checkpointing.storage import Storage
 
 
-def _read_json(url: str, name: str) -> dict | None:
-    storage = Storage(url)
+class _Unreadable(Exception):
+    """A run file that is there but is no JSON object: exit 2 with its name."""
+
+
+def _read_json(url: str, name: str, options: dict | None = None) -> dict | None:
+    """`name` under the run's storage as a dict, None when it does not exist; a StorageError
+    (unreachable store, bad credentials, unknown scheme) passes up to main (exit 2)."""
+    storage = Storage(url, options)
     try:
-        return json.loads(storage.read_bytes(storage.path(name)))
+        payload = json.loads(storage.read_bytes(storage.path(name)))
     except FileNotFoundError:
         return None
+    except ValueError as error:
+        raise _Unreadable(f"{name} under {url} is not valid JSON ({error})") from None
+    if not isinstance(payload, dict):
+        raise _Unreadable(f"{name} under {url} is not a JSON object")
+    return payload
+
+
+def _option_value(text: str) -> object:
+    """A --option value as JSON when it reads as JSON (false, 3, null, {...}), else the string:
+    `anon=false` must not be the truthy string "false"."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _parse_options(pairs: list[str]) -> dict:
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise _Unreadable(f"--option expects KEY=VALUE, got {pair!r}")
+        options[key] = _option_value(value)
+    return options
 
 
 def _status_line(status: dict) -> str:
@@ -36,24 +71,29 @@ def _status_line(status: dict) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    """Exit 0; 1 when the run failed (status.json's state "failed"); 2 no run there."""
+    options = _parse_options(args.option)
     while True:
-        status = _read_json(args.url, "status.json")
+        status = _read_json(args.url, "status.json", options)
         if status is None:
             print(f"no status.json under {args.url}: is this a run's storage URL?", file=sys.stderr)
             return 2
-        print(_status_line(status), flush=True)
+        if args.json:
+            print(json.dumps(status), flush=True)
+        else:
+            print(_status_line(status), flush=True)
         if not args.watch or status.get("state") in ("finished", "failed"):
-            return 0
+            return 1 if status.get("state") == "failed" else 0
         time.sleep(args.interval)
 
 
 _DEFAULT_PLOT = "<storage>/report.png"
 
 
-def _write_plot(url: str, summary: dict | None, target: str) -> int:
+def _write_plot(url: str, summary: dict | None, target: str, options: dict | None = None) -> int:
     """Render metrics.jsonl (+ recoveries) to `target`, or to <url>/report.png through Storage."""
     from elastic import _report_plot
-    storage = Storage(url)
+    storage = Storage(url, options)
     try:
         text = storage.read_bytes(storage.path("metrics.jsonl")).decode()
     except FileNotFoundError:
@@ -77,15 +117,17 @@ def _write_plot(url: str, summary: dict | None, target: str) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    summary = _read_json(args.url, "summary.json")
+    """Exit 0 the run finished; 1 it did not (failed, stopped, stopped early); 2 no summary."""
+    options = _parse_options(args.option)
+    summary = _read_json(args.url, "summary.json", options)
     if summary is None:
         print(f"no summary.json under {args.url}: the run has not ended (try `elastic status`)", file=sys.stderr)
         return 2
-    if args.plot is not None and _write_plot(args.url, summary, args.plot) != 0:
+    if args.plot is not None and _write_plot(args.url, summary, args.plot, options) != 0:
         return 2
     if args.json:
         print(json.dumps(summary, indent=1))
-        return 0
+        return 0 if summary.get("status") == "finished" else 1
     print(f"status {summary['status']}  step {summary['final_step']}/{summary['total_steps']}  "
           f"wall {summary['wall_s']:.1f}s  goodput {summary['goodput']}  resumed from {summary['resumed_from']}")
     print(f"loss {summary['loss_first']} -> {summary['loss_last']}  model_sha256 {summary['model_sha256']}")
@@ -141,10 +183,15 @@ def main(argv: list[str] | None = None) -> int:
     status.add_argument("url")
     status.add_argument("--watch", action="store_true", help="keep printing until the run ends")
     status.add_argument("--interval", type=float, default=2.0)
+    status.add_argument("--json", action="store_true", help="print status.json as is (one line per read)")
     status.set_defaults(run=cmd_status)
     report = sub.add_parser("report", help="summary and recoveries of a run")
     report.add_argument("url")
     report.add_argument("--json", action="store_true", help="print summary.json as is")
+    for command in (status, report):
+        command.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                             help="fsspec storage option, e.g. endpoint_url=http://127.0.0.1:9000 or anon=true "
+                                  "(values read as JSON where they can; AWS_* variables also work)")
     report.add_argument("--plot", nargs="?", const=_DEFAULT_PLOT, metavar="PATH",
                         help="also draw loss, world size and LR over time with recoveries marked, as a PNG "
                              "(default PATH: <URL>/report.png; needs matplotlib)")
@@ -166,7 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("ckpt", help="list|verify|gc URL: committed checkpoints")
     sub.add_parser("chaos", help="run|list|schedule|heal: fault injection (python -m chaos)")
     args = parser.parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except (StorageError, _Unreadable) as error:
+        # One line, no traceback: the URL, what failed, what to check.
+        print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ class ControllerActor:
     def __init__(self, spec: RunSpec, scaling: ScalingConfig, failure: FailureConfig, checkpoint: CheckpointConfig,
                  total_steps: int, config: dict[str, Any], failure_policy, scaling_policy, feed: bool = False):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        spec.apply_storage_env()     # the driver's credentials, before anything here opens storage
         options = dict(checkpoint.storage_options) or None
         # The driver's callbacks drain the feed (`events`); without callbacks nobody would.
         self._feed = RunFeed() if feed else None
@@ -87,7 +88,10 @@ class ControllerActor:
             checkpoints=checkpoints,
             model_sha256=controller.model_sha256,
             error=None if error is None else {k: error[k] for k in ("type", "message", "traceback", "ranks")})
-        self._recorder.write_status(force=True, state=controller.state.state.value)
+        try:
+            self._recorder.write_status(force=True, state=controller.state.state.value)
+        except Exception:   # noqa: BLE001 - the outcome must reach the driver: fit() returns, never raises
+            logging.getLogger("elastic.controller").exception("could not write the final status.json")
         exception = None
         if error is not None:
             exception = error.get("exception") or UserCodeError(f"{error['type']}: {error['message']}")

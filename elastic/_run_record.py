@@ -401,8 +401,15 @@ class RunRecorder:
             "data_order_sha256": self._data[1] if self._data else None,
             "config": self._config, "error": error,
         }
-        self.close()
-        self.flush_metrics()
+        # The last metrics lines go first (a reader that sees summary.json finds them all), but
+        # only best effort: a storage that fails them (full disk, lost credentials) must not
+        # cost the run its summary, nor make the controller raise instead of returning it.
+        try:
+            self.close()
+            self.flush_metrics()
+        except Exception:   # noqa: BLE001
+            log.exception("could not write the last metrics.jsonl lines under %s; summary.json is written anyway",
+                          self._url)
         self._write_json("summary.json", summary)
         return strict(summary)      # as on storage
 

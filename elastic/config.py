@@ -1,13 +1,21 @@
 """Configuration of an elastic run: frozen, keyword-only dataclasses checked on construction.
 
-`None` means unlimited. Each check says which field to change and how.
+`None` means unlimited. Each check says which field to change and how. Every bad value, an
+unknown or positional argument included, is a ConfigError (never a bare TypeError): a count is
+an int (a bool or a float is refused), a duration a finite number of seconds, a flag a bool.
 """
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
+import math
+import os
+import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping, TypeVar
 
+from elastic._credentials import mask_secrets, mask_url
 from elastic.errors import ConfigError, StorageConfigError
 
 STRATEGIES = ("ddp", "fsdp")
@@ -21,6 +29,159 @@ def _require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _got(value: Any) -> str:
+    """`value` as a message shows it, with its type where the repr hides why it is refused."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"{value!r} (a {type(value).__name__})"
+    return repr(value)
+
+
+def _count(name: str, value: Any, minimum: int, *, none: str | None = None) -> None:
+    """`value` is an int >= minimum, or None when `none` says what None means. A bool is refused
+    (True would silently mean 1), and so is a float (2.5 failures means nothing)."""
+    if value is None and none is not None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        allowed = f"an int >= {minimum}" + (f", or None ({none})" if none is not None else "")
+        raise ConfigError(f"{name} must be {allowed}, got {_got(value)}")
+
+
+def _number(name: str, value: Any, *, above: float | None = None, at_least: float | None = None,
+            at_most: float | None = None, unit: str = "", none: str | None = None) -> None:
+    """`value` is a finite int or float within the bounds (or None when `none` says what None
+    means). inf is refused: a timeout of inf disables what it bounds (hang detection) or
+    overflows where it is used (torch's timedelta); a bool or a string is refused too."""
+    if value is None and none is not None:
+        return
+    finite = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if (finite and (above is None or value > above) and (at_least is None or value >= at_least)
+            and (at_most is None or value <= at_most)):
+        return
+    bounds = [f"> {above:g}" if above is not None else "", f">= {at_least:g}" if at_least is not None else "",
+              f"<= {at_most:g}" if at_most is not None else ""]
+    allowed = f"a finite number{' of ' + unit if unit else ''} {' and '.join(b for b in bounds if b)}".rstrip()
+    if none is not None:
+        allowed += f", or None ({none})"
+    hint = ("; there is no 'no timeout': pick a large finite value"
+            if unit == "seconds" and isinstance(value, float) and math.isinf(value) else "")
+    raise ConfigError(f"{name} must be {allowed}, got {_got(value)}{hint}")
+
+
+def _flag(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be True or False, got {_got(value)}")
+
+
+# Arguments of other libraries' configs (Ray Train, ...) that users carry over: what to write instead.
+_ARGUMENT_HINTS: dict[str, dict[str, str]] = {
+    "ScalingConfig": {
+        "num_workers": "elastic sizes the group between min_workers and max_workers: a fixed size N is "
+                       "min_workers=N, max_workers=N (a smaller min_workers lets the run go on after losses)",
+        "placement_strategy": "each worker has a placement group of its own; set resources_per_worker",
+        "trainer_resources": "the controller reserves no resources; set resources_per_worker for the workers",
+        "accelerator_type": "reserve a custom resource in resources_per_worker",
+    },
+    "CheckpointConfig": {
+        "num_to_keep": "use keep=N", "checkpoint_frequency": "use every_n_steps=N",
+        "storage_path": "use storage=URL", "path": "use storage=URL", "url": "use storage=URL",
+    },
+    "FailureConfig": {
+        "fail_fast": "user-code errors always fail at once; max_failures counts infrastructure failures",
+    },
+}
+
+
+_Config = TypeVar("_Config")
+
+
+def _checked_arguments(cls: type[_Config]) -> type[_Config]:
+    """Wrap the dataclass's generated __init__ so that a positional, unknown or missing argument
+    is a ConfigError naming it (with the field it likely meant), not Python's TypeError."""
+    generated = cls.__init__  # type: ignore[misc]
+    params = [f for f in dataclasses.fields(cls) if f.init]  # type: ignore[arg-type]
+    names = [f.name for f in params]
+    required = [f.name for f in params
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    hints = _ARGUMENT_HINTS.get(cls.__name__, {})
+
+    @functools.wraps(generated)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        if args:
+            raise ConfigError(f"{cls.__name__} takes keyword arguments only: write {cls.__name__}("
+                              f"{', '.join(n + '=...' for n in (required or names[:1]))}), got {len(args)} "
+                              f"positional argument(s) {args!r}")
+        for name in kwargs:
+            if name not in names:
+                hint = hints.get(name) or ", ".join(difflib.get_close_matches(name, names, n=2))
+                raise ConfigError(f"{cls.__name__} has no field {name!r}" +
+                                  (f": {hint}" if name in hints else f" (did you mean {hint}?)" if hint else "") +
+                                  f"; its fields: {', '.join(names)}")
+        missing = [name for name in required if name not in kwargs]
+        if missing:
+            raise ConfigError(f"{cls.__name__} needs {', '.join(n + '=...' for n in missing)}")
+        generated(self, **kwargs)
+
+    cls.__init__ = __init__  # type: ignore[misc]
+    return cls
+
+
+def normalized_storage(url: Any) -> str:
+    """CheckpointConfig.storage as every process of the run must read it: a path-like becomes a
+    string; a local path becomes absolute (and `~` expanded), because each process (driver,
+    controller, workers) has a cwd of its own; a URL is checked for what would otherwise go
+    silently wrong (an s3:// with no bucket became a local folder named `s3:`)."""
+    if isinstance(url, os.PathLike):
+        url = os.fspath(url)
+    _require(isinstance(url, str) and url.strip() != "",
+             f"CheckpointConfig.storage must be a non-empty URL or path, got {_got(url)}")
+    shown = mask_url(url)
+    if "://" not in url:
+        if re.match(r"^[A-Za-z][A-Za-z0-9+.-]+:", url):
+            raise StorageConfigError(
+                f"CheckpointConfig.storage {shown!r} looks like a URL with a malformed scheme; write "
+                f"scheme://... (e.g. s3://bucket/prefix), or ./{shown} for a local folder of that name")
+        return os.path.abspath(os.path.expanduser(url))
+    scheme, rest = url.split("://", 1)
+    if scheme not in STORAGE_SCHEMES:
+        raise StorageConfigError(
+            f"CheckpointConfig.storage: unsupported URL scheme {scheme!r} in {shown!r}; "
+            f"use a local path, file://, memory:// or s3://")
+    if scheme == "s3":
+        bucket = rest.split("/", 1)[0]
+        if not bucket.strip():
+            raise StorageConfigError(f"CheckpointConfig.storage {shown!r} names no bucket; write s3://BUCKET/PREFIX")
+        if "@" in bucket or ":" in bucket or any(c.isspace() for c in bucket):
+            raise StorageConfigError(
+                f"CheckpointConfig.storage {shown!r}: {bucket.rpartition('@')[2]!r} is no bucket name; put "
+                f"credentials in storage_options (key, secret) or the AWS_* variables, never in the URL")
+    if scheme == "file":
+        path = rest
+        if not path.startswith("/"):
+            return "file://" + os.path.abspath(os.path.expanduser(path))
+    return url
+
+
+def check_dataset_covers_global_batch(num_samples: int, *, batch_size: int, world_size: int,
+                                      accum_steps: int = 1) -> None:
+    """A dataset must hold at least one global batch: with fewer samples the epoch wraps inside
+    a step and every step reads some samples twice (silently: no sample is "lost"). Checked
+    when a loader is made for a generation (the world size, hence the global batch, may differ
+    from one generation to the next)."""
+    global_batch = batch_size * world_size * accum_steps
+    if num_samples >= global_batch:
+        return
+    per_rank = world_size * accum_steps
+    largest = num_samples // per_rank
+    parts = f"batch_size={batch_size} x world size {world_size}" + (f" x {accum_steps} micro-batches"
+                                                                   if accum_steps > 1 else "")
+    fix = (f"lower prepare_data's batch_size to at most {largest}" if largest >= 1
+           else "even batch_size=1 is too many at this world size: lower max_workers")
+    raise ConfigError(f"prepare_data: the dataset has {num_samples} samples, fewer than one global batch of "
+                      f"{global_batch} ({parts}): every step would read some samples twice; {fix}, or use a "
+                      f"larger dataset")
+
+
+@_checked_arguments
 @dataclass(frozen=True, kw_only=True)
 class ScalingConfig:
     """How many workers, on what hardware, with which parallel strategy."""
@@ -41,7 +202,8 @@ class ScalingConfig:
     use_gpu: bool = False
     """One GPU per worker and NCCL; otherwise CPU and gloo."""
     resources_per_worker: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
-    """Ray resources reserved for each worker (its placement-group bundle)."""
+    """Ray resources reserved for each worker (its placement-group bundle): name -> finite amount
+    >= 0. A "GPU" amount needs use_gpu=True (else the workers would hold GPUs and train on CPU)."""
     strategy: str = "ddp"
     """"ddp" (replicated; warm recovery from any survivor) or "fsdp" (FSDP2 fully_shard)."""
     precision: str = "fp32"
@@ -65,24 +227,41 @@ class ScalingConfig:
     (CPUOffloadPolicy); the optimizer step runs on the CPU."""
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.min_workers, int) and self.min_workers >= 1,
-                 f"ScalingConfig.min_workers must be an int >= 1, got {self.min_workers!r}")
-        _require(self.max_workers is None or (isinstance(self.max_workers, int) and self.max_workers >= self.min_workers),
+        _count("ScalingConfig.min_workers", self.min_workers, 1)
+        _count("ScalingConfig.max_workers", self.max_workers, 1, none="no limit")
+        _require(self.max_workers is None or self.max_workers >= self.min_workers,
                  f"ScalingConfig.max_workers ({self.max_workers!r}) must be an int >= "
                  f"min_workers ({self.min_workers}); raise max_workers or lower min_workers")
-        _require(isinstance(self.spare_workers, int) and self.spare_workers >= 0,
-                 f"ScalingConfig.spare_workers must be an int >= 0, got {self.spare_workers!r}")
+        _count("ScalingConfig.spare_workers", self.spare_workers, 0)
         _require(self.spare_workers == 0 or self.max_workers is not None,
                  "ScalingConfig.spare_workers needs max_workers: with no maximum every placed worker "
                  "already joins the run")
-        _require(isinstance(self.startup_wait_s, (int, float)) and self.startup_wait_s >= 0,
-                 f"ScalingConfig.startup_wait_s must be a number of seconds >= 0, got {self.startup_wait_s!r}")
+        _number("ScalingConfig.startup_wait_s", self.startup_wait_s, at_least=0, unit="seconds")
+        _flag("ScalingConfig.use_gpu", self.use_gpu)
         _require(self.strategy in STRATEGIES,
                  f"ScalingConfig.strategy must be one of {STRATEGIES}, got {self.strategy!r}")
-        _require(all(v >= 0 for v in self.resources_per_worker.values()),
-                 f"ScalingConfig.resources_per_worker has a negative amount: {self.resources_per_worker}")
-        object.__setattr__(self, "resources_per_worker", dict(self.resources_per_worker))
+        self._check_resources()
         self._check_precision_and_memory()
+
+    def _check_resources(self) -> None:
+        resources = self.resources_per_worker
+        _require(isinstance(resources, Mapping),
+                 f"ScalingConfig.resources_per_worker must be a dict of Ray resource name -> amount, e.g. "
+                 f"{{'CPU': 2}}, got {_got(resources)}")
+        for name, amount in resources.items():
+            _require(isinstance(name, str) and name != "",
+                     f"ScalingConfig.resources_per_worker: a resource name is a non-empty str, got {_got(name)}")
+            _number(f"ScalingConfig.resources_per_worker[{name!r}]", amount, at_least=0)
+        gpus = resources.get("GPU")
+        # A worker holding a GPU it never uses (CPU and gloo) is a mistake, never a choice.
+        _require(not gpus or self.use_gpu,
+                 f"ScalingConfig.resources_per_worker reserves GPU={gpus} per worker but use_gpu=False, so the "
+                 f"workers would hold GPUs and train on CPU with gloo; set use_gpu=True (NCCL, one GPU "
+                 f"per worker by default) or drop 'GPU' from resources_per_worker")
+        _require(gpus is None or gpus > 0 or not self.use_gpu,
+                 "ScalingConfig.use_gpu=True but resources_per_worker reserves GPU=0, so the workers get "
+                 "no GPU; drop 'GPU' from resources_per_worker (one per worker) or set use_gpu=False")
+        object.__setattr__(self, "resources_per_worker", dict(resources))
 
     def _check_precision_and_memory(self) -> None:
         _require(self.precision in PRECISIONS,
@@ -95,11 +274,11 @@ class ScalingConfig:
         _require(self.grad_compression is None or self.strategy == "ddp",
                  f"ScalingConfig.grad_compression={self.grad_compression!r} works through DDP communication "
                  f"hooks; with strategy='fsdp' set grad_compression=None (FSDP reduces in reduce_dtype)")
-        _require(isinstance(self.powersgd_rank, int) and self.powersgd_rank >= 1,
-                 f"ScalingConfig.powersgd_rank must be an int >= 1, got {self.powersgd_rank!r}")
-        _require(isinstance(self.powersgd_warmup_steps, int) and self.powersgd_warmup_steps >= 2,
-                 f"ScalingConfig.powersgd_warmup_steps must be an int >= 2 (DDP rebuilds buckets after "
-                 f"its first step), got {self.powersgd_warmup_steps!r}")
+        _count("ScalingConfig.powersgd_rank", self.powersgd_rank, 1)
+        _count("ScalingConfig.powersgd_warmup_steps (DDP rebuilds buckets after its first step)",
+               self.powersgd_warmup_steps, 2)
+        _flag("ScalingConfig.fsdp_reshard_after_forward", self.fsdp_reshard_after_forward)
+        _flag("ScalingConfig.fsdp_cpu_offload", self.fsdp_cpu_offload)
         _require(self.strategy == "fsdp" or (self.fsdp_reshard_after_forward and not self.fsdp_cpu_offload),
                  "ScalingConfig.fsdp_reshard_after_forward / fsdp_cpu_offload apply to strategy='fsdp' only; "
                  "set strategy='fsdp' or leave them at their defaults")
@@ -109,12 +288,15 @@ class ScalingConfig:
         return float(self.resources_per_worker.get("CPU", 1.0))
 
 
+@_checked_arguments
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     """Where and how often the run commits sharded checkpoints."""
 
     storage: str
-    """fsspec URL or local path: the run's home (checkpoints/, status.json, summary.json)."""
+    """fsspec URL or local path: the run's home (checkpoints/, status.json, summary.json). A
+    pathlib.Path is taken as its string; a relative path is made absolute here, against this
+    process's working directory (every process of the run has its own)."""
     every_n_steps: int | None = None
     """Commit a checkpoint every this many steps; None means only at the end."""
     keep: int | None = 3
@@ -124,27 +306,31 @@ class CheckpointConfig:
     max_consecutive_failures: int = 3
     """Failed saves in a row before the run fails with a CheckpointError."""
     storage_options: dict[str, Any] = field(default_factory=dict)
-    """Extra fsspec options (for s3: endpoint_url, key, secret); AWS_* variables also work."""
+    """Extra fsspec options (for s3: endpoint_url, key, secret); AWS_* variables also work. Shown
+    (repr, summary.json) with every secret-named key masked at any depth."""
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.storage, str) and self.storage.strip() != "",
-                 "CheckpointConfig.storage must be a non-empty URL or path")
-        scheme = self.storage.split("://", 1)[0] if "://" in self.storage else ""
-        if scheme not in STORAGE_SCHEMES:
-            raise StorageConfigError(
-                f"CheckpointConfig.storage: unsupported URL scheme {scheme!r} in {self.storage!r}; "
-                f"use a local path, file://, memory:// or s3://")
-        _require(self.every_n_steps is None or (isinstance(self.every_n_steps, int) and self.every_n_steps >= 1),
-                 f"CheckpointConfig.every_n_steps must be >= 1 or None, got {self.every_n_steps!r}")
-        _require(self.keep is None or (isinstance(self.keep, int) and self.keep >= 1),
-                 f"CheckpointConfig.keep must be >= 1 or None, got {self.keep!r}")
-        _require(self.max_consecutive_failures >= 1,
-                 "CheckpointConfig.max_consecutive_failures must be >= 1")
+        object.__setattr__(self, "storage", normalized_storage(self.storage))
+        _count("CheckpointConfig.every_n_steps", self.every_n_steps, 1, none="only at the end")
+        _count("CheckpointConfig.keep", self.keep, 1, none="keep all")
+        _flag("CheckpointConfig.async_save", self.async_save)
+        _count("CheckpointConfig.max_consecutive_failures", self.max_consecutive_failures, 1)
+        _require(isinstance(self.storage_options, Mapping) and all(isinstance(k, str) for k in self.storage_options),
+                 f"CheckpointConfig.storage_options must be a dict of fsspec option name -> value, "
+                 f"got {_got(mask_secrets(self.storage_options))}")
+        object.__setattr__(self, "storage_options", dict(self.storage_options))
+
+    def __repr__(self) -> str:
+        """With no secret in it (a config is logged and printed): see elastic._credentials."""
+        shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        shown.update(storage=mask_url(self.storage), storage_options=mask_secrets(self.storage_options))
+        return f"CheckpointConfig({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
 
 NONFINITE_LOSS_ACTIONS = ("fail", "ignore")
 
 
+@_checked_arguments
 @dataclass(frozen=True, kw_only=True)
 class FailureConfig:
     """How failures are detected and how many the run tolerates."""
@@ -200,18 +386,16 @@ class FailureConfig:
         return min(1.0, self.heartbeat_timeout_s / 5)
 
     def __post_init__(self) -> None:
-        _require(self.max_failures is None or (isinstance(self.max_failures, int) and self.max_failures >= 0),
-                 f"FailureConfig.max_failures must be >= 0 or None, got {self.max_failures!r}")
-        _require(self.heartbeat_interval_s > 0, "FailureConfig.heartbeat_interval_s must be > 0")
+        _count("FailureConfig.max_failures", self.max_failures, 0, none="unlimited")
+        # Every timeout finite: inf would switch hang detection off (heartbeat) or overflow
+        # torch's timedelta in the workers (collective), which would read as a user error.
+        for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "collective_timeout_s", "rendezvous_timeout_s"):
+            _number(f"FailureConfig.{name}", getattr(self, name), above=0, unit="seconds")
         _require(self.heartbeat_timeout_s > self.heartbeat_interval_s,
                  f"FailureConfig.heartbeat_timeout_s ({self.heartbeat_timeout_s}) must exceed "
                  f"heartbeat_interval_s ({self.heartbeat_interval_s})")
-        _require(self.collective_timeout_s > 0, "FailureConfig.collective_timeout_s must be > 0")
-        _require(self.rendezvous_timeout_s > 0, "FailureConfig.rendezvous_timeout_s must be > 0")
-        _require(isinstance(self.straggler_window, int) and self.straggler_window >= 3,
-                 f"FailureConfig.straggler_window must be an int >= 3, got {self.straggler_window!r}")
-        _require(self.straggler_min_excess_s >= 0,
-                 f"FailureConfig.straggler_min_excess_s must be >= 0 seconds, got {self.straggler_min_excess_s!r}")
+        _count("FailureConfig.straggler_window", self.straggler_window, 3)
+        _number("FailureConfig.straggler_min_excess_s", self.straggler_min_excess_s, at_least=0, unit="seconds")
         _require(self.on_nonfinite_loss in NONFINITE_LOSS_ACTIONS,
                  f"FailureConfig.on_nonfinite_loss must be one of {NONFINITE_LOSS_ACTIONS}, "
                  f"got {self.on_nonfinite_loss!r}")
@@ -220,15 +404,15 @@ class FailureConfig:
             and 0 < self.step_timeout_s < float("inf")),
                  f"FailureConfig.step_timeout_s must be a finite number of seconds > 0, \"auto\" or None "
                  f"(off), got {self.step_timeout_s!r}")
-        _require(self.straggler_threshold is None or self.straggler_threshold > 1.0,
-                 f"FailureConfig.straggler_threshold must be > 1.0 (a ratio to the other ranks) or None "
-                 f"to turn scoring off, got {self.straggler_threshold!r}")
+        _number("FailureConfig.straggler_threshold (a ratio to the other ranks)", self.straggler_threshold,
+                above=1.0, none="scoring off")
 
 
 LR_MODES = ("linear", "constant_global_batch")
 LR_SCHEDULES = ("constant", "cosine")
 
 
+@_checked_arguments
 @dataclass(frozen=True, kw_only=True)
 class LRScalingConfig:
     """The LR across rescales: "linear" (lr follows the global batch, with warmup and a ramp after
@@ -256,19 +440,17 @@ class LRScalingConfig:
     """Floor of the cosine decay, as a share of the peak LR."""
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.base_world_size, int) and self.base_world_size >= 1,
-                 f"LRScalingConfig.base_world_size must be an int >= 1, got {self.base_world_size!r}")
-        _require(self.base_lr is None or self.base_lr > 0,
-                 f"LRScalingConfig.base_lr must be > 0 (or None for the optimizer's LR), got {self.base_lr!r}")
-        _require(self.warmup_steps >= 0 and self.rescale_warmup_steps >= 0,
-                 "LRScalingConfig.warmup_steps and rescale_warmup_steps must be >= 0")
+        _count("LRScalingConfig.base_world_size", self.base_world_size, 1)
+        _number("LRScalingConfig.base_lr", self.base_lr, above=0, none="the optimizer's LR")
+        _count("LRScalingConfig.warmup_steps", self.warmup_steps, 0)
+        _count("LRScalingConfig.rescale_warmup_steps", self.rescale_warmup_steps, 0)
         _require(self.mode in LR_MODES, f"LRScalingConfig.mode must be one of {LR_MODES}, got {self.mode!r}")
         _require(self.mode == "linear" or self.rescale_warmup_steps == 0,
                  "LRScalingConfig.rescale_warmup_steps has no effect in mode 'constant_global_batch' (the LR does "
                  "not change on a rescale); leave it 0 or use mode 'linear'")
         _require(self.schedule in LR_SCHEDULES,
                  f"LRScalingConfig.schedule must be one of {LR_SCHEDULES}, got {self.schedule!r}")
-        _require(0.0 <= self.min_lr_ratio <= 1.0, "LRScalingConfig.min_lr_ratio must be within [0, 1]")
+        _number("LRScalingConfig.min_lr_ratio", self.min_lr_ratio, at_least=0, at_most=1)
 
 
 def to_jsonable(config: Any) -> Any:

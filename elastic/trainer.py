@@ -7,23 +7,59 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from elastic._accumulation import CONSTANT_GLOBAL_BATCH, check_divisible
+from elastic._credentials import mask_secrets, mask_url, split_storage_env
 from elastic.callbacks import CallbackRunner, check_callbacks
 from elastic.config import CheckpointConfig, FailureConfig, LRScalingConfig, ScalingConfig, to_jsonable
 from elastic._protocol import RunSpec
-from elastic.errors import ConfigError, StorageConfigError
+from elastic.errors import ConfigError, StorageConfigError, UserCodeError
 from elastic.policies import FailurePolicy, ScalingPolicy
 
 log = logging.getLogger("elastic.trainer")
 
-_SECRET_WORDS = ("secret", "key", "token", "password")
-# The standard variables that point any S3-compatible store; forwarded to the run's actors,
-# which do not inherit what the driver set after its Ray was started.
-_STORAGE_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-                "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION", "AWS_REGION", "AWS_PROFILE")
+
+def actor_environment(environ: Mapping[str, str]) -> tuple[dict[str, Any] | None, dict[str, str]]:
+    """The controller actor's runtime_env, and the credentials that go by RunSpec.storage_env.
+
+    The standard AWS variables of the driver are forwarded to the run's actors, which do not
+    inherit what the driver set after its Ray was started (the workers inherit the controller's
+    runtime_env). Ray displays a runtime_env on its dashboard and writes it to its logs, so only
+    the variables that are no secret go there (endpoint, region, profile); the credentials travel
+    as an actor argument, which each actor puts in its own environment at its start."""
+    shown, hidden = split_storage_env(environ)
+    return ({"env_vars": shown} if shown else None), hidden
+
+
+def _foreign_config(name: str, value: Any, cls: type) -> str:
+    """The ConfigError message for a config of the wrong type: for Ray Train's configs (same
+    names, other fields), the elastic config that says the same."""
+    kind = f"{type(value).__module__}.{type(value).__qualname__}"
+    message = f"{name} must be an elastic.{cls.__name__}, got {kind}"
+    if not kind.startswith("ray."):
+        return message
+    if cls is ScalingConfig and hasattr(value, "num_workers"):
+        n = getattr(value, "num_workers", None) or 1
+        extra = ", use_gpu=True" if getattr(value, "use_gpu", False) else ""
+        resources = getattr(value, "resources_per_worker", None)
+        extra += f", resources_per_worker={dict(resources)!r}" if resources else ""
+        return (f"{message} (Ray Train's). Write elastic.ScalingConfig(min_workers={n}, max_workers={n}{extra}): "
+                f"the group is sized between min_workers and max_workers (a lower min_workers lets the run go "
+                f"on after losses)")
+    if cls is CheckpointConfig:
+        keep = getattr(value, "num_to_keep", None)
+        return (f"{message} (Ray Train's). Write elastic.CheckpointConfig(storage=URL"
+                f"{f', keep={keep}' if keep else ''}, every_n_steps=N): the storage URL (Ray's "
+                f"RunConfig.storage_path) and the checkpoint period belong to it")
+    if cls is FailureConfig and hasattr(value, "max_failures"):
+        failures = getattr(value, "max_failures")
+        failures = None if failures is None or failures < 0 else failures
+        return (f"{message} (Ray Train's). Write elastic.FailureConfig(max_failures={failures!r}) "
+                f"(None is unlimited, not -1)")
+    return f"{message} (a Ray config; elastic has its own)"
 
 
 @dataclass(frozen=True)
@@ -90,12 +126,14 @@ class ElasticTrainer:
                  callbacks: list[Any] | tuple[Any, ...] | None = None):
         if not callable(train_loop):
             raise ConfigError(f"train_loop must be callable, got {type(train_loop).__name__}")
-        if not isinstance(total_steps, int) or total_steps < 1:
+        if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
             raise ConfigError(f"total_steps must be an int >= 1, got {total_steps!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ConfigError(f"seed must be an int, got {seed!r}")
         for name, value, cls in (("scaling", scaling, ScalingConfig), ("checkpoint", checkpoint, CheckpointConfig),
                                  ("failure", failure or FailureConfig(), FailureConfig)):
             if not isinstance(value, cls):
-                raise ConfigError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")
+                raise ConfigError(_foreign_config(name, value, cls))
         if lr is not None and not isinstance(lr, LRScalingConfig):
             raise ConfigError(f"lr must be an LRScalingConfig, got {type(lr).__name__}")
         if lr is not None and lr.warmup_steps >= total_steps:
@@ -115,15 +153,17 @@ class ElasticTrainer:
         self._callbacks = check_callbacks(callbacks)
 
     def effective_config(self) -> dict[str, Any]:
+        """The configuration as plain JSON (summary.json's `config`), with no secret in it: every
+        secret-named storage option masked at any depth, and no password in a URL."""
         config = {"scaling": to_jsonable(self.scaling), "checkpoint": to_jsonable(self.checkpoint),
                   "failure": to_jsonable(self.failure), "lr": to_jsonable(self.lr),
                   "total_steps": self.total_steps, "seed": self.seed}
-        options = config["checkpoint"].get("storage_options") or {}
-        config["checkpoint"]["storage_options"] = {
-            k: ("***" if any(w in k.lower() for w in _SECRET_WORDS) else v) for k, v in options.items()}
+        config["checkpoint"]["storage"] = mask_url(config["checkpoint"]["storage"])
+        config["checkpoint"]["storage_options"] = mask_secrets(config["checkpoint"].get("storage_options") or {})
         return config
 
-    def _spec(self) -> RunSpec:
+    def _spec(self, storage_env: dict[str, str] | None = None) -> RunSpec:
+        """What every worker needs; `storage_env`: the credentials from `actor_environment`."""
         c = self.checkpoint
         return RunSpec(user_code=self._pickled_user_code(), total_steps=self.total_steps,
                        seed=self.seed, strategy=self.scaling.strategy, use_gpu=self.scaling.use_gpu,
@@ -131,7 +171,7 @@ class ElasticTrainer:
                        keep=c.keep, async_save=c.async_save, max_consecutive_failures=c.max_consecutive_failures,
                        cpus_per_worker=self.scaling.cpus_per_worker,
                        collective_timeout_s=self.failure.collective_timeout_s, lr=self.lr, scaling=self.scaling,
-                       on_nonfinite_loss=self.failure.on_nonfinite_loss)
+                       on_nonfinite_loss=self.failure.on_nonfinite_loss, storage_env=dict(storage_env or {}))
 
     def _pickled_user_code(self) -> bytes:
         """The loop and its config as bytes for the workers (see RunSpec): pickled here, so an
@@ -150,31 +190,45 @@ class ElasticTrainer:
             storage.write_atomic(storage.path("status.json"),
                                  b'{"state": "scheduling", "generation": -1, "step": 0, "workers": []}')
         except Exception as error:
-            raise StorageConfigError(f"CheckpointConfig.storage {self.checkpoint.storage!r} is not writable: "
-                                     f"{error}; check the URL, credentials and endpoint") from error
+            raise StorageConfigError(f"CheckpointConfig.storage {mask_url(self.checkpoint.storage)!r} is not "
+                                     f"writable: {error}; check the URL, credentials and endpoint") from error
 
     def fit(self) -> Result:
-        """Run to completion; returns a Result (status "failed" carries the error, nothing is raised)."""
+        """Run to completion; returns a Result. What is wrong before the run starts (config,
+        storage not writable) raises; once it has started nothing is raised: a failed run, a lost
+        controller included, is a Result with status "failed" and the typed error. A Ray that
+        fit() started itself (none was initialized) is shut down when it returns; one the caller
+        started is left running."""
         import ray
-        from elastic._controller_actor import ControllerActor
 
         self._check_storage()
         # The controller unpickles the policies: a user's policy class travels like the loop.
         for user_code in (self._train_loop, type(self.failure_policy), type(self.scaling_policy)):
             _ship_user_module_by_value(user_code)
-        if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=True)
-        here = ray.get_runtime_context().get_node_id()
+        started_ray = _start_ray(ray)
+        try:
+            return self._run(ray)
+        finally:
+            if started_ray:
+                try:
+                    ray.shutdown()
+                except Exception:   # noqa: BLE001 - the Result matters more
+                    log.warning("could not shut down the Ray instance fit() started", exc_info=True)
+
+    def _run(self, ray: Any) -> Result:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-        storage_env = {k: os.environ[k] for k in _STORAGE_ENV if k in os.environ}
+
+        from elastic._controller_actor import ControllerActor
+        here = ray.get_runtime_context().get_node_id()
+        runtime_env, credentials = actor_environment(os.environ)
+        started = time.time()
         actor = ray.remote(ControllerActor).options(
-            num_cpus=0, max_concurrency=4, max_restarts=0,
-            runtime_env={"env_vars": storage_env} if storage_env else None,
+            num_cpus=0, max_concurrency=4, max_restarts=0, runtime_env=runtime_env,
             # Beside the driver, hard: a soft preference was ignored on a CPU-less head node (seen
             # with ray.cluster_utils.Cluster), and the controller must not live on a node the
             # run may lose. If the driver's node goes, the run goes with it anyway.
             scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
-        ).remote(self._spec(), self.scaling, self.failure, self.checkpoint, self.total_steps,
+        ).remote(self._spec(storage_env=credentials), self.scaling, self.failure, self.checkpoint, self.total_steps,
                  self.effective_config(), self.failure_policy, self.scaling_policy, feed=bool(self._callbacks))
         done = actor.run.remote()
         runner = CallbackRunner(self._callbacks) if self._callbacks else None
@@ -183,26 +237,14 @@ class ElasticTrainer:
             return ray.get(actor.events.remote(after), timeout=30)
 
         try:
-            while not ray.wait([done], timeout=1.0)[0]:
-                if self._progress is not None:
-                    try:
-                        self._progress(ray.get(actor.snapshot.remote(), timeout=5))
-                    except Exception:   # noqa: BLE001 - progress display is best effort
-                        log.debug("progress snapshot failed", exc_info=True)
-                if runner is not None:
-                    try:
-                        runner.poll(events)
-                    except Exception:   # noqa: BLE001 - asked again next time: nothing is lost
-                        log.debug("fetching the callbacks' events failed", exc_info=True)
-            outcome = ray.get(done)
-            if runner is not None:
-                try:
-                    runner.drain(events)
-                except Exception:   # noqa: BLE001 - the run's outcome matters more
-                    log.warning("the callbacks missed the run's last events (after event %d)", runner.delivered,
-                                exc_info=True)
+            outcome = self._wait(ray, actor, done, runner, events)
+        except Exception as error:   # noqa: BLE001 - the controller is gone: a failed run, not an exception
+            outcome = self._lost_controller(error, started)
         finally:
-            ray.kill(actor, no_restart=True)
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:   # noqa: BLE001 - a dead actor, or a Ray going down
+                log.debug("could not kill the controller actor", exc_info=True)
         result = Result(status=outcome["status"], final_step=outcome["final_step"], storage=self.checkpoint.storage,
                         summary=outcome["summary"], error=outcome["error"], error_traceback=outcome["traceback"],
                         metrics=RunMetrics(**outcome["metrics"]),
@@ -210,6 +252,62 @@ class ElasticTrainer:
         if runner is not None:
             runner.end(result)
         return result
+
+    def _lost_controller(self, error: BaseException, started_at: float) -> dict[str, Any]:
+        """The outcome of a run whose controller's `run()` did not return (its actor died, or it
+        raised, or its outcome could not be fetched): recorded as failed on storage by the driver,
+        unless the controller's own record is complete (see elastic._driver_record)."""
+        from elastic._driver_record import lost_controller_error, record_lost_controller
+        lost = lost_controller_error(error)
+        log.error("%s", lost)
+        summary, own = record_lost_controller(self.checkpoint.storage, self.checkpoint.storage_options or None,
+                                              error=lost, traceback=str(error), config=self.effective_config(),
+                                              total_steps=self.total_steps, started_at=started_at)
+        status = summary.get("status", "failed") if own else "failed"
+        recorded = summary.get("error") if own else None
+        typed: BaseException | None = lost
+        if status == "finished":
+            typed, trace = None, None
+        elif isinstance(recorded, dict) and recorded.get("type"):
+            # The run's own error, whose exception could not reach the driver (as for a user
+            # exception that does not pickle).
+            typed, trace = UserCodeError(f"{recorded['type']}: {recorded.get('message')}"), recorded.get("traceback")
+        else:
+            trace = str(error)
+        return {"status": status, "final_step": summary.get("final_step", 0), "summary": summary,
+                "metrics": {"last": {}, "history": {}}, "error": typed, "traceback": trace}
+
+    def _wait(self, ray: Any, actor: Any, done: Any, runner: CallbackRunner | None,
+              events: Callable[[int], list]) -> dict[str, Any]:
+        """Wait for the controller's outcome, showing progress and feeding the callbacks."""
+        while not ray.wait([done], timeout=1.0)[0]:
+            if self._progress is not None:
+                try:
+                    self._progress(ray.get(actor.snapshot.remote(), timeout=5))
+                except Exception:   # noqa: BLE001 - progress display is best effort
+                    log.debug("progress snapshot failed", exc_info=True)
+            if runner is not None:
+                try:
+                    runner.poll(events)
+                except Exception:   # noqa: BLE001 - asked again next time: nothing is lost
+                    log.debug("fetching the callbacks' events failed", exc_info=True)
+        outcome = ray.get(done)
+        if runner is not None:
+            try:
+                runner.drain(events)
+            except Exception:   # noqa: BLE001 - the run's outcome matters more
+                log.warning("the callbacks missed the run's last events (after event %d)", runner.delivered,
+                            exc_info=True)
+        return outcome
+
+
+def _start_ray(ray: Any) -> bool:
+    """Join the cluster in RAY_ADDRESS or start a local Ray, unless the caller already has one;
+    True when this call did (fit() then shuts it down when it returns)."""
+    if ray.is_initialized():
+        return False
+    ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=True)
+    return True
 
 
 def newest_checkpoint(storage: str, committed: list[int] | None) -> str | None:

@@ -1,0 +1,88 @@
+"""`elastic status` and `elastic report` exit non-zero on a missing run, a storage error (one
+line, no traceback) or a failed run; both take --option; status takes --json."""
+import json
+
+import pytest
+
+import elastic.__main__ as cli
+from checkpointing.errors import StorageError
+from checkpointing.storage import Storage
+
+pytestmark = pytest.mark.timeout(30)
+
+STATUS = {"state": "running", "step": 7, "world_size": 2, "generation": 1, "last_committed_step": 5,
+          "updated_at": 0, "workers": []}
+
+
+def unreachable(self, path):
+    raise StorageError(f"read {path!r} failed: EndpointConnectionError: Could not connect\n to the endpoint URL",
+                       url=self.url)
+
+
+@pytest.mark.parametrize("command", ["status", "report"])
+def test_a_storage_error_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, command):
+    monkeypatch.setattr(Storage, "read_bytes", unreachable)
+    assert cli.main([command, str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: read ") and "Could not connect to the endpoint" in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", ["status", "report"])
+def test_an_unknown_scheme_is_exit_2(capsys, command):
+    assert cli.main([command, "nosuchscheme://bucket/run"]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+
+
+@pytest.mark.parametrize("command", ["status", "report"])
+def test_a_missing_path_is_exit_2(tmp_path, capsys, command):
+    assert cli.main([command, str(tmp_path / "no-such-run")]) == 2
+
+
+def test_a_torn_status_file_is_exit_2(tmp_path, capsys):
+    (tmp_path / "status.json").write_text('{"state": "runn')
+    assert cli.main(["status", str(tmp_path)]) == 2
+    assert "status.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("state, code", [("running", 0), ("finished", 0), ("failed", 1)])
+def test_status_exits_1_for_a_failed_run_and_prints_json(tmp_path, capsys, state, code):
+    (tmp_path / "status.json").write_text(json.dumps(STATUS | {"state": state}))
+    assert cli.main(["status", str(tmp_path), "--json"]) == code
+    assert json.loads(capsys.readouterr().out)["state"] == state
+
+
+def test_status_watch_ends_with_the_failed_runs_code(tmp_path, capsys):
+    (tmp_path / "status.json").write_text(json.dumps(STATUS | {"state": "failed"}))
+    assert cli.main(["status", str(tmp_path), "--watch", "--interval", "0.01"]) == 1
+
+
+@pytest.mark.parametrize("status, code", [("finished", 0), ("failed", 1), ("stopped_early", 1)])
+def test_report_json_exits_by_the_runs_status(tmp_path, capsys, status, code):
+    summary = {"status": status, "final_step": 5, "total_steps": 10}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    assert cli.main(["report", str(tmp_path), "--json"]) == code
+    assert json.loads(capsys.readouterr().out) == summary
+
+
+@pytest.mark.parametrize("command, name", [("status", "status.json"), ("report", "summary.json")])
+def test_option_values_are_typed_and_reach_the_storage(tmp_path, monkeypatch, capsys, command, name):
+    seen = []
+    real = Storage.__init__
+
+    def spy(self, url, storage_options=None):
+        seen.append(storage_options)
+        real(self, url, None)
+    monkeypatch.setattr(Storage, "__init__", spy)
+    (tmp_path / name).write_text(json.dumps(STATUS | {"status": "finished", "final_step": 1, "total_steps": 1,
+                                                      "wall_s": 1.0, "goodput": 1, "resumed_from": None,
+                                                      "loss_first": 1, "loss_last": 1, "model_sha256": None,
+                                                      "world_size_history": [], "checkpoints": []}))
+    assert cli.main([command, str(tmp_path), "--option", "anon=false", "--option", "endpoint_url=http://h:9000",
+                     "--option", "config_kwargs={\"connect_timeout\": 5}"]) == 0
+    assert seen[0] == {"anon": False, "endpoint_url": "http://h:9000", "config_kwargs": {"connect_timeout": 5}}
+
+
+def test_a_malformed_option_is_exit_2(tmp_path, capsys):
+    assert cli.main(["status", str(tmp_path), "--option", "anon"]) == 2
+    assert "KEY=VALUE" in capsys.readouterr().err

@@ -1,0 +1,127 @@
+"""No secret in what a run shows (summary.json's config, reprs, Ray's runtime_env), and the
+credentials still reach every actor (review F10)."""
+import json
+import os
+
+import pytest
+
+from elastic import CheckpointConfig, ElasticTrainer, ScalingConfig
+
+pytestmark = pytest.mark.timeout(30)
+
+SECRETS = ("AKIAEXAMPLE", "SUPERSECRET", "SESSIONTOKEN", "pw123", "proxypw", "hunter2", "deep")
+
+
+def loop(ctx):
+    pass
+
+
+def storage_options():
+    return {
+        "key": "AKIAEXAMPLE", "anon": False,
+        "client_kwargs": {"aws_secret_access_key": "SUPERSECRET", "endpoint_url": "http://u:pw123@minio:9000",
+                          "region_name": "eu-west-1", "Aws_Session_Token": "SESSIONTOKEN"},
+        "config_kwargs": {"proxies": {"https": "http://proxyuser:proxypw@proxy:3128"},
+                          "retries": {"max_attempts": 3}},
+        "Password": "hunter2", "credentials": {"nested": "deep"},
+    }
+
+
+def test_effective_config_masks_secrets_at_any_depth_and_url_passwords():
+    trainer = ElasticTrainer(loop, scaling=ScalingConfig(), total_steps=5, checkpoint=CheckpointConfig(
+        storage="s3://bucket/run", storage_options=storage_options()))
+    config = trainer.effective_config()
+    text = json.dumps(config)
+    assert not [s for s in SECRETS if s in text], text
+    options = config["checkpoint"]["storage_options"]
+    assert options["key"] == "***" and options["anon"] is False and options["Password"] == "***"
+    assert options["credentials"] == "***"
+    assert options["client_kwargs"] == {"aws_secret_access_key": "***", "endpoint_url": "http://u:***@minio:9000",
+                                        "region_name": "eu-west-1", "Aws_Session_Token": "***"}
+    assert options["config_kwargs"] == {"proxies": {"https": "http://proxyuser:***@proxy:3128"},
+                                        "retries": {"max_attempts": 3}}
+    assert trainer.checkpoint.storage_options["client_kwargs"]["aws_secret_access_key"] == "SUPERSECRET"  # unchanged
+
+
+def test_the_repr_of_a_checkpoint_config_shows_no_secret():
+    text = repr(CheckpointConfig(storage="s3://bucket/run", storage_options=storage_options()))
+    assert "s3://bucket/run" in text and "eu-west-1" in text
+    assert not [s for s in SECRETS if s in text], text
+
+
+@pytest.mark.parametrize("url, shown", [
+    ("http://u:pw@host", "http://u:***@host"),
+    ("https://user:p%40ss@host:9000/path?q=1", "https://user:***@host:9000/path?q=1"),
+    ("http://token@host/x", "http://***@host/x"),
+    ("http://host:9000/a@b", "http://host:9000/a@b"),       # an @ in the path is no user-info
+    ("s3://bucket/run", "s3://bucket/run"),
+    ("/local/path", "/local/path"),
+])
+def test_mask_url(url, shown):
+    from elastic._credentials import mask_url
+    assert mask_url(url) == shown
+
+
+def test_mask_secrets_keeps_none_and_non_secret_values():
+    from elastic._credentials import mask_secrets
+    assert mask_secrets({"key": None, "use_ssl": True, "list": ["http://a:b@h"]}) == \
+        {"key": None, "use_ssl": True, "list": ["http://a:***@h"]}
+
+
+ENVIRON = {"AWS_ACCESS_KEY_ID": "AKIAEXAMPLE", "AWS_SECRET_ACCESS_KEY": "SUPERSECRET",
+           "AWS_SESSION_TOKEN": "SESSIONTOKEN", "AWS_ENDPOINT_URL": "http://127.0.0.1:9000",
+           "AWS_ENDPOINT_URL_S3": "http://u:pw123@minio:9000", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_PROFILE": "dev", "HOME": "/root"}
+
+
+def test_the_runtime_env_carries_no_secret_and_the_spec_carries_the_credentials(tmp_path):
+    from elastic.trainer import actor_environment
+    runtime_env, credentials = actor_environment(ENVIRON)
+    shown = json.dumps(runtime_env)
+    assert not [s for s in SECRETS if s in shown], shown
+    assert runtime_env == {"env_vars": {"AWS_ENDPOINT_URL": "http://127.0.0.1:9000",
+                                        "AWS_DEFAULT_REGION": "us-east-1", "AWS_PROFILE": "dev"}}
+    assert credentials == {"AWS_ACCESS_KEY_ID": "AKIAEXAMPLE", "AWS_SECRET_ACCESS_KEY": "SUPERSECRET",
+                           "AWS_SESSION_TOKEN": "SESSIONTOKEN", "AWS_ENDPOINT_URL_S3": "http://u:pw123@minio:9000"}
+    trainer = ElasticTrainer(loop, scaling=ScalingConfig(), total_steps=5,
+                             checkpoint=CheckpointConfig(storage=str(tmp_path)))
+    spec = trainer._spec(storage_env=credentials)
+    assert spec.storage_env == credentials
+    assert not [s for s in SECRETS if s in repr(spec)]
+    assert actor_environment({"HOME": "/root"}) == (None, {})
+
+
+def test_a_worker_and_the_controller_set_the_credentials_before_storage_is_opened(tmp_path, monkeypatch):
+    """The spec travels pickled as an actor argument; the worker's first use of it (loading the
+    user's code) and the controller's constructor put the credentials in their environment."""
+    from ray import cloudpickle
+
+    from elastic.trainer import actor_environment
+    _, credentials = actor_environment(ENVIRON)
+    trainer = ElasticTrainer(loop, scaling=ScalingConfig(), total_steps=5,
+                             checkpoint=CheckpointConfig(storage=str(tmp_path)))
+    spec = cloudpickle.loads(cloudpickle.dumps(trainer._spec(storage_env=credentials)))
+    for name in credentials:
+        monkeypatch.setenv(name, "before")     # so that monkeypatch restores the environment after
+        monkeypatch.delenv(name)
+    spec.load_user_code()                                   # what TrainWorker.__init__ does first
+    assert {k: os.environ.get(k) for k in credentials} == credentials
+
+    import elastic._controller_actor as controller_actor
+    for name in credentials:
+        monkeypatch.delenv(name)
+    seen = {}
+
+    class Opened(Exception):
+        pass
+
+    class RecorderSeeingTheEnvironment:
+        def __init__(self, *args, **kwargs):
+            seen.update({k: os.environ.get(k) for k in credentials})
+            raise Opened        # the first storage client of the controller: far enough
+
+    monkeypatch.setattr(controller_actor, "RunRecorder", RecorderSeeingTheEnvironment)
+    with pytest.raises(Opened):
+        controller_actor.ControllerActor(spec, trainer.scaling, trainer.failure, trainer.checkpoint, 5,
+                                         trainer.effective_config(), None, None)
+    assert seen == credentials
