@@ -166,8 +166,9 @@ def make_dataset(cfg: dict, model_cfg: GPTConfig, seed: int):
 
 def train_loop(ctx) -> None:
     """The example's loop; `ctx.config` may hold model_size, batch_size, lr, optimizer, n_samples,
-    activation_checkpointing, data (URL of a Parquet token corpus) and hold_at (fault-injection
-    tests, see hold_until_released). Precision comes from ScalingConfig through ctx.autocast/backward."""
+    activation_checkpointing, data (URL of a Parquet token corpus), loader_workers (DataLoader worker
+    processes) and hold_at (fault-injection tests, see hold_until_released). Precision comes from
+    ScalingConfig through ctx.autocast/backward."""
     cfg = dict(ctx.config or {})
     hold_step, gate = cfg.get("hold_at") or (None, None)
     model_cfg = GPTConfig.named(cfg.get("model_size", "small"))
@@ -176,7 +177,7 @@ def train_loop(ctx) -> None:
     opt_class = {"adamw": torch.optim.AdamW, "sgd": lambda p, lr: torch.optim.SGD(p, lr=lr, momentum=0.9)}
     optimizer = ctx.prepare_optimizer(opt_class[cfg.get("optimizer", "adamw")](model.parameters(), lr=cfg.get("lr", 3e-3)))
     data = make_dataset(cfg, model_cfg, ctx.seed)
-    loader = ctx.prepare_data(data, batch_size=cfg.get("batch_size", 8))
+    loader = ctx.prepare_data(data, batch_size=cfg.get("batch_size", 8), num_workers=cfg.get("loader_workers", 0))
     ctx.restore(model=model, optimizer=optimizer)
     for batch in loader:
         batch = batch.to(ctx.device)

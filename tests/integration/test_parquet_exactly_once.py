@@ -2,7 +2,9 @@
 resume as a separate run at another world size. The resumed run keeps every step once,
 retains its newest checkpoints, counts consumption in global samples, and has consumed exactly
 the samples of a fault-free single run, in the same order (its hash computed from the loader's
-order function)."""
+order function). Both runs load with two DataLoader worker processes per rank (--loader-workers 2):
+batches fetched ahead of the kill are not counted, and the recovery and the resume read on from the
+step they restore."""
 from __future__ import annotations
 
 import json
@@ -46,7 +48,7 @@ def test_kill_then_resume_on_s3_at_another_world_size_consumes_what_a_clean_run_
     corpus = f"s3://{s3_env['bucket']}/corpus"
     gpt.write_synthetic_corpus(corpus, seq_len=16, vocab=64, shards=3, rows_per_shard=100)
     assert len(ParquetTokens(corpus, 16)) == ROWS
-    env, data = s3_env["env"], ("--data", corpus, "--checkpoint-every", "10")
+    env, data = s3_env["env"], ("--data", corpus, "--checkpoint-every", "10", "--loader-workers", "2")
 
     run = f"s3://{s3_env['bucket']}/pretrain"
     fault = SignalAtStep(run, at_step=10, sig=signal.SIGKILL, rank=1, gate=str(tmp_path / "released"))
