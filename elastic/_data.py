@@ -15,9 +15,9 @@ The batches come from a torch DataLoader whose batch sampler yields, per micro-b
 when iteration starts. Worker processes (``num_workers``) fetch whole micro-batches ahead of the
 training thread, seeding torch, `random` and numpy from the key first, so what `__getitem__` and
 `collate_fn` draw does not depend on the number of workers. The training thread still does the
-accounting in step order: it computes the step's ids, calls `ctx._begin_step`, takes the next
+accounting in step order: it computes the step's ids, calls `begin_step`, takes the next
 batch (checked to be that step's), seeds the step's randomness, and yields. Prefetched batches
-of steps that never run (a rescale unwinds the loop) are dropped uncounted: only `_begin_step`
+of steps that never run (a rescale unwinds the loop) are dropped uncounted: only `begin_step`
 and `report` count.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ import signal
 import sys
 import weakref
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Protocol
 
 import torch
 from torch.utils.data import DataLoader, Sampler, default_collate
@@ -46,7 +46,26 @@ except ImportError:   # numpy is optional for torch; without it there is no nump
     numpy = None
 
 if TYPE_CHECKING:
-    from elastic.context import TrainContext
+    from torch import nn
+
+    from elastic._accumulation import Accumulation
+
+
+class LoaderSide(Protocol):
+    """What the loader reads of, and tells, its generation's step boundary
+    (elastic._step_boundary.StepBoundary): the counters, and the opening of each step."""
+
+    rank: int
+    world_size: int
+    total_steps: int
+    seed: int
+    step: int
+    samples_seen: int
+    device: torch.device
+    accumulation: Accumulation | None      # constant_global_batch: micro-batches per step
+    sync_model: nn.Module | None            # the model whose gradient sync accumulation toggles
+
+    def begin_step(self, global_batch: int, sample_ids: list[int]) -> None: ...
 
 # DataLoader options prepare_data passes on (its own arguments: batch_size, shuffle, collate_fn).
 LOADER_OPTIONS = ("num_workers", "pin_memory", "prefetch_factor", "persistent_workers", "timeout",
@@ -255,7 +274,7 @@ class ElasticLoader:
     batches are moved to `ctx.device`.
     """
 
-    def __init__(self, ctx: "TrainContext", dataset: Any, batch_size: int, *, shuffle: bool = True,
+    def __init__(self, ctx: LoaderSide, dataset: Any, batch_size: int, *, shuffle: bool = True,
                  collate_fn: Callable[[list[Any]], Any] | None = None, seed: int | None = None,
                  **loader_options: Any):
         if batch_size < 1:
@@ -295,7 +314,7 @@ class ElasticLoader:
     @property
     def accum_steps(self) -> int:
         """Micro-batches per rank per optimizer step (1 unless the global batch is held constant)."""
-        accumulation = getattr(self._ctx, "_accumulation", None)
+        accumulation = getattr(self._ctx, "accumulation", None)
         return accumulation.steps if accumulation is not None else 1
 
     @property
@@ -327,7 +346,7 @@ class ElasticLoader:
         """Randomness inside the step (dropout, ...) depends only on (seed, step, rank); with
         accumulation on the micro-batch's place in the global batch, which no W changes."""
         ctx = self._ctx
-        if getattr(ctx, "_accumulation", None) is None:
+        if getattr(ctx, "accumulation", None) is None:
             return mix_seed(ctx.seed, "step", step, ctx.rank)
         return mix_seed(ctx.seed, "step", step, "micro", ctx.rank * self.accum_steps + micro)
 
@@ -346,7 +365,7 @@ class ElasticLoader:
         ctx, accum = self._ctx, self.accum_steps
         if ctx.step >= ctx.total_steps:
             return
-        accumulation = getattr(ctx, "_accumulation", None)
+        accumulation = getattr(ctx, "accumulation", None)
         batches = self._start_iterator()
         keep_workers = False
         try:
@@ -354,12 +373,12 @@ class ElasticLoader:
                 step, seen = ctx.step, ctx.samples_seen
                 # The whole group's ids of this step, in global order (every rank computes the same).
                 group_ids = [self._dataset_index(g) for g in range(seen, seen + self.global_batch)]
-                ctx._begin_step(self.global_batch, group_ids)
+                ctx.begin_step(self.global_batch, group_ids)
                 for micro in range(accum):
                     batch = self._next_batch(batches, step, micro, seen)
                     seed_everything(self._micro_seed(step, micro))
                     if accumulation is not None:
-                        accumulation.begin_micro(micro, getattr(ctx, "_model", None))
+                        accumulation.begin_micro(micro, getattr(ctx, "sync_model", None))
                     yield batch
                     done = ctx.step != step if micro == accum - 1 else accumulation.reported() == micro + 1
                     if not done:

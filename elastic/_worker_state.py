@@ -3,7 +3,8 @@
 A generation's `TrainContext` is discarded at every rescale; what outlives it is here:
 - `Progress` (elastic._train_state): the framework's counters, identical on every rank;
 - `WarmSource`: the last generation's state, offered to the next one (warm recovery);
-- `CheckpointSession`: the checkpoint manager and what this rank knows of its saves and loads;
+- `CheckpointSession` (elastic._checkpoint_session): the checkpoint manager and what this rank
+  knows of its saves and loads;
 - `Outbox`: step records waiting for the controller's poll, and the event that wakes a held poll.
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from elastic._checkpoint_session import CheckpointSession
 from elastic._protocol import StepRecord
 from elastic._train_state import Progress
 
@@ -32,20 +34,6 @@ class WarmSource:
     @property
     def available(self) -> bool:
         return self.capable and self.state is not None
-
-
-@dataclass
-class CheckpointSession:
-    """This rank's view of the run's checkpoints (the manager lives across generations)."""
-
-    manager: Any = None                        # checkpointing.CheckpointManager, created lazily
-    last_saved_step: int | None = None
-    unconfirmed_save: int | None = None        # step of the latest save issued here, until its commit is seen
-    save_started: dict[int, float] = field(default_factory=dict)   # step -> wall time its save began
-    exported_commit: int | None = None         # newest commit exported to Ray metrics
-    resumed_from: int | None = None            # step the run's first generation loaded
-    load_fallbacks: list[dict] = field(default_factory=list)   # committed checkpoints skipped as corrupt
-    nonfinite_step: int | None = None          # newest step whose loss was NaN/inf: never committed
 
 
 @dataclass

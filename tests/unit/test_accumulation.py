@@ -66,15 +66,15 @@ class FakeCtx:
     def __init__(self, world_size, rank, accum, seen=0):
         self.world_size, self.rank, self.seed, self.total_steps = world_size, rank, 0, 100
         self.step, self.samples_seen, self._model = 0, seen, None
-        self._accumulation = Accumulation(accum)
+        self.accumulation = Accumulation(accum)
         self.begun = []
 
-    def _begin_step(self, global_batch, ids):
+    def begin_step(self, global_batch, ids):
         self.begun.append((global_batch, list(ids)))
         self._pending = global_batch
 
     def report(self):
-        if not self._accumulation.defer_report(0.0):
+        if not self.accumulation.defer_report(0.0):
             self.step += 1
             self.samples_seen += self._pending
 
@@ -85,10 +85,10 @@ def micro_batches(world_size, base_world_size=6, batch=2, steps=2):
     for rank in range(world_size):
         ctx = FakeCtx(world_size, rank, base_world_size // world_size)
         loader = ElasticLoader(ctx, list(range(1000)), batch, shuffle=True)
-        assert loader.global_batch == base_world_size * batch and len(loader) == 100 * ctx._accumulation.steps
+        assert loader.global_batch == base_world_size * batch and len(loader) == 100 * ctx.accumulation.steps
         for i, micro in enumerate(loader):
-            step, k = divmod(i, ctx._accumulation.steps)
-            out[(step, rank * ctx._accumulation.steps + k)] = micro.tolist()
+            step, k = divmod(i, ctx.accumulation.steps)
+            out[(step, rank * ctx.accumulation.steps + k)] = micro.tolist()
             ctx.report()
             if ctx.step == steps:
                 break

@@ -43,7 +43,7 @@ def test_order_is_a_pure_function_of_seed_and_epoch():
 
 def test_loader_requires_report_each_step():
     ctx = FakeCtx(1)
-    ctx._begin_step = lambda global_batch, ids: None
+    ctx.begin_step = lambda global_batch, ids: None
     loader = ElasticLoader(ctx, list(range(10)), 2)
     it = iter(loader)
     next(it)

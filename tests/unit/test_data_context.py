@@ -35,7 +35,7 @@ def train(ctx, stop_after: int | None = None) -> list[list[int]]:
         optimizer.step()
         optimizer.zero_grad()
         if ctx.step + 1 == stop_after:
-            ctx._stop_requested.set()         # what the controller's stop request does
+            ctx._boundary._stop_requested.set()         # what the controller's stop request does
         ctx.report(loss=loss)
     return read
 

@@ -36,17 +36,17 @@ class Ctx:
                  device=torch.device("cpu"), accum=None, rescale_at=None):
         self.total_steps, self.step, self.samples_seen = total_steps, step, samples_seen
         self.world_size, self.rank, self.seed, self.device = world_size, rank, seed, device
-        self._accumulation = Accumulation(accum) if accum else None
+        self.accumulation = Accumulation(accum) if accum else None
         self._model = None
         self.rescale_at = rescale_at
         self.consumed: list[int] = []          # ids of the reported steps, in global order
         self._pending: tuple[int, list[int]] | None = None
 
-    def _begin_step(self, global_batch, ids):
+    def begin_step(self, global_batch, ids):
         self._pending = (global_batch, list(ids))
 
     def report(self):
-        if self._accumulation is not None and self._accumulation.defer_report(0.0):
+        if self.accumulation is not None and self.accumulation.defer_report(0.0):
             return
         global_batch, ids = self._pending
         self.step += 1

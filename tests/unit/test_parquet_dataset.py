@@ -85,7 +85,7 @@ def test_the_loader_reads_the_corpus_in_its_global_order(corpus):
     class Ctx:
         world_size, rank, seed, step, samples_seen, total_steps = 1, 0, 3, 0, 0, 1
 
-        def _begin_step(self, global_batch, ids):
+        def begin_step(self, global_batch, ids):
             self.ids = ids
 
     ctx = Ctx()

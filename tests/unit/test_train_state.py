@@ -303,7 +303,7 @@ def test_a_commit_before_leaving_that_fails_is_raised_not_left_unseen(generation
     ctx.prepare_model(nn.Linear(4, 1))
     ctx.restore()
     ctx.report(loss=1.0)
-    manager = ctx._checkpoints()
+    manager = run.worker.checkpoints.open(run.spec)
     monkeypatch.setattr(manager, "save", lambda *a, **k: None)    # the save never commits
     ctx._preempted.set()
     with pytest.raises(CheckpointError, match="taken before the group changes, was not committed"):

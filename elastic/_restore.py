@@ -1,0 +1,116 @@
+"""The rungs of the recovery ladder, on one rank: load a generation's TrainState from a
+survivor's memory (warm), from the newest committed checkpoint, or start fresh.
+
+Which rung a generation takes is the controller's decision (`GenerationPlan.restore`); this
+module only carries it out, the same way on every rank, and names what it did in its errors.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from elastic import _wrap
+from elastic._lr import ScaleRamp
+from elastic._protocol import GenerationPlan, RestorePlan, RunSpec
+from elastic._state import broadcast_state
+from elastic._train_state import TrainState
+from elastic._worker_state import WorkerState
+from elastic.errors import ElasticError, StateError
+
+log = logging.getLogger("elastic.context")
+
+
+def named_objects(models: list[tuple[nn.Module, nn.Module]], optimizers: list[torch.optim.Optimizer],
+                  model: Any, optimizer: Any, more: dict[str, Any]) -> dict[str, Any]:
+    """ctx.restore()'s keywords by name, modules unwrapped (`models`: (as returned, unwrapped)
+    pairs of the prepared ones); every prepared model and optimizer must be among them."""
+    def default(given: Any, prepared: list[Any], name: str) -> Any:
+        if given is not None or len(prepared) <= 1:
+            return given if given is not None else (prepared[0] if prepared else None)
+        raise StateError(f"{len(prepared)} {name}s were prepared: name each one, e.g. "
+                         f"ctx.restore(model=..., optimizer=..., {name}2=...)")
+    unwrapped = {id(wrapped): raw for wrapped, raw in models}
+    objects = {"model": default(model, [raw for _, raw in models], "model"),
+               "optimizer": default(optimizer, optimizers, "optimizer"), **more}
+    objects = {n: unwrapped.get(id(o), o) for n, o in objects.items() if o is not None}
+    seen: dict[int, str] = {}
+    for name, obj in objects.items():
+        if id(obj) in seen:
+            raise StateError(f"ctx.restore got the same object as {seen[id(obj)]!r} and {name!r}; pass it once")
+        seen[id(obj)] = name
+    lost = [f"model #{i}" for i, (_, raw) in enumerate(models) if id(raw) not in seen]
+    lost += [f"optimizer #{i}" for i, o in enumerate(optimizers) if id(o) not in seen]
+    if lost:
+        raise StateError(f"{', '.join(lost)} (in the order prepared) were prepared but not handed to "
+                         f"ctx.restore: their state would be lost at the next rescale; pass them by name, "
+                         f"e.g. ctx.restore(model=model, optimizer=opt, teacher=teacher)")
+    return objects
+
+
+class Restorer:
+    """Carries out one generation's restore plan into its TrainState."""
+
+    def __init__(self, *, plan: GenerationPlan, spec: RunSpec, worker: WorkerState, comm_device: torch.device):
+        self._plan, self._spec, self._worker, self._comm_device = plan, spec, worker, comm_device
+
+    def restore(self, state: TrainState, compression: Any) -> RestorePlan:
+        """Load `state` per the generation's plan; afterwards it is the worker's warm source."""
+        plan, worker = self._plan.restore, self._worker
+        self._ensure_lr_ramp()
+        if plan.kind == "broadcast":
+            self._warm(state, plan.source_rank)
+        elif plan.kind == "checkpoint":
+            self._checkpoint(state, compression)
+        else:
+            # Nothing to load (e.g. FSDP lost a rank before its first commit): every rank starts
+            # over from step 0, a survivor's counters included, or the ranks would disagree.
+            self._start_over()
+            worker.checkpoints.last_saved_step = None
+        step = worker.progress.step
+        worker.warm.state = state
+        worker.warm.capable = self._spec.strategy == "ddp" and bool(state.modules())
+        worker.warm.restored = (self._plan.generation, step)
+        worker.outbox.drop_after(step)
+        log.info("rank %d generation %d restored %s (%s) at step %d",
+                 self._plan.rank, self._plan.generation, sorted(state.objects), plan.kind, step)
+        return plan
+
+    def _warm(self, state: TrainState, src: int | None) -> None:
+        payload = None
+        if self._plan.rank == src:
+            source = self._worker.warm
+            if not source.available or source.state is None:
+                raise ElasticError(f"rank {src} was chosen as warm source but holds no state")
+            payload = source.state.state_dict()
+        payload = broadcast_state(payload, src, self._comm_device)
+        state.load_state_dict(payload, source=f"the in-memory state of rank {src}")
+
+    def _checkpoint(self, state: TrainState, compression: Any) -> None:
+        session = self._worker.checkpoints
+        loaded_state, loaded = _wrap.load_with_compression_state(
+            session.open(self._spec), compression, self._plan.rank, self._plan.world_size, self._comm_device,
+            lambda with_keys: state.state_dict(extra=with_keys))
+        if loaded is None:
+            log.warning("rank %d: no committed checkpoint under %s; starting fresh", self._plan.rank,
+                        self._spec.storage)
+            self._start_over()
+            return
+        state.load_state_dict(loaded_state, source=f"checkpoint step {loaded.step} at {loaded.path}")
+        session.load_fallbacks.extend(dict(s) for s in loaded.skipped)
+        session.last_saved_step = self._worker.progress.step
+        if self._plan.generation == 0 and session.resumed_from is None:
+            session.resumed_from = self._worker.progress.step
+
+    def _start_over(self) -> None:
+        self._worker.progress.reset()
+        self._ensure_lr_ramp()
+
+    def _ensure_lr_ramp(self) -> None:
+        """The LR rule's state exists before anything is saved or loaded, so a checkpoint always
+        holds it and a load always asks for it."""
+        progress, rule = self._worker.progress, self._spec.lr
+        if rule is not None and progress.lr_ramp is None:
+            progress.lr_ramp = ScaleRamp.initial(self._plan.world_size, rule.base_world_size)
