@@ -15,11 +15,12 @@ from elastic._ray_group import DEAD, READY, STARTING, WorkerView
 from elastic._stragglers import StragglerDetector
 from elastic._bookkeeping import Bookkeeping
 from elastic._log_records import LogRecordPicker
+from elastic._recurrence import ErrorSighting, RecurringErrors
 from elastic._states import (AnyState, Failed, Finished, PendingRecovery, Recovering, Running, RunState,
                              Scheduling, Starting)
 from elastic.config import FailureConfig, ScalingConfig
 from elastic.errors import InsufficientWorkersError, TooManyFailuresError, WorkerLostError
-from elastic.policies import CAUSE_OF_ERROR_KIND, USER_CAUSE, Failure, FailurePolicy, ScalingPolicy
+from elastic.policies import CAUSE_OF_ERROR_KIND, HARDWARE_CAUSE, USER_CAUSE, Failure, FailurePolicy, ScalingPolicy
 
 log = logging.getLogger("elastic.controller")
 
@@ -79,6 +80,7 @@ class Controller(Bookkeeping):
                                             threshold=failure.straggler_threshold or float("inf"),
                                             min_excess_s=failure.straggler_min_excess_s)
         self._eviction_asked: dict[int, int] = {}   # rank -> step the policy was last asked at
+        self._recurring = RecurringErrors(attempts=2)   # broken groups with no lost peer: a fault, or the loop's bug
         self._storage_trouble: dict[str, float] | None = None   # an ongoing storage error: since, attempts, retry_at
 
     @property
@@ -217,8 +219,11 @@ class Controller(Bookkeeping):
         if errored:
             report = self.views[st.members[errored[0]]].report
             cause = CAUSE_OF_ERROR_KIND.get(report.error_kind or "user", USER_CAUSE)
-            self._handle_failure(st.members, Failure(cause, tuple(errored),
-                                                     f"{report.error_type}: {report.error_message}"), [], 0.0, report)
+            # A failed GPU stays failed: its worker is replaced, not taken into the next group.
+            broken = [st.members[r] for r in errored if self.views[st.members[r]].report.error_kind == "hardware"]
+            self._handle_failure(st.members, Failure(cause, tuple(errored), f"{report.error_type}: {report.error_message}",
+                                                     **_error_of(report)),
+                                 broken if cause == HARDWARE_CAUSE else [], 0.0, report)
         elif lost:
             ranks = tuple(st.members.index(w) for w, _, _ in lost)
             self._handle_failure(st.members, Failure(lost[0][1], ranks, f"lost worker(s) {[w for w, _, _ in lost]}"),
@@ -231,8 +236,7 @@ class Controller(Bookkeeping):
             # A broken collective with no lost peer yet: give the lost peer a heartbeat timeout to show.
             st.suspect_since = st.suspect_since or self.clock()
             if self.clock() - st.suspect_since > self.failure.heartbeat_timeout_s:
-                self._handle_failure(st.members, Failure("collective_error", tuple(comm_ranks),
-                                                         "process group broke with no lost peer"), [], 0.0)
+                self._on_broken_group(st, comm_ranks)
         elif self._generation_stalled(st):
             pass
         elif finished == len(st.members):
@@ -243,6 +247,26 @@ class Controller(Bookkeeping):
             self.group.scale_to(self._slot_target())
             if not self._maybe_evict(st):
                 self._maybe_grow(st)
+
+    def _on_broken_group(self, st: Running, ranks: list[int]) -> None:
+        """The group broke and no peer was lost: a fault, recovered; or, when the same error broke
+        it at the same step the time before too, the loop's own bug (elastic._recurrence): the run
+        fails with that error as the user's."""
+        reports = {rank: self.views[st.members[rank]].report for rank in ranks}
+        recurring = self._recurring.observe([ErrorSighting(rank, r.step, r.error_type, r.error_message)
+                                             for rank, r in reports.items()])
+        if recurring is None:
+            first = reports[ranks[0]]
+            self._handle_failure(st.members, Failure(
+                "collective_error", tuple(ranks), f"process group broke with no lost peer: "
+                                                  f"{first.error_type}: {first.error_message}", **_error_of(first)), [], 0.0)
+            return
+        report = reports[recurring.rank]
+        self._handle_failure(st.members, Failure(
+            USER_CAUSE, (recurring.rank,), f"{report.error_type}: {report.error_message} broke the group at step "
+                                           f"{report.step + 1} in {self._recurring.attempts} attempts in a row with no "
+                                           f"lost peer: a bug in the loop's collectives, not a fault", **_error_of(report)),
+            [], 0.0, report)
 
     def _generation_stalled(self, st: Running) -> bool:
         """Handle a generation that never started on some members within rendezvous_timeout_s,
@@ -360,8 +384,9 @@ class Controller(Bookkeeping):
                               "ranks": list(failure.ranks)}
                 self._transition(Failed(decision.reason, failure), decision.reason)
             else:
+                last = f"; last error: {failure.error_type}: {failure.error_message}" if failure.error_type else ""
                 self._fail(TooManyFailuresError(f"{decision.reason}; causes so far: "
-                                                f"{', '.join(f.cause for f in self.failures)}"), failure)
+                                                f"{', '.join(f.cause for f in self.failures)}{last}"), failure)
             return
         # A lost member may never close its connections (its node is gone or cut off): the
         # survivors cut theirs, so none waits out the collective timeout on it.
@@ -472,6 +497,14 @@ class Controller(Bookkeeping):
         return sorted(w for w, v in self.views.items() if v.status == READY)
 
     def _fail(self, error: Exception, failure: Failure | None = None) -> None:
-        self.error = {"type": type(error).__name__, "message": str(error), "traceback": None,
+        # The traceback is the worker's, when a worker's error led here: the controller's own says nothing.
+        self.error = {"type": type(error).__name__, "message": str(error),
+                      "traceback": failure.error_traceback if failure else None,
                       "exception": error, "ranks": list(failure.ranks) if failure else []}
         self._transition(Failed(str(error), failure), str(error))
+
+
+def _error_of(report: WorkerReport) -> dict[str, str | None]:
+    """A worker's reported error, as Failure's fields."""
+    return {"error_type": report.error_type, "error_message": report.error_message,
+            "error_traceback": report.error_traceback}

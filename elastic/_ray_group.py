@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -136,7 +136,9 @@ class RayWorkerGroup:
                         slot.info = ray.get(slot.info_ref)
                         slot.status = READY
                         slot.last_answer_at = now
-                    except RayActorError as error:
+                    except RayTaskError as error:
+                        self.kill(slot.wid, f"failed while starting: {_first_line(error)}")
+                    except RayError as error:
                         self._mark_dead(slot, f"died while starting: {error}")
                 elif now - slot.created_at > self._failure.rendezvous_timeout_s:
                     self.kill(slot.wid, "did not start within FailureConfig.rendezvous_timeout_s")
@@ -152,7 +154,12 @@ class RayWorkerGroup:
                 continue
             try:
                 report = ray.get(slot.poll_ref)
-            except RayActorError as error:
+            except RayTaskError as error:
+                # The poll itself raised: a worker that cannot report cannot be watched. Replace it.
+                slot.silent_at_death = now - slot.last_answer_at
+                self.kill(slot.wid, f"its poll failed: {_first_line(error)}")
+                continue
+            except RayError as error:
                 slot.silent_at_death = now - slot.last_answer_at
                 self._mark_dead(slot, self._death_reason(slot, error))
                 continue
@@ -182,18 +189,36 @@ class RayWorkerGroup:
     # ---- actions -----------------------------------------------------------------------
     def rendezvous_address(self, wid: int) -> tuple[str, int]:
         slot = self._slots[wid]
-        try:
-            return ray.get(slot.actor.rendezvous_address.remote(), timeout=self._failure.heartbeat_timeout_s)
-        except (RayActorError, GetTimeoutError) as error:
-            raise WorkerLostError(f"worker {wid} did not give a rendezvous address: {error}") from error
+        (answer,), failures = self._await({wid: slot.actor.rendezvous_address.remote()},
+                                          "did not give a rendezvous address")
+        if failures:
+            raise WorkerLostError(failures[0])
+        return answer
 
     def start_generation(self, plans: dict[int, GenerationPlan]) -> None:
         refs = {wid: self._slots[wid].actor.start_generation.remote(plan) for wid, plan in plans.items()}
+        _, failures = self._await(refs, "could not start the generation")
+        if failures:
+            raise WorkerLostError("; ".join(failures))
+
+    def _await(self, refs: dict[int, object], what: str) -> tuple[list, list[str]]:
+        """The answers of calls to workers, waited for heartbeat_timeout_s in all, and the failures
+        as messages. A worker whose method raised (RayTaskError: e.g. start_generation refused
+        because its previous generation's thread is stuck) is in a state nobody planned: it is
+        killed here, so the controller replaces it. A dead or silent one is left to the polls."""
+        deadline = time.monotonic() + self._failure.heartbeat_timeout_s
+        answers, failures = [], []
         for wid, ref in refs.items():
             try:
-                ray.get(ref, timeout=self._failure.heartbeat_timeout_s)
-            except (RayActorError, GetTimeoutError) as error:
-                raise WorkerLostError(f"worker {wid} could not start generation: {error}") from error
+                answers.append(ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
+                continue
+            except RayTaskError as error:
+                self.kill(wid, f"{what}: {_first_line(error)}")
+                failures.append(f"worker {wid} {what} and was replaced: {_first_line(error)}")
+            except (RayError, GetTimeoutError) as error:
+                failures.append(f"worker {wid} {what}: {error}")
+            answers.append(None)
+        return answers, failures
 
     def request_stop(self, wids: list[int], generation: int, cut_group: bool = False) -> None:
         for wid in wids:
@@ -221,7 +246,7 @@ class RayWorkerGroup:
 
 
     @staticmethod
-    def _death_reason(slot: _Slot, error: RayActorError) -> str:
+    def _death_reason(slot: _Slot, error: RayError) -> str:
         """"node lost: ..." when the worker's node is gone from the cluster, else "actor died: ..."."""
         first_line = (str(error).splitlines() or [type(error).__name__])[0]
         node_id = slot.info.node_id if slot.info else None
@@ -230,6 +255,14 @@ class RayWorkerGroup:
             if node_id not in alive:
                 return f"node lost: node {node_id[:12]} left the cluster ({first_line})"
         return f"actor died: {first_line}"
+
+
+def _first_line(error: BaseException) -> str:
+    """The exception's own message: a RayTaskError's first lines are Ray's traceback header."""
+    cause = getattr(error, "cause", None)
+    shown = cause if isinstance(cause, BaseException) else error
+    text = f"{type(shown).__name__}: {shown}"
+    return (text.splitlines() or [type(error).__name__])[0]
 
 
 def _silence(slot: _Slot, now: float) -> float:

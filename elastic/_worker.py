@@ -13,6 +13,7 @@ import datetime
 import inspect
 import logging
 import os
+import re
 import signal
 import socket
 import threading
@@ -27,16 +28,40 @@ if TYPE_CHECKING:
 log = logging.getLogger("elastic.worker")
 
 PREEMPTION_GRACE_S = 60   # a preempted worker leaves by then, even if the controller is gone
+# How long start_generation waits for the previous generation's thread to return after it
+# reported (its last lines: a log line, releasing its frames). Below the controller's wait for the
+# call (heartbeat_timeout_s), so a thread that really is stuck still ends in a replaced worker.
+PREVIOUS_THREAD_JOIN_S = 5.0
 
 # Backends name themselves in the errors of a broken process group (gloo's come from its
 # transport, e.g. "[.../gloo/transport/tcp/pair.cc:537] Read error ... Connection reset by peer").
 _BACKEND_MARKERS = ("gloo", "nccl", "c10d", "processgroup")
+# ... but not always: after a gloo collective timed out, the next one on that rank (a DDP comm
+# hook, the next step) raises a bare RuntimeError("Application timeout caused pair closure"),
+# and a gloo build without source paths in its messages says only "Timed out waiting 3000ms for
+# recv operation to complete" or "Connection closed by peer [10.0.0.2]:41537".
+_TRANSPORT_MESSAGES = re.compile(
+    r"application timeout caused pair closure|timed out waiting \d+ ?ms for (recv|send) operation"
+    r"|connection closed by peer \[", re.IGNORECASE)
+# A GPU that failed in hardware (NVIDIA Xid 48/63/64/74/79/94/95 and friends) or a driver that
+# lost it: the process's CUDA context is gone for good, so the worker is replaced. "CUDA out of
+# memory", device-side asserts and illegal memory accesses are the loop's own (Xid 13/31 are
+# "typically an application bug" in NVIDIA's Xid catalogue) and stay user errors.
+_HARDWARE_MESSAGES = re.compile(
+    r"uncorrectable ecc error|ecc error encountered|fallen off the bus|unspecified launch failure"
+    r"|uncorrectable nvlink error|\bxid\b|gpu is lost|cuda error: unknown error"
+    r"|cuda-capable device\(s\) is/are busy or unavailable|no cuda-capable device is detected"
+    r"|driver shutting down|launch timed out and was terminated", re.IGNORECASE)
+_CUDA_USER_MESSAGES = re.compile(
+    r"out of memory|device-side assert|illegal memory access|illegal instruction|misaligned address"
+    r"|\binvalid\b|not supported|not permitted|capturing|no kernel image", re.IGNORECASE)
 
 
 def classify_error(error: BaseException) -> str:
     """What an exception out of the training thread means.
 
     "comm": the process group broke (a peer died, hung or was cut off): wait for the controller.
+    "hardware": the GPU failed (ECC, fallen off the bus, Xid): the worker is replaced.
     "infra": storage trouble: the controller recovers, counted against max_failures.
     "fatal": the run cannot go on (fenced out, checkpoint failure limit reached): fail now.
     "user": the user's code raised: fail fast, not retried.
@@ -44,11 +69,17 @@ def classify_error(error: BaseException) -> str:
     A checkpoint error is judged by what caused it: a save whose collective broke because a
     peer died (e.g. the final commit, the moment a rank is killed) is that peer's failure, and
     the run recovers and commits again; only a checkpoint error with no such cause is fatal.
+    A hardware fault wins over the broken collective it causes (NCCL reports a failed GPU as
+    its own error). A collective that breaks the same way at the same step again and again is
+    the loop's bug, not a fault: the controller sees that (elastic._recurrence), not this function.
     """
     from checkpointing import CheckpointError, FencedError, StorageError
     if isinstance(error, FencedError):
         return "fatal"
-    for cause in _cause_chain(error):
+    chain = _cause_chain(error)
+    if any(_is_hardware_error(cause) for cause in chain):
+        return "hardware"
+    for cause in chain:
         if isinstance(cause, StorageError):
             return "infra"
         if _is_comm_error(cause):
@@ -71,7 +102,24 @@ def _is_comm_error(error: BaseException) -> bool:
     import torch.distributed as dist
     if isinstance(error, getattr(dist, "DistError", ())):
         return True
-    return isinstance(error, RuntimeError) and any(m in str(error).lower() for m in _BACKEND_MARKERS)
+    if not isinstance(error, RuntimeError):
+        return False
+    text = str(error)
+    return any(m in text.lower() for m in _BACKEND_MARKERS) or _TRANSPORT_MESSAGES.search(text) is not None
+
+
+def _is_hardware_error(error: BaseException) -> bool:
+    """A GPU or driver fault: a known hardware message, or a CUDA runtime error
+    (torch.AcceleratorError) that names no error of the loop's own making."""
+    import torch
+    if isinstance(error, getattr(torch, "OutOfMemoryError", ())):
+        return False
+    text = str(error)
+    if _HARDWARE_MESSAGES.search(text):
+        return isinstance(error, RuntimeError)
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    return accelerator_error is not None and isinstance(error, accelerator_error) \
+        and not _CUDA_USER_MESSAGES.search(text)
 
 
 def _set_torchrun_environment(plan: GenerationPlan) -> None:
@@ -157,10 +205,17 @@ class TrainWorker:
             return ip, s.getsockname()[1]
 
     def start_generation(self, plan: GenerationPlan) -> None:
+        # The previous generation's thread has reported its outcome (the controller acts on that
+        # report) but may not have returned yet: give it a moment before refusing. Joined outside
+        # the lock, which the thread's last report takes.
+        previous = self._thread
+        if previous is not None and previous is not threading.current_thread():
+            previous.join(PREVIOUS_THREAD_JOIN_S)
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 raise RuntimeError(f"worker asked to join generation {plan.generation} while still running "
-                                   f"generation {self._plan.generation if self._plan else '?'}")
+                                   f"generation {self._plan.generation if self._plan else '?'} "
+                                   f"(its thread did not end within {PREVIOUS_THREAD_JOIN_S:.0f}s)")
             self._plan = plan
             self._phase = WorkerPhase.RUNNING
             self._error = None
@@ -213,11 +268,10 @@ class TrainWorker:
                 samples_seen=progress.samples_seen, data_order=progress.data_order)
 
     def shutdown(self) -> None:
-        if self._state.checkpoints.manager is not None:
-            try:
-                self._state.checkpoints.manager.close()
-            except Exception:   # noqa: BLE001 - shutting down; the controller already has the outcome
-                log.exception("checkpoint manager close failed")
+        try:
+            self._state.checkpoints.close()
+        except Exception:   # noqa: BLE001 - shutting down; the controller already has the outcome
+            log.exception("checkpoint manager close failed")
 
     # ---- the training thread -----------------------------------------------------------
     def _run_generation(self, plan: GenerationPlan) -> None:
@@ -242,29 +296,18 @@ class TrainWorker:
             self._announce()
         except RescaleInterrupt:
             try:
-                self._settle_checkpoints(peers_alive=True)
+                self._state.checkpoints.settle(peers_alive=True)
             except BaseException as error:  # noqa: BLE001 - reported like any other
                 self._record_error(error)
                 return
             self._set_phase(WorkerPhase.INTERRUPTED)
         except BaseException as error:  # noqa: BLE001 - every outcome is reported, none raised here
             if classify_error(error) == "comm":
-                self._settle_checkpoints(peers_alive=False)
+                self._state.checkpoints.settle(peers_alive=False)
                 # Close this rank's connections now: a peer waiting on us (not on the dead rank)
                 # gets "connection closed" at once instead of sitting out the collective timeout.
                 self._leave_group(abort=True)
             self._record_error(error)
-
-    def _settle_checkpoints(self, *, peers_alive: bool) -> None:
-        """Before the group changes: finish the in-flight upload when every peer can, else drop
-        it (its collectives would wait for a dead peer until collective_timeout_s)."""
-        manager = self._state.checkpoints.manager
-        if manager is None:
-            return
-        if peers_alive:
-            manager.wait()
-        else:
-            manager.abandon()
 
     def _leave_group(self, abort: bool = False) -> None:
         """Destroy the current group. With `abort` (the group broke), first cut its connections
@@ -293,11 +336,10 @@ class TrainWorker:
 
     def _join_group(self, plan: GenerationPlan) -> None:
         import torch.distributed as dist
-        from elastic._checkpoint_io import open_manager
         from elastic._group_sockets import GroupSockets
         self._leave_group()
         _set_torchrun_environment(plan)
-        sockets = GroupSockets()
+        sockets = GroupSockets(store_address=(plan.master_addr, plan.master_port))
         dist.init_process_group(
             "nccl" if self._spec.use_gpu else "gloo",
             init_method=f"tcp://{plan.master_addr}:{plan.master_port}",
@@ -306,9 +348,12 @@ class TrainWorker:
         # The checkpoint side group is formed with the main group, inside the capture: a peer
         # lost during the first save then breaks its connections (cut by _leave_group) instead
         # of leaving the survivors waiting on the store for the side group's creation.
-        open_manager(self._state.checkpoints, self._spec).bind_group()
-        sockets.capture()
+        self._state.checkpoints.open(self._spec).bind_group()
+        # Handed over before the capture: a cut from now on (request_stop) reaches this group's
+        # connections, and releases the capture's exchange of listeners if a peer is lost in it.
         self._group_sockets = sockets
+        sockets.capture(store=dist.distributed_c10d._get_default_store(), rank=plan.rank,
+                        world_size=plan.world_size)
 
     def _set_phase(self, phase: WorkerPhase) -> None:
         with self._lock:
@@ -326,11 +371,13 @@ class TrainWorker:
             portable = error
         except Exception:   # noqa: BLE001 - an unpicklable user exception travels as text
             portable = None
+        # Logged before the phase changes: once it has, the controller may start the next
+        # generation, and this thread should be returning by then (see start_generation).
+        log.warning("rank %s left generation %s: %s: %s", self._plan.rank if self._plan else "?",
+                    self._plan.generation if self._plan else "?", type(error).__name__, error)
         with self._lock:
             self._error = {"type": type(error).__name__, "message": str(error),
                            "traceback": text,
                            "kind": kind, "exception": portable}
             self._phase = WorkerPhase.INTERRUPTED if kind == "comm" else WorkerPhase.FAILED
         self._announce()
-        log.warning("rank %s left generation %s: %s: %s", self._plan.rank if self._plan else "?",
-                    self._plan.generation if self._plan else "?", type(error).__name__, error)

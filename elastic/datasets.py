@@ -14,8 +14,10 @@ marker is an unfinished write, never a corpus.
 
 Storage goes through `checkpointing.storage.Storage`: uncached listings, the standard ``AWS_*``
 variables, transient failures as `StorageError` (an infrastructure failure the controller
-recovers from). A missing or corrupt shard, or a corpus of another sequence length, is a
-`DatasetError` (user error: retrying cannot fix it).
+recovers from), reads included: pyarrow reads a shard through a file that turns what the
+storage backend raises mid-read (a connection reset, a timeout) into `StorageError` before
+pyarrow can take it for a bad file. A missing or corrupt shard, or a corpus of another sequence
+length, is a `DatasetError` (user error: retrying cannot fix it).
 """
 from __future__ import annotations
 
@@ -131,7 +133,7 @@ class ParquetTokens(torch.utils.data.Dataset):
 
     def _open(self, shard: int):
         try:
-            return self._store().open_read(self._path(shard))
+            return _StorageReads(self._store().open_read(self._path(shard)), self._store(), self._path(shard))
         except FileNotFoundError:
             raise DatasetError(f"shard {self._where(shard)!r} is missing: the corpus changed after the "
                                f"dataset was built; restore the shard or rebuild the corpus") from None
@@ -196,6 +198,9 @@ class ParquetTokens(torch.utils.data.Dataset):
                 table = self._parquet(shard, f, meta).read_row_group(g, columns=[self.column])
         except (DatasetError, StorageError):
             raise
+        except FileNotFoundError:
+            raise DatasetError(f"shard {where!r} is missing: the corpus changed after the dataset was built; "
+                               f"restore the shard or rebuild the corpus") from None
         except (pa.ArrowException, OSError) as e:
             raise DatasetError(f"shard {where!r}, row group {g}: cannot read ({e}): the shard is "
                                f"corrupt; rewrite it or remove it from the corpus") from None
@@ -221,6 +226,62 @@ class ParquetTokens(torch.utils.data.Dataset):
     def __repr__(self) -> str:
         return (f"ParquetTokens({self.url!r}, seq_len={self.seq_len}, shards={len(self.shards)}, "
                 f"samples={len(self)})")
+
+
+class _StorageReads:
+    """A shard opened for reading whose reads fail as the storage's failures, not the file's.
+
+    pyarrow takes any OSError out of a read for a file it cannot parse, and a connection reset
+    is an OSError: unwrapped, a transient S3 failure mid-read reads as "the shard is corrupt",
+    the user's error, and the run fails at once. Here every error the storage backend raises
+    from a read or a seek (ConnectionResetError, a botocore or aiohttp connection error, a
+    timeout, an expired credential) becomes `StorageError`, as at open (`Storage.open_read`);
+    pyarrow passes a Python exception out of a read unchanged. Errors of the bytes themselves
+    (not Parquet, another schema) still come from pyarrow and stay `DatasetError`.
+    """
+
+    def __init__(self, raw, storage: Storage, path: str):
+        self._raw, self._storage, self._path = raw, storage, path
+
+    def _guard(self, name: str, *args):
+        try:
+            return getattr(self._raw, name)(*args)
+        except FileNotFoundError:
+            raise                                   # the shard went away: _read_row_group says so
+        except Exception as e:   # noqa: BLE001 - whatever the backend raises is a storage failure
+            raise StorageError(f"reading {self._storage.url_for(self._path)!r} failed: {type(e).__name__}: {e} "
+                               f"(transient storage trouble: the run recovers; if it persists, check the "
+                               f"endpoint and credentials)", url=self._storage.url) from e
+
+    def read(self, *args):
+        return self._guard("read", *args)
+
+    def readinto(self, buffer):
+        return self._guard("readinto", buffer)
+
+    def read1(self, *args):
+        return self._guard("read1", *args)
+
+    def readall(self):
+        return self._guard("readall")
+
+    def seek(self, *args):
+        return self._guard("seek", *args)
+
+    def tell(self):
+        return self._guard("tell")
+
+    def __getattr__(self, name: str):
+        return getattr(self._raw, name)             # readable, seekable, closed, size, ...
+
+    def close(self) -> None:
+        self._raw.close()
+
+    def __enter__(self) -> "_StorageReads":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def write_token_shards(url: str, shards: Iterable[np.ndarray], *, column: str = "tokens",

@@ -7,15 +7,18 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from elastic.errors import ConfigError
+
 log = logging.getLogger("elastic.policy")
 
 # Causes of a failure, as recorded in summary.json.
 INFRA_CAUSES = ("worker_died", "hang", "collective_error", "node_lost", "partition", "straggler",
-                "storage_error", "preempted")
+                "storage_error", "preempted", "hardware_error")
 USER_CAUSE = "user_error"
 FATAL_CAUSE = "fatal_error"      # fenced out, or checkpoint saves failing past their limit
+HARDWARE_CAUSE = "hardware_error"   # a GPU failed (ECC, off the bus, Xid): its worker is replaced
 CAUSE_OF_ERROR_KIND = {"user": USER_CAUSE, "infra": "storage_error", "fatal": FATAL_CAUSE,
-                       "comm": "collective_error"}
+                       "comm": "collective_error", "hardware": HARDWARE_CAUSE}
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,11 @@ class Failure:
     cause: str                 # one of INFRA_CAUSES or USER_CAUSE
     ranks: tuple[int, ...]     # ranks (in the failing generation) that were lost or raised
     message: str = ""
+    # The worker's own error behind the failure, when a worker reported one: kept so that a run
+    # that fails on it (or on too many of them) says what really went wrong.
+    error_type: str | None = None
+    error_message: str | None = None
+    error_traceback: str | None = None
 
     @property
     def is_user_error(self) -> bool:
@@ -36,16 +44,38 @@ class Failure:
         return self.cause not in (USER_CAUSE, FATAL_CAUSE)
 
 
+FAILURE_ACTIONS = ("recover", "fail")
+
+
 @dataclass(frozen=True)
 class FailureDecision:
     action: str                # "recover" | "fail"
     reason: str
+
+    def __post_init__(self) -> None:
+        # Checked here, where a custom policy builds it: the controller reads any action but
+        # "fail" as "recover", so a typo would silently retry.
+        if self.action not in FAILURE_ACTIONS:
+            raise ConfigError(f"FailureDecision.action must be one of {FAILURE_ACTIONS} (a FailurePolicy.decide "
+                              f"retries with 'recover'), got {self.action!r}")
+        if not isinstance(self.reason, str):
+            raise ConfigError(f"FailureDecision.reason must be a str (it is logged and recorded), "
+                              f"got {type(self.reason).__name__}")
 
 
 @dataclass(frozen=True)
 class ResizeDecision:
     target_world_size: int
     reason: str
+
+    def __post_init__(self) -> None:
+        size = self.target_world_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ConfigError(f"ResizeDecision.target_world_size must be an int >= 1 (a ScalingPolicy returns "
+                              f"None to keep the world size), got {size!r}")
+        if not isinstance(self.reason, str):
+            raise ConfigError(f"ResizeDecision.reason must be a str (it is logged and recorded), "
+                              f"got {type(self.reason).__name__}")
 
 
 class FailurePolicy:

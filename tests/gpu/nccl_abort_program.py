@@ -43,11 +43,12 @@ def free_port() -> int:
 
 
 def form(manager: CheckpointManager):
-    sockets = GroupSockets()
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+    port = free_port()
+    sockets = GroupSockets(("127.0.0.1", port))
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=30))
     manager.bind_group()
-    sockets.capture()
+    sockets.capture(store=c10d._get_default_store(), rank=0, world_size=1)
     t = torch.ones(4, device=CUDA)
     dist.all_reduce(t)                 # the communicator is created by the first collective
     torch.cuda.synchronize()

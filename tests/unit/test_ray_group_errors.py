@@ -1,0 +1,116 @@
+"""A worker call that raises (RayTaskError) replaces that worker instead of crashing the
+controller (reliability review F15). Ray itself is faked: the group's calls go to stand-ins."""
+from __future__ import annotations
+
+import pytest
+from ray.exceptions import ActorDiedError, GetTimeoutError, RayTaskError
+
+import elastic._ray_group as ray_group
+from elastic._protocol import WorkerReport
+from elastic._ray_group import DEAD, READY, RayWorkerGroup, _Slot
+from elastic.config import FailureConfig, ScalingConfig
+from elastic.errors import WorkerLostError
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def task_error(method: str, message: str) -> RayTaskError:
+    """What ray.get raises when the actor's method raised RuntimeError(message)."""
+    return RayTaskError(method, f"Traceback (most recent call last):\n  ...\nRuntimeError: {message}",
+                        RuntimeError(message)).as_instanceof_cause()
+
+
+class Ref:
+    def __init__(self, outcome):
+        self.outcome = outcome
+
+
+class Method:
+    def __init__(self, outcome):
+        self.outcome = outcome
+
+    def remote(self, *args):
+        return Ref(self.outcome)
+
+
+class Actor:
+    def __init__(self, **outcomes):
+        for name, outcome in outcomes.items():
+            setattr(self, name, Method(outcome))
+
+
+class FakeRay:
+    def __init__(self):
+        self.killed = []
+
+    def get(self, ref, timeout=None):
+        if isinstance(ref.outcome, BaseException):
+            raise ref.outcome
+        return ref.outcome
+
+    def wait(self, refs, num_returns=1, timeout=None):
+        return list(refs), []
+
+    def kill(self, actor, no_restart=True):
+        self.killed.append(actor)
+
+
+@pytest.fixture
+def fake_ray(monkeypatch):
+    fake = FakeRay()
+    monkeypatch.setattr(ray_group, "ray", fake)
+    monkeypatch.setattr(ray_group, "remove_placement_group", lambda pg: None)
+    return fake
+
+
+def group_of(*actors) -> RayWorkerGroup:
+    group = RayWorkerGroup(None, ScalingConfig(min_workers=1, max_workers=len(actors)),
+                           FailureConfig(heartbeat_timeout_s=5.0))
+    for wid, actor in enumerate(actors):
+        group._slots[wid] = _Slot(wid=wid, pg=None, pg_ready=None, created_at=0.0, status=READY, actor=actor,
+                                  last_answer_at=0.0)
+    return group
+
+
+REFUSED = "worker asked to join generation 3 while still running generation 2"
+
+
+def test_a_worker_whose_start_generation_raises_is_replaced_and_the_others_still_start(fake_ray):
+    report = WorkerReport(phase="running", generation=3, rank=0, step=0, has_state=True, records=[])
+    refusing = Actor(start_generation=task_error("start_generation", REFUSED), poll=report)
+    fine = Actor(start_generation=None, poll=report)
+    group = group_of(fine, refusing)
+    with pytest.raises(WorkerLostError, match="worker 1 could not start the generation") as caught:
+        group.start_generation({0: "plan-0", 1: "plan-1"})
+    assert REFUSED in str(caught.value)
+    assert fake_ray.killed == [refusing]
+    views = group.tick()
+    assert views[1].status == DEAD and REFUSED in views[1].death and views[0].status == READY
+
+
+def test_a_rendezvous_lookup_that_raises_replaces_the_worker(fake_ray):
+    failing = Actor(rendezvous_address=task_error("rendezvous_address", "no address on this node"))
+    group = group_of(failing)
+    with pytest.raises(WorkerLostError, match="no address on this node"):
+        group.rendezvous_address(0)
+    assert fake_ray.killed == [failing] and group.tick()[0].status == DEAD
+
+
+def test_a_slow_or_dead_worker_is_reported_but_left_to_the_polls(fake_ray):
+    slow, dead = Actor(start_generation=GetTimeoutError("slow")), Actor(start_generation=ActorDiedError())
+    group = group_of(slow, dead)
+    with pytest.raises(WorkerLostError) as caught:
+        group.start_generation({0: "plan-0", 1: "plan-1"})
+    assert "worker 0" in str(caught.value) and "worker 1" in str(caught.value)
+    assert fake_ray.killed == []
+
+
+def test_a_poll_that_raises_replaces_the_worker_instead_of_ending_the_tick(fake_ray):
+    report = WorkerReport(phase="running", generation=0, rank=0, step=3, has_state=True, records=[])
+    broken, fine = Actor(poll=task_error("poll", "cannot pickle the report")), Actor(poll=report)
+    group = group_of(broken, fine)
+    group.tick()                        # sends the polls
+    views = group.tick()                # collects them
+    assert views[0].status == DEAD and "cannot pickle the report" in views[0].death
+    assert fake_ray.killed == [broken]
+    assert views[1].status == READY and views[1].report.step == 3
