@@ -1,21 +1,38 @@
 """Atomic, sharded, asynchronous checkpoints on any fsspec URL (file://, plain paths, s3://, memory://).
 
 Public API:
-    CheckpointManager          save / wait / close / load_latest / committed / set_generation / gc
-    CommitInfo, LoadResult     what a manifest says; what load_latest loaded (and skipped)
+    CheckpointManager          save / wait / close / load_latest / committed / latest /
+                               committed_since / set_generation / gc
+    CommitInfo, LoadResult     what a manifest says; what load_latest loaded (and skipped), with
+                               the JSON `meta` saved alongside
     latest_committed(url)      newest committed checkpoint, from any process (no process group)
     read_fence(url)            current generation in <url>/checkpoints/FENCE, or None
+    acquire_run_lease(url, run_id) -> RunLease
+                               one run per storage URL (RunConflictError names the live holder)
+    AppendLog, read_log        an append-only file (metrics.jsonl) that object stores do not
+                               rewrite on every append
     export_model_state(url)    the model weights of a committed checkpoint, plain CPU tensors
     export(url, out)           the same, written as one file `torch.load(out, weights_only=True)` reads
     ExportResult               what export wrote
-    CheckpointError > StorageError, CorruptCheckpointError, FencedError
+    CheckpointError > StorageError, CorruptCheckpointError, SaveFailureLimitError,
+                      SaveCancelledError, FencedError > RunConflictError
 
 A checkpoint is `<url>/checkpoints/step_<step:08d>/` with a `COMMITTED` manifest written last,
 by one writer, in one PUT. This package does not import the runtime (`elastic`).
 """
 
 from checkpointing._export import ExportResult, export, export_model_state
-from checkpointing.errors import CheckpointError, CorruptCheckpointError, FencedError, StorageError
+from checkpointing.appendlog import AppendLog, read_log
+from checkpointing.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    FencedError,
+    RunConflictError,
+    SaveCancelledError,
+    SaveFailureLimitError,
+    StorageError,
+)
+from checkpointing.lease import DEFAULT_STALE_AFTER_S, RunLease, acquire_run_lease, release_run_lease
 from checkpointing.manager import CheckpointManager
 from checkpointing.manifest import CommitInfo, LoadResult, latest_committed
 from checkpointing.manifest import read_fence as _read_fence
@@ -36,8 +53,17 @@ __all__ = [
     "export_model_state",
     "export",
     "ExportResult",
+    "acquire_run_lease",
+    "release_run_lease",
+    "RunLease",
+    "DEFAULT_STALE_AFTER_S",
+    "AppendLog",
+    "read_log",
     "CheckpointError",
     "StorageError",
     "CorruptCheckpointError",
     "FencedError",
+    "RunConflictError",
+    "SaveFailureLimitError",
+    "SaveCancelledError",
 ]

@@ -4,7 +4,9 @@ Internal. DCP's own FsspecWriter opens its own (cached) fsspec instance and can 
 through `os.sync()` on non-local streams; this adapter routes every byte through `Storage`,
 records size + sha256 of each file as it is written (no read-back for the manifest), fsyncs
 local files, and makes `rename` cheap on object stores (the only rename DCP does is the
-small `.metadata` file).
+small `.metadata` file). A writer stops at its next write once its save is cancelled (an
+abandoned save); a reader opens only the files its manifest lists (DCP's `.metadata` names the
+files to read, and it is not trusted to stay inside the checkpoint).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch.distributed.checkpoint.filesystem import (
     FileSystemWriter,
 )
 
+from checkpointing.errors import CorruptCheckpointError
 from checkpointing.manifest import HashingWriter
 from checkpointing.storage import Storage
 
@@ -29,11 +32,14 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 
 class _StorageFS(FileSystemBase):
-    def __init__(self, storage: Storage, base: str) -> None:
+    def __init__(self, storage: Storage, base: str, *, cancel: threading.Event | None = None,
+                 allowed: set[str] | None = None) -> None:
         self.storage = storage
         self.base = base.rstrip("/")
         self._lock = threading.Lock()  # DCP may write files from several threads
         self.written: dict[str, dict] = {}  # path relative to base -> {"size", "sha256"}
+        self.cancel = cancel
+        self.allowed = allowed  # reader: the manifest's files (relative to base); None: any
 
     def _rel(self, path) -> str:
         path = os.fspath(path)
@@ -43,11 +49,15 @@ class _StorageFS(FileSystemBase):
     def create_stream(self, path, mode: str) -> Generator:
         path = os.fspath(path)
         if "r" in mode:
+            if self.allowed is not None and self._rel(path) not in self.allowed:
+                raise CorruptCheckpointError(
+                    f"the checkpoint's .metadata asks to read {path!r}, which its manifest does not "
+                    f"list; refusing to read outside the checkpoint", url=self.storage.url)
             with self.storage.open_read(path) as stream:
                 yield stream
             return
         raw = self.storage.open_write(path)
-        hashing = HashingWriter(raw)
+        hashing = HashingWriter(raw, self.cancel)
         try:
             yield hashing
             self.storage.fsync_file(raw)
@@ -109,11 +119,12 @@ class _StorageFS(FileSystemBase):
 class StorageWriter(FileSystemWriter):
     """DCP writer into `<storage path>`; `written` has size + sha256 of this rank's files."""
 
-    def __init__(self, storage: Storage, path: str, *, thread_count: int = 1) -> None:
+    def __init__(self, storage: Storage, path: str, *, thread_count: int = 1,
+                 cancel: threading.Event | None = None) -> None:
         # sync_files=False: DCP's fallback is a global os.sync(); _StorageFS fsyncs local files.
         super().__init__(path, single_file_per_rank=True, sync_files=False,
                          thread_count=thread_count, overwrite=True)
-        self.fs = _StorageFS(storage, path)
+        self.fs = _StorageFS(storage, path, cancel=cancel)
         self.path = path
 
     @property
@@ -122,7 +133,9 @@ class StorageWriter(FileSystemWriter):
 
 
 class StorageReader(FileSystemReader):
-    def __init__(self, storage: Storage, path: str) -> None:
+    """DCP reader from `<storage path>`; with `allowed`, only those files (relative to it) open."""
+
+    def __init__(self, storage: Storage, path: str, *, allowed: set[str] | None = None) -> None:
         super().__init__(path)
-        self.fs = _StorageFS(storage, path)
+        self.fs = _StorageFS(storage, path, allowed=allowed)
         self.path = path

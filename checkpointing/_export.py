@@ -168,7 +168,8 @@ def _dcp_load(storage: Storage, info: mf.CommitInfo, state: dict) -> None:
     from checkpointing._dcp_io import StorageReader
     try:
         # no_dist: one process reads the whole entry, whatever process group may exist here.
-        dcp.load(state, storage_reader=StorageReader(storage, _data_path(storage, info)), no_dist=True)
+        dcp.load(state, storage_reader=StorageReader(storage, _data_path(storage, info),
+                                                     allowed=mf.data_files(info)), no_dist=True)
     except (Exception, CheckpointException) as e:
         excs = [f[0] if isinstance(f, tuple) else f for f in getattr(e, "failures", {0: e}).values()]
         cls = StorageError if any(isinstance(x, (StorageError, OSError)) for x in excs) else CheckpointError

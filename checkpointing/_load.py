@@ -1,13 +1,19 @@
 """Load the newest committed checkpoint that verifies, resharded to the current world size.
 
 Internal; collective over the side group, called from the training thread on every rank.
-Rank 0 lists the manifests and broadcasts them so every rank considers the same candidates.
+Rank 0 lists the steps and reads their manifests newest first, only as far as needed, and
+broadcasts each, so every rank considers the same candidates.
 Verification is split: each rank rechecks sizes and sha256 of every world_size-th file, and the
 verdicts are all-gathered, so a checkpoint is read once for verification however many ranks
 there are. A mismatch skips to the previous committed checkpoint with a warning; a storage
 error is raised instead (a transient outage must not silently roll training back).
-DCP then reads only the byte ranges each rank needs: DCP resharding handles a different
-world size for replicated tensors and DTensor shards alike.
+Files found *missing* may mean the listing went stale during the load (another writer, e.g. an
+abandoned save of the previous generation, committed a newer step and its retention deleted
+this one): the candidates are then listed once more, and if a newer checkpoint appeared the
+load raises StorageError (retryable: the caller re-plans from the newer one) rather than falling
+back or calling the checkpoints corrupt.
+DCP then reads only the byte ranges each rank needs (and only files the manifest lists): DCP
+resharding handles a different world size for replicated tensors and DTensor shards alike.
 """
 
 from __future__ import annotations
@@ -28,17 +34,62 @@ from checkpointing.storage import Storage
 log = logging.getLogger("checkpointing")
 
 
-def _candidates(storage: Storage, group: GroupView) -> list[mf.CommitInfo]:
+def _on_rank0(group: GroupView, read):
+    """`read()` on rank 0, its result (or its CheckpointError) on every rank."""
     payload = None
     if group.rank == 0:
         try:
-            payload = ("ok", [dataclasses.asdict(c) for c in mf.list_committed(storage, log=log)])
+            payload = ("ok", read())
         except CheckpointError as e:
             payload = ("error", e)
     payload = group.broadcast(payload)
     if payload[0] == "error":
         raise payload[1]
-    return [mf.CommitInfo(**d) for d in payload[1]]
+    return payload[1]
+
+
+class _Candidates:
+    """Committed checkpoints newest first, the same on every rank, read lazily: one listing, and
+    a manifest only when the previous candidate did not verify (usually one GET in all)."""
+
+    def __init__(self, storage: Storage, group: GroupView) -> None:
+        self.storage, self.group = storage, group
+        # FENCE before the listing: a commit made after a newer generation started is judged by
+        # that generation's entry of the history.
+        self.fence, self.steps = _on_rank0(group, lambda: (mf.read_fence_doc(storage), mf.list_steps(storage)))
+
+    def manifest(self, step: int) -> mf.CommitInfo | None:
+        def read():
+            try:
+                info = mf.read_manifest(self.storage, step)
+            except CorruptCheckpointError as e:
+                log.warning("%s", e)
+                return None
+            if info is not None and self.fence is not None and (why := self.fence.rejects(info)):
+                log.warning("ignoring the manifest of step %d at %s: %s", step, info.path, why)
+                return None
+            return dataclasses.asdict(info) if info is not None else None
+        d = _on_rank0(self.group, read)
+        return mf.CommitInfo(**d) if d is not None else None
+
+    def newest_first(self):
+        for step in reversed(self.steps):
+            info = self.manifest(step)
+            if info is not None:
+                yield info
+
+    def newer_committed(self, than: int) -> list[int]:
+        """Committed steps newer than `than` that a fresh listing shows and this one did not."""
+        again = _Candidates(self.storage, self.group)
+        known = set(self.steps)
+        return [s for s in again.steps if s > than and s not in known and again.manifest(s) is not None]
+
+
+def _reason(bad: list[dict]) -> str:
+    reason = "; ".join(f"{b['file']}: {b['reason']}" for b in bad[:5])
+    if len(bad) > 5:
+        reason += f"; and {len(bad) - 5} more files"
+    return reason
 
 
 def _verify_shared(storage: Storage, info: mf.CommitInfo, group: GroupView) -> list[dict]:
@@ -57,12 +108,20 @@ def _verify_shared(storage: Storage, info: mf.CommitInfo, group: GroupView) -> l
 
 def load_latest(storage: Storage, state: dict, group: GroupView) -> mf.LoadResult | None:
     skipped: list[dict] = []
-    for info in reversed(_candidates(storage, group)):
+    candidates = _Candidates(storage, group)
+    relisted = False
+    for info in candidates.newest_first():
         bad = _verify_shared(storage, info, group)
+        if bad and not relisted and any(b["reason"] == "missing" for b in bad):
+            relisted = True
+            newer = candidates.newer_committed(info.step)
+            if newer:
+                raise StorageError(
+                    f"checkpoint step {info.step} under {storage.url} lost files while loading "
+                    f"({_reason(bad)}) and newer committed step(s) {newer} appeared meanwhile (another "
+                    f"writer committed and collected); retry the load", url=storage.url)
         if bad:
-            reason = "; ".join(f"{b['file']}: {b['reason']}" for b in bad[:5])
-            if len(bad) > 5:
-                reason += f"; and {len(bad) - 5} more files"
+            reason = _reason(bad)
             log.warning("checkpoint step %d at %s does not match its manifest (%s); falling back "
                         "to the previous committed checkpoint", info.step, info.path, reason)
             skipped.append({"step": info.step, "reason": reason})
@@ -70,7 +129,7 @@ def load_latest(storage: Storage, state: dict, group: GroupView) -> mf.LoadResul
         path = f"{mf.step_path(storage, info.step)}/{info.data_dir}".rstrip("/")
         t0 = time.monotonic()
         try:
-            dcp.load(state, storage_reader=StorageReader(storage, path),
+            dcp.load(state, storage_reader=StorageReader(storage, path, allowed=mf.data_files(info)),
                      process_group=group.pg, no_dist=group.pg is None)
         except (Exception, CheckpointException) as e:
             excs = [f[0] if isinstance(f, tuple) else f
@@ -84,7 +143,8 @@ def load_latest(storage: Storage, state: dict, group: GroupView) -> mf.LoadResul
         log.info("loaded step %d (saved at world size %d, now %d) from %s in %.2fs",
                  info.step, info.world_size, group.world_size, info.path, time.monotonic() - t0)
         return mf.LoadResult(step=info.step, world_size=info.world_size,
-                             generation=info.generation, path=info.path, skipped=skipped)
+                             generation=info.generation, path=info.path, skipped=skipped,
+                             meta=info.meta)
     if skipped:
         raise CorruptCheckpointError(
             f"no committed checkpoint under {storage.url} matches its manifest "

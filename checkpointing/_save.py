@@ -7,14 +7,24 @@ every rank, with collectives only on the side group:
      shards by their owner); DCP gathers per-rank failures, so every rank raises or none does;
   3. every rank's file records (size, sha256, taken while writing) are gathered to all ranks;
      having them means every rank's files were closed, i.e. durable;
-  4. rank 0 re-checks the fence and the existing manifest, then PUTs COMMITTED in one write and
-     broadcasts the outcome, so every rank returns the same CommitInfo or raises the same error.
+  4. rank 0 re-checks the fence and the existing manifest, then PUTs COMMITTED in one
+     conditional write (create if absent, or replace exactly the version it read: see
+     `Storage.put_if`) and broadcasts the outcome, so every rank returns the same CommitInfo or
+     raises the same error.
+
+The conditional PUT is what makes step 4 safe against a writer that stalls between its checks
+and its PUT: if a newer generation committed the step meanwhile, the stale PUT fails, the writer
+re-reads, finds the newer manifest and is fenced. A late commit of a step no newer generation
+has committed yet can still land; the fence history makes every reader and GC ignore it (see
+manifest.py). A lost PUT response that the client retried finds its own bytes: success.
+An abandoned save (`cancel` set) stops writing at its next write and never commits.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -24,8 +34,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from checkpointing import manifest as mf
 from checkpointing._dcp_io import StorageWriter
 from checkpointing._groups import GroupView
-from checkpointing.errors import CheckpointError, FencedError, StorageError
-from checkpointing.storage import Storage
+from checkpointing.errors import CheckpointError, FencedError, SaveCancelledError, StorageError
+from checkpointing.storage import PreconditionFailed, Storage
 
 log = logging.getLogger("checkpointing")
 
@@ -41,6 +51,8 @@ class SaveJob:
     # Rank 0, after the commit and before the other ranks hear of it (retention): when wait()
     # returns on any rank, storage already reflects it.
     after_commit: Callable[[mf.CommitInfo], None] | None = None
+    meta: dict | None = None  # strict JSON stored in the manifest
+    cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
 def _fence_verdict(storage: Storage, generation: int) -> tuple[str, Any]:
@@ -88,19 +100,43 @@ def _commit(job: SaveJob, records: list[dict]) -> mf.CommitInfo:
                               url=storage.url)
     if job.before_commit is not None:
         job.before_commit()
-    # Re-check right before the PUT: a new generation may have formed during the upload.
-    verdict, fence = _fence_verdict(storage, job.generation)
-    if verdict == "error":
-        raise fence
-    if verdict == "fenced":
-        raise _fenced(storage, job, fence)
-    existing = mf.read_manifest(storage, job.step)
-    if existing is not None and existing.generation > job.generation:
-        raise _fenced(storage, job, existing.generation)
-    raw = mf.encode_manifest(job.step, job.group.world_size, job.generation, data_dir, files)
+    if job.cancel.is_set():
+        raise SaveCancelledError(f"save of step {job.step} abandoned before its commit", url=storage.url)
+    raw = mf.encode_manifest(job.step, job.group.world_size, job.generation, data_dir, files,
+                             meta=job.meta)
     sp = mf.step_path(storage, job.step)
-    storage.write_atomic(f"{sp}/{mf.MANIFEST_NAME}", raw)
-    return mf.decode_manifest(raw, storage.url_for(sp))
+    path = f"{sp}/{mf.MANIFEST_NAME}"
+    for _ in range(mf.CAS_ATTEMPTS):
+        # Re-check right before the PUT: a new generation may have formed during the upload.
+        verdict, fence = _fence_verdict(storage, job.generation)
+        if verdict == "error":
+            raise fence
+        if verdict == "fenced":
+            raise _fenced(storage, job, fence)
+        try:
+            existing, token = storage.read_versioned(path)
+        except FileNotFoundError:
+            existing, token = None, None
+        if existing is not None:
+            if existing == raw:
+                break  # our own PUT, whose response was lost and whose retry found it
+            try:
+                current = mf.decode_manifest(existing, storage.url_for(sp), step=job.step)
+            except CheckpointError:
+                current = None  # unreadable: replace it (by CAS, like any other version)
+            if current is not None and current.generation > job.generation:
+                raise _fenced(storage, job, current.generation)
+            # An older generation's commit of this step (or this generation's earlier one, whose
+            # files this save has just rewritten): replace exactly the version read.
+        try:
+            storage.put_if(path, raw, if_token=token)
+        except PreconditionFailed:
+            continue  # someone wrote or deleted it since the read: judge again
+        break
+    else:
+        raise StorageError(f"committing step {job.step} under {storage.url} lost {mf.CAS_ATTEMPTS} "
+                           f"compare-and-swaps on its COMMITTED in a row", url=storage.url)
+    return mf.decode_manifest(raw, storage.url_for(sp), step=job.step)
 
 
 def run_save(job: SaveJob) -> mf.CommitInfo:
@@ -114,12 +150,16 @@ def run_save(job: SaveJob) -> mf.CommitInfo:
         raise _fenced(storage, job, verdict[1])
 
     path = f"{mf.step_path(storage, job.step)}/{mf.data_dir_name(job.generation)}"
-    writer = StorageWriter(storage, path)
+    writer = StorageWriter(storage, path, cancel=job.cancel)
     try:
         dcp.save(job.state, storage_writer=writer, process_group=group.pg,
                  no_dist=group.pg is None)
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         raise _as_checkpoint_error(storage, job, e) from e
+    finally:
+        # The staged host copy is not needed past this point: an abandoned save that now waits
+        # in a collective with a dead peer must not hold it until the collective times out.
+        job.state = {}
 
     records = group.all_gather(writer.written)
 

@@ -18,13 +18,41 @@ from checkpointing.errors import CheckpointError
 from checkpointing.storage import Storage
 
 
+def _option_value(text: str):
+    """An --option value as the fsspec option it means: true/false (any case) are bools,
+    none/null is None, integers and decimals are numbers, `{...}`/`[...]` is JSON (e.g.
+    client_kwargs={"region_name": "eu-west-1"}); anything else stays a string."""
+    low = text.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    digits = text.strip().lstrip("+-")
+    if len(digits) > 1 and digits.startswith("0") and digits[1:2].isdigit():
+        return text  # "007", an id or key with leading zeros: keep it as written
+    for parse in (int, float):
+        try:
+            value = parse(text)
+        except ValueError:
+            continue
+        if parse is float and value != value or value in (float("inf"), float("-inf")):
+            break  # "nan"/"inf" are strings here, not numbers
+        return value
+    if text.lstrip()[:1] in ("{", "["):
+        try:
+            return json.loads(text)
+        except ValueError as e:
+            raise SystemExit(f"--option value {text!r} looks like JSON but does not parse: {e}") from e
+    return text
+
+
 def _options(pairs: list[str]) -> dict:
     opts = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
-        if not sep:
+        if not sep or not key:
             raise SystemExit(f"--option expects key=value, got {pair!r}")
-        opts[key] = value
+        opts[key] = _option_value(value)
     return opts
 
 
@@ -110,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=helptext)
         sp.add_argument("url", help="storage URL (the run's --storage; checkpoints/ is below it)")
         sp.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                        help="fsspec storage option, e.g. endpoint_url=http://127.0.0.1:9000")
+                        help="fsspec storage option, e.g. endpoint_url=http://127.0.0.1:9000 or "
+                             "anon=true (true/false, numbers and JSON values are parsed)")
         sp.add_argument("--json", action="store_true", help="one JSON document on stdout")
         if name == "verify":
             sp.add_argument("--step", type=int, help="only this step")

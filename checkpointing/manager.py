@@ -2,7 +2,9 @@
 
 Owns the save pipeline (stage in the training thread, upload + commit in one background
 thread, at most one save in flight), failure accounting (failures are recorded, and raised only
-after `max_consecutive_failures` in a row), fencing by generation, and GC. Saving and loading
+after `max_consecutive_failures` in a row: then `SaveFailureLimitError`, fatal by design, and
+every later save raises it too; a save broken by a lost peer is not counted, the runtime
+recovers from the peer's loss), fencing by generation, and GC. Saving and loading
 are collective over the current default group's ranks; see `_groups` for which group is used.
 Public methods are meant to be called from the training thread; `committed`, `set_generation`
 and `gc` are also safe from other threads and processes. Those three need no torch: the
@@ -12,6 +14,7 @@ fences or collects (the run's controller, the `ckpt` CLI) does not pay for impor
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from concurrent.futures import Future
@@ -20,7 +23,7 @@ from typing import TYPE_CHECKING, Callable
 from checkpointing import manifest as mf
 from checkpointing import retention
 from checkpointing._groups import SideGroup
-from checkpointing.errors import CheckpointError, FencedError
+from checkpointing.errors import CheckpointError, FencedError, SaveFailureLimitError
 from checkpointing.storage import Storage
 
 if TYPE_CHECKING:
@@ -34,7 +37,12 @@ class CheckpointManager:
 
     def __init__(self, url: str, *, keep: int | None = 3, storage_options: dict | None = None,
                  async_save: bool = True, max_consecutive_failures: int = 3,
-                 collective_timeout_s: float = 600.0) -> None:
+                 collective_timeout_s: float = 600.0,
+                 peer_failure: Callable[[BaseException], bool] | None = None) -> None:
+        """`peer_failure(error)`: whether a failed save broke because its process group did (a
+        peer died, hung or was cut off); such a save does not count against
+        `max_consecutive_failures`. Default: torch's DistError or a RuntimeError naming the
+        backend (gloo, nccl, c10d). A runtime with a finer classifier passes its own."""
         if keep is not None and keep < 1:
             raise ValueError(f"CheckpointManager(keep={keep}): keep must be >= 1, or None to keep all")
         if max_consecutive_failures < 1:
@@ -46,6 +54,7 @@ class CheckpointManager:
         self.keep = keep
         self.async_save = async_save
         self.max_consecutive_failures = max_consecutive_failures
+        self._peer_failure = peer_failure or _peer_failure
         self.storage = Storage(url, storage_options)
         self._group = SideGroup(collective_timeout_s)
         self._lock = threading.Lock()  # guards gc against the background commit's retention pass
@@ -58,20 +67,32 @@ class CheckpointManager:
         self.last_commit: mf.CommitInfo | None = None
         self._closed = False
         self._before_commit: Callable[[], None] | None = None  # test hook (crash injection)
+        self._cancel: threading.Event | None = None  # the in-flight save's cancel flag
+        self._thread: threading.Thread | None = None
+        self._abandoned: list[threading.Thread] = []  # abandoned saves' threads not yet ended
 
     # ---- saving --------------------------------------------------------------------------------
-    def save(self, step: int, state: dict, *, generation: int) -> None:
+    def save(self, step: int, state: dict, *, generation: int, meta: dict | None = None) -> None:
         """Checkpoint `state` as `step`. Collective: every rank calls it at the same boundary.
 
         Async: returns once `state` is copied to host memory (after waiting for the previous
-        upload, if any). Sync: returns after the commit. Raises CheckpointError once
-        `max_consecutive_failures` saves in a row have failed, FencedError when `generation` is
-        older than a fence this manager has seen.
+        upload, if any). Sync: returns after the commit. Raises SaveFailureLimitError (a
+        CheckpointError) once `max_consecutive_failures` saves in a row have failed,
+        FencedError when `generation` is older than a fence this manager has seen.
+
+        `meta`: the caller's own non-tensor state as strict JSON (dicts, lists, str, numbers,
+        bools, None; a non-finite float is stored as null), stored in the COMMITTED manifest
+        itself and returned by `load_latest` as `LoadResult.meta`. Unlike non-tensor values in
+        `state` (pickled by DCP, see the README's "Trust boundary"), it is never unpickled.
+        Only rank 0's `meta` is stored. Raises TypeError at once for a value JSON cannot hold.
         """
         if self._closed:
             raise CheckpointError(f"save() after close() on CheckpointManager({self.url!r})", url=self.url)
         if step < 0:
             raise ValueError(f"save(step={step}): step must be >= 0")
+        # Validated and snapshotted now, in the caller's thread: a later change to the caller's
+        # dict cannot leak into an async save, and a bad value is the caller's error at once.
+        meta = json.loads(json.dumps(mf.strict_json(meta), allow_nan=False)) if meta is not None else None
         self._raise_if_failing()
         if self._known_fence is not None and generation < self._known_fence:
             raise FencedError(
@@ -84,18 +105,25 @@ class CheckpointManager:
         group = self._group.view()  # collective only when the default group changed
         if not self.async_save:
             job = SaveJob(self.storage, step, generation, state, group, self._before_commit,
-                          self._retention)
+                          self._retention, meta=meta)
             self._unreported = self._record(self._run(job))
             self._raise_if_failing()
             return
+        self._abandoned = [t for t in self._abandoned if t.is_alive()]
+        if self._abandoned:
+            log.warning("%d abandoned save(s) under %s still hold their staged copy (stuck in a "
+                        "collective until collective_timeout_s); staging another", len(self._abandoned),
+                        self.url)
         self._staged = stage_state_dict(state, self._staged)
         job = SaveJob(self.storage, step, generation, self._staged, group, self._before_commit,
-                      self._retention)
+                      self._retention, meta=meta)
         future: Future = Future()
         # A daemon thread per save (one at a time): a save stuck in a collective with a dead
         # peer (see abandon) must not keep the interpreter from exiting.
-        threading.Thread(target=lambda: future.set_result(self._run(job)),
-                         name=f"ckpt-upload-{step}", daemon=True).start()
+        thread = threading.Thread(target=lambda: future.set_result(self._run(job)),
+                                  name=f"ckpt-upload-{step}", daemon=True)
+        self._cancel, self._thread = job.cancel, thread
+        thread.start()
         self._inflight = (future, step)
 
     def _run(self, job: SaveJob) -> mf.CommitInfo | BaseException:
@@ -108,7 +136,10 @@ class CheckpointManager:
 
     def _retention(self, info: mf.CommitInfo) -> None:
         with self._lock:
-            retention.collect(self.storage, keep=self.keep, protect={info.step})
+            # writer_generation: the pass is skipped if FENCE has moved past this generation,
+            # and never touches a newer generation's data.
+            retention.collect(self.storage, keep=self.keep, protect={info.step},
+                              writer_generation=info.generation)
 
     def _record(self, outcome: mf.CommitInfo | BaseException) -> mf.CommitInfo | None:
         if isinstance(outcome, mf.CommitInfo):
@@ -128,6 +159,12 @@ class CheckpointManager:
                 self._known_fence = max(self._known_fence or fence, fence)
             log.warning("%s", outcome)
             return None
+        if self._peer_failure(outcome):
+            # A collective broke because a peer died or was cut off: the runtime recovers from
+            # that peer's loss; it says nothing about storage, so it does not count.
+            log.warning("checkpoint save to %s broke with its process group (not counted against "
+                        "max_consecutive_failures): %s: %s", self.url, type(outcome).__name__, outcome)
+            return None
         self.consecutive_failures += 1
         log.warning("checkpoint save to %s failed (%d in a row, limit %d): %s: %s",
                     self.url, self.consecutive_failures, self.max_consecutive_failures,
@@ -146,10 +183,15 @@ class CheckpointManager:
     def _raise_if_failing(self) -> None:
         if self.consecutive_failures >= self.max_consecutive_failures:
             cause = self.last_error
-            raise CheckpointError(
+            described = f"{type(cause).__name__}: {cause}"
+            # `from None`: the limit is final. A cause chain holding the StorageError would make a
+            # runtime that retries storage trouble recover, and fail the next save again, forever.
+            raise SaveFailureLimitError(
                 f"{self.consecutive_failures} consecutive checkpoint saves to {self.url} failed "
                 f"(max_consecutive_failures={self.max_consecutive_failures}); last cause: "
-                f"{type(cause).__name__}: {cause}", url=self.url) from cause
+                f"{described}. Fix the storage (credentials, quota, endpoint) and resume from the last "
+                f"committed checkpoint, or raise max_consecutive_failures", url=self.url,
+                last_cause=described) from None
 
     def wait(self) -> mf.CommitInfo | None:
         """Block until the in-flight save (if any) is committed or failed; its CommitInfo, or
@@ -182,8 +224,14 @@ class CheckpointManager:
         """
         if self._inflight is not None:
             log.warning("abandoning in-flight save of step %d under %s", self._inflight[1], self.url)
+            if self._cancel is not None:
+                self._cancel.set()  # the upload stops at its next write and never commits
+            self._abandoned.append(self._thread)
         self._inflight = None
-        self._staged = None  # the abandoned thread may still be reading them
+        self._cancel = None
+        # Dropped, not reused: the abandoned thread may still be reading them. It releases its
+        # own reference once DCP's writes end (at the next write, after the cancel).
+        self._staged = None
         self._group.forget()
 
     def __enter__(self) -> "CheckpointManager":
@@ -210,24 +258,37 @@ class CheckpointManager:
         return load_latest(self.storage, state, self._group.view())
 
     def committed(self) -> list[mf.CommitInfo]:
-        """Committed checkpoints, newest last (manifests only; checksums not rechecked)."""
+        """Committed checkpoints, newest last (manifests only; checksums not rechecked).
+        Reads every manifest: prefer `latest()` or `committed_since()` in a polling loop."""
         return mf.list_committed(self.storage, log=log)
 
+    def latest(self) -> mf.CommitInfo | None:
+        """The newest committed checkpoint (FENCE, one listing, manifests newest first until
+        a valid one: usually one GET)."""
+        return next(mf.iter_committed(self.storage, log=log), None)
+
+    def committed_since(self, step: int | None) -> list[mf.CommitInfo]:
+        """Committed checkpoints newer than `step` (all if None), oldest first; reads only their
+        manifests (for a poller that announces new commits)."""
+        return list(reversed(list(mf.iter_committed(self.storage, log=log, after=step))))
+
     # ---- fencing and GC ----------------------------------------------------------------------
-    def set_generation(self, generation: int) -> None:
+    def set_generation(self, generation: int, *, start_step: int | None = None,
+                       run_id: str | None = None) -> None:
         """Record `generation` as current in `<url>/checkpoints/FENCE`; older ones are fenced.
 
-        Idempotent for the same generation (controller and every worker may call it). Raises
-        FencedError if FENCE is already newer: generations must grow across runs too (start a
-        new run at `checkpointing.read_fence(url) + 1`).
+        A compare-and-swap: raises FencedError if FENCE is already newer, also when another
+        writer advanced it between this call's read and write (generations must grow across
+        runs too: start a new run at `checkpointing.read_fence(url) + 1`). Idempotent for the
+        generation already current (controller and every worker may call it).
+
+        `start_step`: the step this generation starts from (the step it restores). Recorded in
+        FENCE's history: a manifest of an older generation whose step is past it is a fenced
+        writer's late commit, and listing, loading and GC ignore it. Pass it from the controller
+        whenever a generation starts. `run_id`: the run holding the storage (see
+        `checkpointing.acquire_run_lease`); RunConflictError if another run holds it now.
         """
-        current = mf.read_fence(self.storage)
-        if current is not None and current > generation:
-            raise FencedError(
-                f"set_generation({generation}) refused: {self.url}/checkpoints/FENCE is already at "
-                f"generation {current}; use a generation >= {current}", url=self.url)
-        if current != generation:
-            mf.write_fence(self.storage, generation)
+        mf.advance_fence(self.storage, generation, start_step=start_step, run_id=run_id)
         self._known_fence = generation
 
     def gc(self, *, verify: bool = False) -> dict:
@@ -239,3 +300,32 @@ class CheckpointManager:
         protect = {self.in_flight_step} if self.in_flight_step is not None else set()
         with self._lock:
             return retention.collect(self.storage, keep=self.keep, protect=protect, verify=verify)
+
+
+_BACKEND_MARKERS = ("gloo", "nccl", "c10d", "processgroup")  # as elastic._worker judges them
+
+
+def _peer_failure(error: BaseException) -> bool:
+    """Whether a save failed because its process group broke (a peer died, hung or was cut off),
+    judged like the runtime does: torch's DistError, or a RuntimeError naming the backend."""
+    try:
+        import torch.distributed as dist
+        dist_error = getattr(dist, "DistError", None)
+    except ImportError:  # pragma: no cover
+        dist_error = None
+    seen: set[int] = set()
+    todo = [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if dist_error is not None and isinstance(e, dist_error):
+            return True
+        if isinstance(e, RuntimeError) and any(m in str(e).lower() for m in _BACKEND_MARKERS):
+            return True
+        todo.append(e.__cause__)
+        failures = getattr(e, "failures", None)  # DCP's CheckpointException: rank -> error
+        if isinstance(failures, dict):
+            todo.extend(f[0] if isinstance(f, tuple) else f for f in failures.values())
+    return False

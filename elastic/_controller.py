@@ -10,17 +10,17 @@ import logging
 import time
 from typing import Any, Callable, Protocol
 
-from elastic._protocol import GenerationPlan, RestorePlan, WorkerPhase, WorkerReport, placement
-from elastic._ray_group import DEAD, READY, STARTING, WorkerView
+from elastic._ledgers import RecoveryLedger, Rung, StepLedger
+from elastic._protocol import GenerationPlan, RestoreKind, RestorePlan, WorkerPhase, WorkerReport, placement
+from elastic._ray_group import DEAD, READY, SLOW_TICK_S, STARTING, WorkerView
+from elastic._report_intake import ReportIntake
+from elastic._run_status import StatusReport
 from elastic._stragglers import StragglerDetector
-from elastic._bookkeeping import Bookkeeping
-from elastic._log_records import LogRecordPicker
 from elastic._recurrence import ErrorSighting, RecurringErrors
-from elastic._states import (AnyState, Failed, Finished, PendingRecovery, Recovering, Running, RunState,
-                             Scheduling, Starting)
+from elastic._states import AnyState, Failed, Finished, Recovering, Running, RunState, Scheduling, Starting
 from elastic.config import FailureConfig, ScalingConfig
 from elastic.errors import InsufficientWorkersError, TooManyFailuresError, WorkerLostError
-from elastic.policies import CAUSE_OF_ERROR_KIND, HARDWARE_CAUSE, USER_CAUSE, Failure, FailurePolicy, ScalingPolicy
+from elastic.policies import CAUSE_OF_ERROR_KIND, Cause, Failure, FailurePolicy, ScalingPolicy
 
 log = logging.getLogger("elastic.controller")
 
@@ -46,7 +46,11 @@ class CheckpointView(Protocol):
     def current_fence(self) -> int | None: ...
 
 
-class Controller(Bookkeeping):
+class Controller:
+    """The run's state machine. Composed of: the worker group (acts on workers), the report
+    intake (worker reports into the step and recovery ledgers and the run record), the status
+    report (status.json), the policies (decisions); it alone decides and acts."""
+
     def __init__(self, group: WorkerGroup, recorder: Any, checkpoints: CheckpointView, *,
                  scaling: ScalingConfig, failure: FailureConfig, total_steps: int,
                  failure_policy: FailurePolicy | None = None, scaling_policy: ScalingPolicy | None = None,
@@ -61,24 +65,20 @@ class Controller(Bookkeeping):
         self.state: AnyState = Scheduling(since=clock())
         self.generation = -1
         self.world_size = 0        # of the newest generation
-        self._first_generation = 0
-        self._step_s = 0.0                       # smoothed seconds per step
-        self._last_record_time: float | None = None
-        self.step = 0
-        self._recorded_step = 0                  # newest step handed to the run record
-        self._restored: dict[int, int] = {}      # generation -> the step it restored
-        self._log_records = LogRecordPicker()    # ctx.log records held until the lowest rank's is known
         self.infra_failures = 0
         self.failures: list[Failure] = []
-        self.error: dict[str, Any] | None = None
         self.model_sha256: str | None = None
         self.views: dict[int, WorkerView] = {}
         self.history: list[tuple[str, str, str]] = []
-        self._last_committed: int | None = None
-        self._last_committed_at = -1e9
         self.stragglers = StragglerDetector(window=failure.straggler_window,
                                             threshold=failure.straggler_threshold or float("inf"),
                                             min_excess_s=failure.straggler_min_excess_s)
+        self.steps = StepLedger()
+        # Through the controller's clocks as they are when read (a test may swap them).
+        self.recoveries = RecoveryLedger(lambda: self.clock(), lambda: self.wall_clock())
+        self.intake = ReportIntake(recorder, self.steps, self.recoveries, self.stragglers, lambda: self.failure)
+        self.status = StatusReport(recorder, checkpoints, clock)
+        self._crash: dict[str, Any] | None = None   # the controller's own crash (see crashed())
         self._eviction_asked: dict[int, int] = {}   # rank -> step the policy was last asked at
         self._recurring = RecurringErrors(attempts=2)   # broken groups with no lost peer: a fault, or the loop's bug
         self._storage_trouble: dict[str, float] | None = None   # an ongoing storage error: since, attempts, retry_at
@@ -87,12 +87,41 @@ class Controller(Bookkeeping):
     def done(self) -> bool:
         return self.state.state in (RunState.FINISHED, RunState.FAILED)
 
+    @property
+    def step(self) -> int:
+        """The newest step the run keeps (or the step a new generation restores)."""
+        return self.intake.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.intake.step = value
+
+    @property
+    def error(self) -> dict[str, Any] | None:
+        """What the run failed of (the Failed state's), or None."""
+        if isinstance(self.state, Failed):
+            return self.state.error
+        return self._crash
+
+    def crashed(self, error: BaseException) -> None:
+        """The controller itself raised (a bug): the run ends failed with that error."""
+        self._crash = {"type": type(error).__name__, "message": str(error), "traceback": None,
+                       "exception": error, "ranks": []}
+
+    def flush_logs(self) -> None:
+        self.intake.flush_logs()
+
     # ---- loop --------------------------------------------------------------------------
     def run(self, sleep: Callable[[float], None] = time.sleep) -> None:
         try:
             while not self.done:
-                with self._warn_if_slow():
-                    self.tick()
+                started = time.monotonic()
+                self.tick()
+                took = time.monotonic() - started
+                if took > SLOW_TICK_S:
+                    # Detection waits for the tick: say so when one took seconds (Ray calls can block it).
+                    log.warning("controller tick took %.1fs in state %s: failures were not detected meanwhile",
+                                took, self.state.state.value)
                 if not self.done:
                     sleep(self.failure.heartbeat_interval_s)
         finally:
@@ -103,8 +132,11 @@ class Controller(Bookkeeping):
         # 5 Hz polls cost each worker ~2 % of its CPU. Otherwise they are answered at once.
         self.group.poll_hold_s = self.failure.poll_hold_s if self.state.state == RunState.RUNNING else 0.0
         self.views = self.group.tick()
-        self._confirm_restore()
-        self._absorb_records()
+        self.intake.absorb(self.views, self.state, self._current_members(), self.generation)
+        members = set(self._current_members())
+        for view in self.views.values():
+            if view.report is not None and view.report.preempted and view.status == READY and view.wid not in members:
+                self.group.kill(view.wid, "preempted while spare")
         handler = {RunState.SCHEDULING: self._on_scheduling, RunState.STARTING: self._on_starting,
                    RunState.RUNNING: self._on_running, RunState.RECOVERING: self._on_recovering}.get(self.state.state)
         if handler is not None:
@@ -155,14 +187,14 @@ class Controller(Bookkeeping):
         fence = self.checkpoints.current_fence()
         if fence is not None:
             self.generation = max(self.generation, fence)
-        self._first_generation = self.generation + 1
+        self.intake.first_generation = self.generation + 1
         latest = self.checkpoints.latest_step()
         if latest is None:
-            return RestorePlan("fresh")
+            return RestorePlan(RestoreKind.FRESH)
         self.recorder.resumed_from = latest
         self.recorder.load_previous_metrics(latest)
-        self.step = self._recorded_step = latest
-        return RestorePlan("checkpoint", step=latest)
+        self.steps.recorded_step = self.step = latest
+        return RestorePlan(RestoreKind.CHECKPOINT, step=latest)
 
     def _on_starting(self) -> None:
         st: Starting = self.state
@@ -182,20 +214,19 @@ class Controller(Bookkeeping):
         except WorkerLostError as error:
             log.warning("generation %d could not start: %s", self.generation, error)
             start_error = error
-        if st.recovery is not None:
-            st.recovery.to_world, st.recovery.restored_step = world, st.restore.step
+        if self.recoveries.open is not None:
+            self.recoveries.open.to_world, self.recoveries.open.restored_step = world, st.restore.step
         self.recorder.on_generation_start(st.restore.step, world)
-        self._note_restore(self.generation, st.restore.step)
+        self.intake.restore(self.generation, st.restore.step)
         self.stragglers.reset(world)
         self._eviction_asked = {}
-        self._transition(Running(self.generation, st.members, st.recovery, start_step=st.restore.step,
-                                 started_at=self.clock()),
+        self._transition(Running(self.generation, st.members, start_step=st.restore.step, started_at=self.clock()),
                          f"generation {self.generation}: world size {world}, restore {st.restore.kind}")
         if start_error is not None:
             # Not every member was handed the generation (e.g. rank 0's rendezvous lookup timed
             # out): recover now rather than wait in RUNNING for a generation that never starts.
-            self._handle_failure(st.members, Failure("hang", (0,), f"generation {self.generation} could not start: "
-                                                                   f"{start_error}"), [], 0.0)
+            self._handle_failure(st.members, Failure(Cause.HANG, (0,), f"generation {self.generation} could not "
+                                                                       f"start: {start_error}"), [], 0.0)
 
     def _on_running(self) -> None:
         st: Running = self.state
@@ -203,10 +234,9 @@ class Controller(Bookkeeping):
         for rank, wid in enumerate(st.members):
             view, report = self.views[wid], self.views[wid].report
             if view.status == DEAD:
-                lost.append((wid, "node_lost" if (view.death or "").startswith("node lost") else "worker_died",
-                             view.silent_s))
+                lost.append((wid, view.death_cause or Cause.WORKER_DIED, view.silent_s))
             elif view.silent_s > self.failure.heartbeat_timeout_s:
-                lost.append((wid, "hang", view.silent_s))
+                lost.append((wid, Cause.HANG, view.silent_s))
             elif report is not None and report.preempted and report.phase != WorkerPhase.RUNNING:
                 preempted.append(wid)     # committed its last step and left the loop
             elif report is not None and report.generation == st.generation:
@@ -218,19 +248,19 @@ class Controller(Bookkeeping):
                     finished += 1
         if errored:
             report = self.views[st.members[errored[0]]].report
-            cause = CAUSE_OF_ERROR_KIND.get(report.error_kind or "user", USER_CAUSE)
+            cause = CAUSE_OF_ERROR_KIND.get(report.error_kind or "user", Cause.USER_ERROR)
             # A failed GPU stays failed: its worker is replaced, not taken into the next group.
             broken = [st.members[r] for r in errored if self.views[st.members[r]].report.error_kind == "hardware"]
             self._handle_failure(st.members, Failure(cause, tuple(errored), f"{report.error_type}: {report.error_message}",
                                                      **_error_of(report)),
-                                 broken if cause == HARDWARE_CAUSE else [], 0.0, report)
+                                 broken if cause == Cause.HARDWARE_ERROR else [], 0.0, report)
         elif lost:
             ranks = tuple(st.members.index(w) for w, _, _ in lost)
             self._handle_failure(st.members, Failure(lost[0][1], ranks, f"lost worker(s) {[w for w, _, _ in lost]}"),
                                  [w for w, _, _ in lost], max(s for _, _, s in lost))
         elif preempted:
             ranks = tuple(st.members.index(w) for w in preempted)
-            self._handle_failure(st.members, Failure("preempted", ranks, f"preemption notice to {preempted}"),
+            self._handle_failure(st.members, Failure(Cause.PREEMPTED, ranks, f"preemption notice to {preempted}"),
                                  preempted, 0.0)
         elif comm_ranks:
             # A broken collective with no lost peer yet: give the lost peer a heartbeat timeout to show.
@@ -240,8 +270,7 @@ class Controller(Bookkeeping):
         elif self._generation_stalled(st):
             pass
         elif finished == len(st.members):
-            self._record_final(self.views[st.members[0]].report, st.recovery)
-            st.recovery = None
+            self._record_final(self.views[st.members[0]].report)
             self._transition(Finished(list(st.members)), f"all {finished} ranks finished at step {self.step}")
         else:
             self.group.scale_to(self._slot_target())
@@ -258,12 +287,12 @@ class Controller(Bookkeeping):
         if recurring is None:
             first = reports[ranks[0]]
             self._handle_failure(st.members, Failure(
-                "collective_error", tuple(ranks), f"process group broke with no lost peer: "
+                Cause.COLLECTIVE_ERROR, tuple(ranks), f"process group broke with no lost peer: "
                                                   f"{first.error_type}: {first.error_message}", **_error_of(first)), [], 0.0)
             return
         report = reports[recurring.rank]
         self._handle_failure(st.members, Failure(
-            USER_CAUSE, (recurring.rank,), f"{report.error_type}: {report.error_message} broke the group at step "
+            Cause.USER_ERROR, (recurring.rank,), f"{report.error_type}: {report.error_message} broke the group at step "
                                            f"{report.step + 1} in {self._recurring.attempts} attempts in a row with no "
                                            f"lost peer: a bug in the loop's collectives, not a fault", **_error_of(report)),
             [], 0.0, report)
@@ -278,16 +307,16 @@ class Controller(Bookkeeping):
         not_started = [rank for rank, w in enumerate(st.members)
                        if self.views[w].report is None or self.views[w].report.generation != st.generation]
         if not_started and now - st.started_at > self.failure.rendezvous_timeout_s:
-            self._handle_failure(st.members, Failure("hang", tuple(not_started), (
+            self._handle_failure(st.members, Failure(Cause.HANG, tuple(not_started), (
                 f"generation {st.generation} did not start on ranks {not_started} within "
                 f"FailureConfig.rendezvous_timeout_s={self.failure.rendezvous_timeout_s:.0f}s")),
                 [st.members[r] for r in not_started], now - st.started_at)
             return True
-        bound = self.failure.step_timeout(self._step_s)
+        bound = self.failure.step_timeout(self.steps.step_s)
         quiet = now - max(st.started_at, st.progress_at or 0.0)
         if not_started or bound is None or quiet <= bound:
             return False
-        self._handle_failure(st.members, Failure("hang", tuple(range(len(st.members))), (
+        self._handle_failure(st.members, Failure(Cause.HANG, tuple(range(len(st.members))), (
             f"no step completed for {quiet:.0f}s (FailureConfig.step_timeout_s: {bound:.0f}s); every rank is "
             f"replaced")), list(st.members), quiet)
         return True
@@ -305,7 +334,7 @@ class Controller(Bookkeeping):
         except StorageError as error:
             if trouble is None:
                 trouble = self._storage_trouble = {"since": now, "attempts": 0, "retry_at": now}
-                failure = Failure("storage_error", (), f"{what}: {error}")
+                failure = Failure(Cause.STORAGE_ERROR, (), f"{what}: {error}")
                 self.failures.append(failure)
                 decision = self.failure_policy.decide(failure, infra_failures_so_far=self.infra_failures,
                                                       max_failures=self.failure.max_failures)
@@ -325,18 +354,17 @@ class Controller(Bookkeeping):
         self._storage_trouble = None
         return True, value
 
-    def _record_final(self, report: WorkerReport, open_recovery: PendingRecovery | None) -> None:
+    def _record_final(self, report: WorkerReport) -> None:
         """The finished state as rank 0 holds it: model hash and data consumed. A recovery still
         open (the re-formed group finished without another step) is recorded too."""
-        if open_recovery is not None:
-            self._close_recovery(open_recovery)
+        self.intake.close_recovery(self.generation)
         self.model_sha256 = report.model_sha256 or self.model_sha256
         self.recorder.on_final_data(report.samples_seen, report.data_order)
 
     def _maybe_evict(self, st: Running) -> bool:
         """Ask the scaling policy about the slowest flagged straggler (again after a window)."""
         flagged = self.stragglers.flagged()
-        if not flagged or st.recovery is not None:
+        if not flagged or self.recoveries.open is not None:
             return False
         flag = flagged[0]
         asked = self._eviction_asked.get(flag.rank)
@@ -348,14 +376,14 @@ class Controller(Bookkeeping):
         if decision is None or decision.target_world_size >= len(st.members):
             return False
         self.group.request_stop(st.members, st.generation)
-        recovery = PendingRecovery("straggler", self.clock(), 0.0, len(st.members), self.step)
-        self._transition(Recovering(st.generation, list(st.members), self._recovery_deadline(), recovery,
+        self.recoveries.begin(Cause.STRAGGLER, len(st.members), self.step)
+        self._transition(Recovering(st.generation, list(st.members), self._recovery_deadline(),
                                     voluntary=True, evict=[st.members[flag.rank]]), decision.reason)
         return True
 
     def _maybe_grow(self, st: Running) -> None:
         spares = [w for w in self._ready_ids() if w not in st.members]
-        if not spares or st.recovery is not None:
+        if not spares or self.recoveries.open is not None:
             return
         decision = self.scaling_policy.decide_resize(
             world_size=len(st.members), ready_spares=len(spares),
@@ -363,9 +391,9 @@ class Controller(Bookkeeping):
         if decision is None or decision.target_world_size <= len(st.members):
             return
         self.group.request_stop(st.members, st.generation)
-        recovery = PendingRecovery("scale_up", self.clock(), 0.0, len(st.members), self.step)
-        self._transition(Recovering(st.generation, list(st.members), self._recovery_deadline(), recovery,
-                                    voluntary=True), decision.reason)
+        self.recoveries.begin(Cause.SCALE_UP, len(st.members), self.step)
+        self._transition(Recovering(st.generation, list(st.members), self._recovery_deadline(), voluntary=True),
+                         decision.reason)
 
     def _handle_failure(self, members: list[int], failure: Failure, lost: list[int], detect_s: float,
                         report: WorkerReport | None = None) -> None:
@@ -379,10 +407,9 @@ class Controller(Bookkeeping):
         survivors = [w for w in members if w not in lost]
         if decision.action == "fail":
             if report is not None and not failure.is_infrastructure:
-                self.error = {"type": report.error_type, "message": report.error_message,
-                              "traceback": report.error_traceback, "exception": report.error,
-                              "ranks": list(failure.ranks)}
-                self._transition(Failed(decision.reason, failure), decision.reason)
+                error = {"type": report.error_type, "message": report.error_message,
+                         "traceback": report.error_traceback, "exception": report.error, "ranks": list(failure.ranks)}
+                self._transition(Failed(decision.reason, failure, error), decision.reason)
             else:
                 last = f"; last error: {failure.error_type}: {failure.error_message}" if failure.error_type else ""
                 self._fail(TooManyFailuresError(f"{decision.reason}; causes so far: "
@@ -393,8 +420,8 @@ class Controller(Bookkeeping):
         self.group.request_stop(survivors, self.generation, cut_group=bool(lost))
         self.group.scale_to(self._slot_target())
         max_step = max([self.step] + [self.views[w].report.step for w in members if self.views[w].report])
-        recovery = self._recovery_for(failure, len(members), max_step, detect_s)
-        self._transition(Recovering(self.generation, survivors, self._recovery_deadline(), recovery),
+        self.recoveries.begin(failure.cause, len(members), max_step, detect_s, list(failure.ranks))
+        self._transition(Recovering(self.generation, survivors, self._recovery_deadline()),
                          f"{failure.cause} on ranks {list(failure.ranks)}; {decision.reason}")
 
     def _recovery_deadline(self) -> float:
@@ -411,7 +438,7 @@ class Controller(Bookkeeping):
             elif report is None or (report.phase == WorkerPhase.RUNNING and report.generation == st.generation):
                 running.append(wid)
             elif report.phase == WorkerPhase.FINISHED and report.step >= self.total_steps:
-                self._record_final(report, st.recovery)
+                self._record_final(report)
                 return self._transition(Finished(list(st.survivors)), "finished while recovering")
             else:
                 settled.append(wid)
@@ -424,7 +451,7 @@ class Controller(Bookkeeping):
             # The lag is judged on the survivor's own answers: only an answer given after the
             # grace that still says "running" proves it stuck. One that is merely slow to answer
             # (a loaded machine) is left to the heartbeat timeout above.
-            grace_s = max(STUCK_GRACE_S, 3 * self._step_s)
+            grace_s = max(STUCK_GRACE_S, 3 * self.steps.step_s)
             stuck = [w for w in running if self._answered_running_after(w, st, grace_s)]
             if len(stuck) < len(running) and self.clock() < st.deadline:
                 return
@@ -433,13 +460,34 @@ class Controller(Bookkeeping):
                 lag = self.clock() - self.views[wid].silent_s - (st.first_settled_at or self.clock())
                 self.group.kill(wid, f"still in the broken collective {lag:.1f}s after its peers left "
                                      f"(last answer {self.views[wid].silent_s:.1f}s ago)")
-            st.recovery.rung = "cold"
+            self._open_recovery().rung = Rung.COLD
         for wid in st.evict:
             if wid in settled:
                 settled.remove(wid)
                 st.lost.add(wid)
                 self.group.kill(wid, "straggler evicted")
         self._reform(st, settled)
+
+    def _open_recovery(self):
+        """The recovery being carried out (Recovering always has one)."""
+        recovery = self.recoveries.open
+        assert recovery is not None, "recovering without an open recovery"
+        return recovery
+
+    def _lost_while_recovering(self, st: Recovering, wid: int) -> None:
+        """A survivor died or hung during the recovery: kill it (hung) and note the failure once."""
+        if wid in st.lost:
+            return
+        st.lost.add(wid)
+        view = self.views[wid]
+        if view.status == DEAD:
+            cause = view.death_cause or Cause.WORKER_DIED
+        else:
+            cause = Cause.HANG
+            self.group.kill(wid, "hang during recovery")
+            self._open_recovery().rung = Rung.COLD
+        rank = view.report.rank if view.report is not None else None
+        self.recoveries.note(cause, [] if rank is None else [rank])
 
     def _answered_running_after(self, wid: int, st: Recovering, grace_s: float) -> bool:
         """Whether `wid` answered "still running the old generation" more than `grace_s` after the
@@ -455,28 +503,38 @@ class Controller(Bookkeeping):
         members = self._capped(survivors + spares)
         if len(members) < self.scaling.min_workers:
             self.group.scale_to(self._slot_target())
-            if self.clock() - st.recovery.detected_at > self.failure.rendezvous_timeout_s:
+            recovery = self._open_recovery()
+            if self.clock() - recovery.detected_at > self.failure.rendezvous_timeout_s:
                 self._fail(InsufficientWorkersError(
-                    f"{len(members)} workers left after {st.recovery.cause}, fewer than "
+                    f"{len(members)} workers left after {recovery.cause}, fewer than "
                     f"min_workers={self.scaling.min_workers}, and no replacement was placed within "
                     f"FailureConfig.rendezvous_timeout_s={self.failure.rendezvous_timeout_s:.0f}s"))
             return
-        st.recovery.max_step = max([st.recovery.max_step] + [self.views[w].report.step for w in survivors])
+        recovery = self._open_recovery()
+        recovery.max_step = max([recovery.max_step] + [self.views[w].report.step for w in survivors])
         warm = [w for w in survivors if self.views[w].report.has_state]
         if warm:
-            plan = RestorePlan("broadcast", source_rank=members.index(warm[0]),
+            plan = RestorePlan(RestoreKind.BROADCAST, source_rank=members.index(warm[0]),
                                step=self.views[warm[0]].report.step)
         else:
             ok, latest = self._storage("list the committed checkpoints", self.checkpoints.latest_step)
             if not ok:
                 return
-            plan = RestorePlan("checkpoint", step=latest) if latest is not None else RestorePlan("fresh")
-            if st.recovery.rung != "cold":
-                st.recovery.rung = "checkpoint"
+            plan = RestorePlan(RestoreKind.CHECKPOINT, step=latest) if latest is not None \
+                else RestorePlan(RestoreKind.FRESH)
+            if recovery.rung != Rung.COLD:
+                recovery.rung = Rung.CHECKPOINT
         self.step = plan.step
-        self._transition(Starting(members, plan, st.recovery),
+        self._transition(Starting(members, plan),
                          f"re-forming with {len(survivors)} survivor(s) and {len(members) - len(survivors)} new")
         self._on_starting()
+
+    def _write_status(self, force: bool) -> None:
+        members = self._current_members()
+        if isinstance(self.state, Running):
+            self.world_size = len(members)
+        self.status.write(force=force, state=self.state.state.value, generation=self.generation, step=self.step,
+                          world_size=self.world_size, members=members, views=self.views)
 
     def _slot_target(self) -> int:
         """Slots to keep alive or pending: max_workers and the spares; with no maximum, every placed
@@ -498,10 +556,9 @@ class Controller(Bookkeeping):
 
     def _fail(self, error: Exception, failure: Failure | None = None) -> None:
         # The traceback is the worker's, when a worker's error led here: the controller's own says nothing.
-        self.error = {"type": type(error).__name__, "message": str(error),
-                      "traceback": failure.error_traceback if failure else None,
-                      "exception": error, "ranks": list(failure.ranks) if failure else []}
-        self._transition(Failed(str(error), failure), str(error))
+        self._transition(Failed(str(error), failure, {
+            "type": type(error).__name__, "message": str(error), "traceback": failure.error_traceback if failure else None,
+            "exception": error, "ranks": list(failure.ranks) if failure else []}), str(error))
 
 
 def _error_of(report: WorkerReport) -> dict[str, str | None]:

@@ -8,7 +8,7 @@ from typing import Any
 from elastic._controller import Controller
 from elastic._feed import Event, RunFeed
 from elastic._ray_group import RayWorkerGroup
-from elastic._ray_metrics import MeteredRecorder
+from elastic._ray_metrics import RayMetricsListener
 from elastic._run_record import RunRecorder
 from elastic._states import RunState
 from elastic.config import CheckpointConfig, FailureConfig, ScalingConfig
@@ -55,9 +55,9 @@ class ControllerActor:
         options = dict(checkpoint.storage_options) or None
         # The driver's callbacks drain the feed (`events`); without callbacks nobody would.
         self._feed = RunFeed() if feed else None
-        self._recorder = MeteredRecorder(
-            RunRecorder(checkpoint.storage, options, total_steps=total_steps, config=config, background=True,
-                        feed=self._feed), run=checkpoint.storage)
+        self._recorder = RunRecorder(checkpoint.storage, options, total_steps=total_steps, config=config,
+                                     background=True, feed=self._feed,
+                                     listeners=[RayMetricsListener(run=checkpoint.storage)])
         self._checkpoints = CheckpointView(checkpoint.storage, options, checkpoint.keep)
         self._controller = Controller(
             RayWorkerGroup(spec, scaling, failure), self._recorder, self._checkpoints, scaling=scaling,
@@ -70,8 +70,7 @@ class ControllerActor:
             controller.run()
         except BaseException as error:   # noqa: BLE001 - a controller bug must still end in a summary
             logging.getLogger("elastic.controller").exception("controller crashed")
-            controller.error = {"type": type(error).__name__, "message": str(error), "traceback": None,
-                                "exception": error, "ranks": []}
+            controller.crashed(error)
         try:
             controller.flush_logs()
         except Exception:   # noqa: BLE001 - the summary matters more than a last log line
@@ -107,5 +106,5 @@ class ControllerActor:
         c = self._controller
         return {"state": c.state.state.value, "step": c.step, "total_steps": c.total_steps,
                 "generation": c.generation, "world_size": c.world_size,
-                "last_committed_step": c._last_committed, "failures": len(c.failures),
+                "last_committed_step": c.status.last_committed, "failures": len(c.failures),
                 "loss": self._recorder.last_loss, "elapsed_s": time.time() - self._started}

@@ -64,13 +64,24 @@ class WorkerReport:
     data_order: str | None = None        # its data-order hash
 
 
+class RestoreKind(enum.StrEnum):
+    """Where a generation's state comes from (the rungs of the recovery ladder, seen by a rank)."""
+
+    FRESH = "fresh"            # nothing to load: step 0
+    BROADCAST = "broadcast"    # a survivor's memory (warm)
+    CHECKPOINT = "checkpoint"  # the newest committed checkpoint
+
+
 @dataclass(frozen=True)
 class RestorePlan:
     """How ranks of a new generation obtain their state in `ctx.restore`."""
 
-    kind: str                      # "fresh" | "broadcast" | "checkpoint"
+    kind: RestoreKind
     source_rank: int | None = None
     step: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", RestoreKind(self.kind))
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ themselves when capacity returns (a node comes back, resources free up).
 """
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from dataclasses import dataclass, field
@@ -20,12 +21,22 @@ from elastic._protocol import GenerationPlan, RunSpec, WorkerInfo, WorkerReport
 from elastic._worker import TrainWorker
 from elastic.config import FailureConfig, ScalingConfig
 from elastic.errors import WorkerLostError
+from elastic.policies import Cause
 
 log = logging.getLogger("elastic.group")
 
 SLOW_TICK_S = 2.0    # a tick is normally milliseconds: Ray calls that block show up here
 
-PENDING, STARTING, READY, DEAD = "pending", "starting", "ready", "dead"
+class SlotStatus(enum.StrEnum):
+    """Where a worker slot is: its placement pending, its actor starting, ready, or dead."""
+
+    PENDING = "pending"
+    STARTING = "starting"
+    READY = "ready"
+    DEAD = "dead"
+
+
+PENDING, STARTING, READY, DEAD = SlotStatus.PENDING, SlotStatus.STARTING, SlotStatus.READY, SlotStatus.DEAD
 
 
 @dataclass
@@ -37,7 +48,8 @@ class WorkerView:
     report: WorkerReport | None = None         # newest poll answer
     info: WorkerInfo | None = None
     silent_s: float = 0.0                      # time since the last answer (ready workers)
-    death: str | None = None                   # why it is dead
+    death: str | None = None                   # why it is dead, in words
+    death_cause: Cause | None = None           # why it is dead: worker_died, node_lost, or hang (killed)
     records: list = field(default_factory=list)  # step records drained by this tick
 
 
@@ -55,6 +67,7 @@ class _Slot:
     last_answer_at: float = 0.0
     report: WorkerReport | None = None
     death: str | None = None
+    death_cause: Cause | None = None
     silent_at_death: float = 0.0
 
 
@@ -115,7 +128,7 @@ class RayWorkerGroup:
             views[slot.wid] = WorkerView(
                 wid=slot.wid, status=slot.status, report=slot.report, info=slot.info,
                 silent_s=_silence(slot, now),
-                death=slot.death, records=records)
+                death=slot.death, death_cause=slot.death_cause, records=records)
         return views
 
     def _advance_placements(self, now: float) -> None:
@@ -161,7 +174,7 @@ class RayWorkerGroup:
                 continue
             except RayError as error:
                 slot.silent_at_death = now - slot.last_answer_at
-                self._mark_dead(slot, self._death_reason(slot, error))
+                self._mark_dead(slot, *self._death_reason(slot, error))
                 continue
             if slot.report is not None and slot.report.records:
                 report = _merge_records(slot.report, report)
@@ -174,11 +187,11 @@ class RayWorkerGroup:
             if slot.status == READY and slot.poll_ref is None:
                 slot.poll_ref = slot.actor.poll.remote(self.poll_hold_s)
 
-    def _mark_dead(self, slot: _Slot, reason: str) -> None:
+    def _mark_dead(self, slot: _Slot, reason: str, cause: Cause = Cause.WORKER_DIED) -> None:
         if slot.status == DEAD:
             return
         slot.status = DEAD
-        slot.death = reason
+        slot.death, slot.death_cause = reason, cause
         slot.poll_ref = None
         (log.info if reason == "run ended" else log.warning)("worker %d is dead: %s", slot.wid, reason)
         try:
@@ -246,15 +259,15 @@ class RayWorkerGroup:
 
 
     @staticmethod
-    def _death_reason(slot: _Slot, error: RayError) -> str:
-        """"node lost: ..." when the worker's node is gone from the cluster, else "actor died: ..."."""
+    def _death_reason(slot: _Slot, error: RayError) -> tuple[str, Cause]:
+        """Node lost when the worker's node is gone from the cluster, else the actor died."""
         first_line = (str(error).splitlines() or [type(error).__name__])[0]
         node_id = slot.info.node_id if slot.info else None
         if node_id is not None:
             alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
             if node_id not in alive:
-                return f"node lost: node {node_id[:12]} left the cluster ({first_line})"
-        return f"actor died: {first_line}"
+                return f"node lost: node {node_id[:12]} left the cluster ({first_line})", Cause.NODE_LOST
+        return f"actor died: {first_line}", Cause.WORKER_DIED
 
 
 def _first_line(error: BaseException) -> str:

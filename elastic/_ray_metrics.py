@@ -1,7 +1,8 @@
 """The run's metrics through Ray's own metrics (`ray.util.metrics`), so they appear on Ray's
 Prometheus endpoint next to Ray's, tagged with the run's storage URL.
 
-Controller side: `MeteredRecorder` wraps the run record and exports what it is told (world size,
+Controller side: `RayMetricsListener` listens to the run record (a `RunListener` of
+elastic._run_record, called on the controller's thread) and exports what it is told (world size,
 step rate, steps, recoveries by cause, recovery seconds). Worker side: rank 0 calls
 `checkpoint_committed` when it learns of a commit (checkpoint seconds and bytes). Metric names
 start with `elastic_`; Prometheus adds Ray's `ray_` prefix.
@@ -9,7 +10,10 @@ start with `elastic_`; Prometheus adds Ray's `ray_` prefix.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from elastic._protocol import StepRecord
 
 RECOVERY_BUCKETS_S = [0.5, 1, 2, 5, 10, 30, 60, 120, 300]
 CHECKPOINT_BUCKETS_S = [0.1, 0.5, 1, 2, 5, 10, 30, 60, 300]
@@ -33,28 +37,16 @@ def _metrics() -> dict[str, Any]:
     }
 
 
-class MeteredRecorder:
-    """Forwards everything to the run record; exports steps and recoveries as it goes."""
+class RayMetricsListener:
+    """Exports the run record's steps and recoveries as Ray metrics."""
 
-    def __init__(self, recorder: Any, run: str, metrics: dict[str, Any] | None = None):
-        self._recorder = recorder
+    def __init__(self, run: str, metrics: dict[str, Any] | None = None):
         self._tags = {"run": run}
         self._metrics = metrics if metrics is not None else _metrics()
         self._last_time: float | None = None
-        self._rate = 0.0
+        self._rate = 0.0            # steps per second, smoothed
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._recorder, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        # The controller sets fields of the record (resumed_from): they belong to the record.
-        if name.startswith("_"):
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self._recorder, name, value)
-
-    def on_step(self, record: Any, *args: Any, **kwargs: Any) -> None:
-        self._recorder.on_step(record, *args, **kwargs)
+    def on_step(self, record: StepRecord) -> None:
         m = self._metrics
         m["steps"].inc(1, tags=self._tags)
         m["world_size"].set(record.world_size, tags=self._tags)
@@ -65,7 +57,6 @@ class MeteredRecorder:
         self._last_time = record.time
 
     def on_recovery(self, recovery: dict[str, Any]) -> None:
-        self._recorder.on_recovery(recovery)
         tags = {**self._tags, "cause": recovery["cause"]}
         self._metrics["recoveries"].inc(1, tags=tags)
         self._metrics["recovery_s"].observe(recovery["recover_s"], tags=tags)

@@ -1,8 +1,11 @@
-"""The controller's states: one enum, one small payload class per state."""
+"""The controller's states: one enum, one small payload class per state. (The open recovery is
+not part of any state: elastic._ledgers.RecoveryLedger owns it across Recovering, Starting and
+the first steps of Running.)"""
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from elastic._protocol import RestorePlan
 from elastic.policies import Failure
@@ -18,21 +21,6 @@ class RunState(str, enum.Enum):
 
 
 @dataclass
-class PendingRecovery:
-    """A recovery in progress, closed when the new generation completes its first step."""
-
-    cause: str
-    detected_at: float
-    detect_s: float
-    from_world: int
-    max_step: int
-    rung: str = "warm"
-    to_world: int = 0
-    restored_step: int = 0
-    failures: list[dict] = field(default_factory=list)   # every failure it absorbed: {cause, ranks, detected_at}
-
-
-@dataclass
 class Scheduling:
     since: float
     ready_count: int = 0               # ready workers at the last tick ...
@@ -44,7 +32,6 @@ class Scheduling:
 class Starting:
     members: list[int]
     restore: RestorePlan
-    recovery: PendingRecovery | None = None
     state: RunState = RunState.STARTING
 
 
@@ -52,7 +39,6 @@ class Starting:
 class Running:
     generation: int
     members: list[int]                 # worker ids in rank order
-    recovery: PendingRecovery | None = None
     suspect_since: float | None = None   # a rank reported a broken group, no peer is known lost yet
     restore_confirmed: bool = False      # rank 0 reported the step it actually restored
     start_step: int = 0                  # the step the generation restored
@@ -66,7 +52,6 @@ class Recovering:
     generation: int
     survivors: list[int]
     deadline: float
-    recovery: PendingRecovery
     voluntary: bool = False            # a resize the controller chose, not a failure
     first_settled_at: float | None = None   # when the first survivor left the broken group
     evict: list[int] = field(default_factory=list)   # survivors to leave out (stragglers)
@@ -84,6 +69,9 @@ class Finished:
 class Failed:
     reason: str
     failure: Failure | None = None
+    # What the run failed of: type, message, traceback (the worker's when a worker's error led
+    # here), the exception itself, and the ranks (summary.json `error`, Result.error).
+    error: dict[str, Any] = field(default_factory=dict)
     state: RunState = RunState.FAILED
 
 

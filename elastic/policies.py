@@ -4,6 +4,7 @@ The controller alone acts on decisions. Users may pass their own subclasses to E
 """
 from __future__ import annotations
 
+import enum
 import logging
 from dataclasses import dataclass
 
@@ -11,21 +12,37 @@ from elastic.errors import ConfigError
 
 log = logging.getLogger("elastic.policy")
 
-# Causes of a failure, as recorded in summary.json.
-INFRA_CAUSES = ("worker_died", "hang", "collective_error", "node_lost", "partition", "straggler",
-                "storage_error", "preempted", "hardware_error")
-USER_CAUSE = "user_error"
-FATAL_CAUSE = "fatal_error"      # fenced out, or checkpoint saves failing past their limit
-HARDWARE_CAUSE = "hardware_error"   # a GPU failed (ECC, off the bus, Xid): its worker is replaced
-CAUSE_OF_ERROR_KIND = {"user": USER_CAUSE, "infra": "storage_error", "fatal": FATAL_CAUSE,
-                       "comm": "collective_error", "hardware": HARDWARE_CAUSE}
+class Cause(enum.StrEnum):
+    """Why a recovery happened or a run failed, as recorded in summary.json (`cause`)."""
+
+    WORKER_DIED = "worker_died"            # its process or actor died
+    NODE_LOST = "node_lost"                # its node left the cluster
+    HANG = "hang"                          # silent past the heartbeat timeout (incl. a cut link), or no step
+    COLLECTIVE_ERROR = "collective_error"  # the process group broke with no lost peer
+    STORAGE_ERROR = "storage_error"        # storage failed a save, a load or a controller call
+    PREEMPTED = "preempted"                # a preemption notice (SIGTERM): committed, then left
+    HARDWARE_ERROR = "hardware_error"      # a GPU failed (ECC, off the bus, Xid): its worker is replaced
+    STRAGGLER = "straggler"                # a slow rank evicted by the scaling policy (voluntary)
+    SCALE_UP = "scale_up"                  # workers joined (voluntary)
+    USER_ERROR = "user_error"              # the loop's own error: fails the run
+    FATAL_ERROR = "fatal_error"            # fenced out, or checkpoint saves failing past their limit
+
+
+# Causes counted against FailureConfig.max_failures (everything but the run's own errors).
+INFRA_CAUSES = tuple(c for c in Cause if c not in (Cause.USER_ERROR, Cause.FATAL_ERROR))
+USER_CAUSE = Cause.USER_ERROR
+FATAL_CAUSE = Cause.FATAL_ERROR
+HARDWARE_CAUSE = Cause.HARDWARE_ERROR
+# A worker's error kind (elastic._worker.classify_error) -> the cause it stands for.
+CAUSE_OF_ERROR_KIND = {"user": Cause.USER_ERROR, "infra": Cause.STORAGE_ERROR, "fatal": Cause.FATAL_ERROR,
+                       "comm": Cause.COLLECTIVE_ERROR, "hardware": Cause.HARDWARE_ERROR}
 
 
 @dataclass(frozen=True)
 class Failure:
     """A failure observed by the controller, not yet acted on."""
 
-    cause: str                 # one of INFRA_CAUSES or USER_CAUSE
+    cause: Cause
     ranks: tuple[int, ...]     # ranks (in the failing generation) that were lost or raised
     message: str = ""
     # The worker's own error behind the failure, when a worker reported one: kept so that a run

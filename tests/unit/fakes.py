@@ -5,6 +5,7 @@ from dataclasses import replace
 
 from elastic._protocol import StepRecord, WorkerInfo, WorkerPhase, WorkerReport
 from elastic._ray_group import DEAD, READY, WorkerView
+from elastic.policies import Cause
 
 
 class FakeClock:
@@ -62,6 +63,7 @@ class FakeGroup:
         self.killed.append((wid, reason))
         self.views[wid].status = DEAD
         self.views[wid].death = reason
+        self.views[wid].death_cause = Cause.WORKER_DIED
 
     def shutdown(self, graceful=True):
         self.shut_down = True
@@ -80,9 +82,10 @@ class FakeGroup:
                                    for s in range(first, last + 1)]
         self.views[wid].report = replace(report, step=last)
 
-    def die(self, wid, reason="actor died: killed", silent_s=0.3):
+    def die(self, wid, reason="actor died: killed", silent_s=0.3, cause=None):
         self.views[wid].status = DEAD
         self.views[wid].death = reason
+        self.views[wid].death_cause = cause or (Cause.NODE_LOST if reason.startswith("node lost") else Cause.WORKER_DIED)
         self.views[wid].silent_s = silent_s
 
 

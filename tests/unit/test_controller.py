@@ -14,11 +14,11 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def make(min_workers=2, max_workers=3, capacity=3, max_failures=3, latest=None, fence=None, startup_wait_s=10.0,
-         spare_workers=0, step_timeout_s="auto", **kwargs):
+         spare_workers=0, step_timeout_s="auto", recorder=None, **kwargs):
     clock, group = FakeClock(), FakeGroup(capacity)
     transitions = []
     controller = Controller(
-        group, FakeRecorder(), FakeCheckpoints(latest, fence),
+        group, recorder or FakeRecorder(), FakeCheckpoints(latest, fence),
         scaling=ScalingConfig(min_workers=min_workers, max_workers=max_workers, startup_wait_s=startup_wait_s,
                               spare_workers=spare_workers),
         failure=FailureConfig(max_failures=max_failures, heartbeat_timeout_s=5.0, collective_timeout_s=30.0,
@@ -180,7 +180,7 @@ def test_survivor_stuck_in_a_collective_is_replaced_cold():
     controller.tick()
     assert any(w == members[2] and "broken collective" in why for w, why in group.killed)
     assert controller.state.state == RunState.RUNNING
-    assert controller.state.recovery.rung == "cold"
+    assert controller.recoveries.open.rung == "cold"
 
 
 def test_survivor_slow_to_answer_is_not_taken_for_stuck_and_stays_warm():
@@ -199,7 +199,7 @@ def test_survivor_slow_to_answer_is_not_taken_for_stuck_and_stays_warm():
     group.views[members[2]].silent_s = 0.0     # it answers: it left the broken group too
     interrupt(group, [members[2]], 0, 7)
     controller.tick()
-    assert controller.state.state == RunState.RUNNING and controller.state.recovery.rung == "warm"
+    assert controller.state.state == RunState.RUNNING and controller.recoveries.open.rung == "warm"
     assert set(controller.state.members) >= {members[1], members[2]}
 
 

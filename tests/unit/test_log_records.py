@@ -20,8 +20,7 @@ class LogRecorder(FakeRecorder):
 
 
 def make_with_logs(**kwargs):
-    controller, group, clock, transitions = make(**kwargs)
-    controller.recorder = LogRecorder()
+    controller, group, clock, transitions = make(recorder=LogRecorder(), **kwargs)
     return controller, group, clock
 
 
@@ -40,7 +39,7 @@ def test_a_log_record_is_recorded_at_its_step_and_counts_no_step():
     controller, group, clock = make_with_logs()
     members = start(controller, group)
     scored = []
-    controller._score_stragglers = scored.append
+    controller.intake._score_stragglers = lambda state, record: scored.append(record)
     group.complete_steps(members[0], 1, 5, 3)
     send_log(group, members[0], 5, val_loss=0.5)
     controller.tick()
@@ -71,7 +70,7 @@ def test_every_rank_logs_the_same_values_and_only_the_lowest_ranks_record_is_kep
     for wid in members:                                          # every rank is past step 5 ...
         group.complete_steps(wid, 6, 6, 3)
     controller.tick()
-    assert controller._log_records._taken == {}                 # ... so its key is forgotten
+    assert controller.intake._logs._taken == {}                 # ... so its key is forgotten
 
 
 def test_a_record_only_a_higher_rank_sent_goes_once_the_lower_ranks_are_past_its_step():

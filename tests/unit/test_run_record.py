@@ -28,7 +28,7 @@ def test_a_rollback_drops_the_lost_attempts(tmp_path):
     recorder.flush_metrics()
     assert steps_on_disk(tmp_path) == [1, 2, 3, 4, 5, 6]
     assert [json.loads(line)["time"] for line in open(tmp_path / "metrics.jsonl")][3:] == [14.0, 15.0, 16.0]
-    assert sorted(recorder._step_seconds) == [1, 2, 3, 4, 5, 6]
+    assert sorted(recorder.summary.step_seconds) == [1, 2, 3, 4, 5, 6]
 
 
 def test_a_resume_that_fell_back_drops_the_loaded_lines_past_it(tmp_path):
@@ -127,7 +127,7 @@ class StalledStorage:
 
 def test_a_stalled_storage_does_not_stall_the_caller_in_background_mode(tmp_path):
     recorder = RunRecorder(str(tmp_path), None, total_steps=10, config={}, background=True)
-    stalled = recorder._storage = StalledStorage(recorder._storage)
+    stalled = recorder.metrics_log._storage = StalledStorage(recorder.metrics_log._storage)
     recorder.on_generation_start(0, 2)
     for step in range(1, 6):
         recorder.on_step(record(step, step))

@@ -102,7 +102,7 @@ def test_controller_flags_and_evicts_a_straggler_then_replaces_it():
     run_slow_rank(controller, group, slow_rank=3, steps=22)
     # Step 1 of a generation carries its restore and is not scored: the window of 20 fills at 21.
     assert controller.recorder.stragglers == [{"rank": 3, "step": 21, "score": 1.5}]
-    assert controller.state.state == RunState.RECOVERING and controller.state.recovery.cause == "straggler"
+    assert controller.state.state == RunState.RECOVERING and controller.recoveries.open.cause == "straggler"
     assert controller.state.evict == [members[3]] and members[3] not in [w for w, _ in group.killed]
     interrupt(group, members, 0, 22)       # every rank leaves at the same step boundary
     controller.tick()

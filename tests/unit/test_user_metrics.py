@@ -67,7 +67,7 @@ def test_log_values_get_a_line_of_their_own_at_their_step_and_count_no_step(tmp_
     rows = lines(tmp_path)
     assert [(r["step"], r.get("kind")) for r in rows] == [(1, None), (2, None), (2, "log"), (3, None)]
     assert rows[2] == {"step": 2, "kind": "log", "time": 102.5, "val_loss": 0.75}
-    assert sorted(rec._step_seconds) == [1, 2, 3] and rec.last_loss == 1.0    # no step, no loss of its own
+    assert sorted(rec.summary.step_seconds) == [1, 2, 3] and rec.last_loss == 1.0    # no step, no loss of its own
 
 
 def test_a_log_line_of_an_older_step_does_not_confuse_the_next_flush(tmp_path):
@@ -81,7 +81,7 @@ def test_a_log_line_of_an_older_step_does_not_confuse_the_next_flush(tmp_path):
     rec.on_step(step(4))
     rec.flush_metrics()
     assert [r["step"] for r in lines(tmp_path)] == [1, 2, 2, 3, 1, 4]
-    assert rec._keep_through is None and rec._written_through == 4
+    assert rec.metrics_log._keep_through is None and rec.metrics_log._written_through == 4
 
 
 def test_a_rollback_takes_the_log_lines_and_metrics_of_the_lost_steps(tmp_path):

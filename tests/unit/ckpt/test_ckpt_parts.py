@@ -43,7 +43,7 @@ def test_storage_urls_and_s3_options(monkeypatch, tmp_path):
 
 
 def test_manifest_round_trip_and_fence(memory_url):
-    raw = mf.encode_manifest(12, 4, 2, "g000002", {"g000002/a": {"size": 3, "sha256": "ab"}})
+    raw = mf.encode_manifest(12, 4, 2, "g000002", {"g000002/a": {"size": 3, "sha256": "ab" * 32}})
     info = mf.decode_manifest(raw, "memory://x/checkpoints/step_00000012")
     assert (info.step, info.world_size, info.generation, info.data_dir) == (12, 4, 2, "g000002")
     with pytest.raises(mf.CorruptCheckpointError):

@@ -1,0 +1,126 @@
+"""What the controller takes in from its workers' reports each tick, into the ledgers and the
+run record: the step each generation really restored, the step records (each step once, from
+whichever rank has it), `ctx.log` records, straggler scores and checkpoint fallbacks.
+
+It records; it decides nothing and acts on no worker (the controller does both).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from elastic._ledgers import RecoveryLedger, StepLedger
+from elastic._log_records import LogRecordPicker
+from elastic._protocol import StepRecord, WorkerPhase
+from elastic._ray_group import DEAD, WorkerView
+from elastic._states import Running
+from elastic._stragglers import StragglerDetector
+from elastic.config import FailureConfig
+
+log = logging.getLogger("elastic.controller")
+
+
+class ReportIntake:
+    """Turns worker reports into the run's record. `step` is the newest step the run keeps."""
+
+    def __init__(self, recorder: Any, steps: StepLedger, recoveries: RecoveryLedger,
+                 stragglers: StragglerDetector, failure: Callable[[], FailureConfig]):
+        self.recorder, self.steps, self.recoveries, self.stragglers = recorder, steps, recoveries, stragglers
+        self._failure = failure              # the controller's FailureConfig (read when used)
+        self._logs = LogRecordPicker()       # ctx.log records held until the lowest rank's is known
+        self._views: dict[int, WorkerView] = {}
+        self.step = 0
+        self.first_generation = 0            # this run's first (later ones re-form after failures)
+
+    def restore(self, generation: int, step: int) -> None:
+        """Generation `generation` starts from `step`: the steps recorded past it are discarded."""
+        if self.steps.restore(generation, step):
+            self.recorder.rollback_to(step)
+        self.step = step
+
+    def absorb(self, views: dict[int, WorkerView], state: Any, members: list[int], generation: int) -> None:
+        self._views = views
+        if isinstance(state, Running):
+            self._confirm_restore(state)
+            self._logs.note_members(state.generation, state.members)
+        fresh: dict[int, StepRecord] = {}
+        for view in views.values():
+            if view.report is not None:
+                for fallback in view.report.checkpoint_fallbacks:
+                    self.recorder.on_checkpoint_fallback(fallback)
+            # Every rank reports every step it completed: take each step once, from whichever
+            # rank has it (rank 0 may have died with steps it never reported).
+            for record in view.records:
+                if record.kind == "log":
+                    self._logs.offer(view.wid, record)
+                elif self.steps.is_new(record):
+                    fresh.setdefault(record.step, record)
+        for step in sorted(fresh):
+            record = fresh[step]
+            self.steps.take(record, self.step)
+            # The recovery is told before the step that closes it: a callback hears of the
+            # recovery (and of the steps it lost) before the redone steps come.
+            if isinstance(state, Running) and self.recoveries.open is not None \
+                    and record.step > self.recoveries.open.restored_step:
+                self.close_recovery(generation)
+            self.recorder.on_step(record)
+            self._score_stragglers(state, record)
+            self.step = record.step
+        self._release_logs()
+
+    def close_recovery(self, generation: int) -> None:
+        entry = self.recoveries.close(generation)
+        if entry is not None:
+            log.info("recovery done: %s", entry)
+            self.recorder.on_recovery(entry)
+
+    def flush_logs(self) -> None:
+        """The run ended: the log records still held go as they are."""
+        self._release_logs(everything=True)
+
+    def _confirm_restore(self, st: Running) -> None:
+        """The step the new generation really restored (a corrupt checkpoint makes it older
+        than the newest manifest the controller planned with)."""
+        if st.restore_confirmed:
+            return
+        report = self._views[st.members[0]].report
+        if report is None or report.generation != st.generation or report.restored_step is None:
+            return
+        st.restore_confirmed = True
+        step = st.start_step = report.restored_step
+        self.recorder.correct_generation_start(step)
+        if st.generation == self.first_generation and self.recorder.resumed_from is not None:
+            self.recorder.resumed_from = step
+        if self.recoveries.open is not None:
+            self.recoveries.open.restored_step = step
+        self.restore(st.generation, step)
+
+    def _release_logs(self, everything: bool = False) -> None:
+        """`ctx.log` records go to the run record once no lower rank can send its own (see
+        _log_records). They count no step and feed neither straggler scores nor step times."""
+        for record in self._logs.release(self._sent_all_of, everything=everything):
+            if self.steps.kept(record):
+                self.recorder.on_log(record)
+
+    def _sent_all_of(self, wid: int, record: StepRecord) -> bool:
+        """Whether worker `wid` can send no more records of `record`'s generation and step: its
+        records come in order and it has reported a later step or left that generation's loop."""
+        view = self._views.get(wid)
+        if view is None or view.status == DEAD:
+            return True
+        report = view.report
+        if report is None or report.generation < record.generation:
+            return False
+        return (report.generation > record.generation or report.step > record.step
+                or report.phase != WorkerPhase.RUNNING)
+
+    def _score_stragglers(self, st: Any, record: StepRecord) -> None:
+        # The first step of a generation carries its restore: not a step time.
+        if (not isinstance(st, Running) or self._failure().straggler_threshold is None
+                or len(record.compute_s) != len(st.members) or record.step <= st.start_step + 1):
+            return
+        for flag in self.stragglers.observe(record.step, record.compute_s):
+            log.warning("straggler: rank %d (worker %d) computes %.2fx the other ranks' median over the last "
+                        "%d steps (step %d)", flag.rank, st.members[flag.rank], flag.score,
+                        self._failure().straggler_window, flag.step)
+            self.recorder.on_straggler(flag.as_json())

@@ -1,0 +1,109 @@
+"""The run's summary: what summary.json says of the run, accumulated from the run's events.
+
+One role: a pure accumulator. It keeps the world size of each generation, the closed recoveries,
+the stragglers flagged, the checkpoint fallbacks, the losses, the data consumed, the step a
+resume started from, and how long the kept attempt of each step took (the goodput), and builds
+summary.json's fields from them. It touches no storage and runs no thread: the controller's
+thread feeds it through the run record (elastic._run_record), which writes what `build` returns.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+from elastic._protocol import StepRecord
+
+log = logging.getLogger("elastic.record")
+
+
+class RunSummary:
+    def __init__(self, *, total_steps: int, config: dict[str, Any], clock: Callable[[], float] = time.time):
+        self._total_steps = total_steps
+        self._config = config
+        self._clock = clock                         # wall-clock seconds (step records carry the same)
+        self._started_at = clock()
+        self._world_size_history: list[list[int]] = []     # [start step, world size] per generation
+        self._step_seconds: dict[int, float] = {}   # duration of the kept attempt of each step
+        self._newest_step = 0                       # highest step with a duration
+        self._last_step_time: float | None = None
+        self._losses: list[float] = []
+        self._recoveries: list[dict[str, Any]] = []
+        self._stragglers: list[dict[str, Any]] = []
+        self._fallbacks: list[dict[str, Any]] = []
+        self._data: tuple[int, str | None] | None = None   # (samples_seen, data_order) after the newest step
+        self.resumed_from: int | None = None        # the step the run resumed from (None: a fresh start)
+
+    @property
+    def last_loss(self) -> float | None:
+        return self._losses[-1] if self._losses else None
+
+    @property
+    def step_seconds(self) -> dict[int, float]:
+        """step -> seconds of its kept attempt (a copy)."""
+        return dict(self._step_seconds)
+
+    def on_generation_start(self, step: int, world_size: int) -> None:
+        self._world_size_history.append([step, world_size])
+        self._last_step_time = self._clock()
+
+    def correct_generation_start(self, step: int) -> None:
+        """The generation really started from `step` (its restore fell back to an older one)."""
+        if self._world_size_history:
+            self._world_size_history[-1][0] = step
+
+    def on_step(self, record: StepRecord) -> None:
+        if record.step <= self._newest_step:          # a step redone: the attempts from it on were lost
+            self.rollback_to(record.step - 1)
+        self._newest_step = record.step
+        self._data = (record.samples_seen, record.data_order)
+        previous = self._last_step_time or record.time
+        self._step_seconds[record.step] = max(0.0, record.time - previous)
+        self._last_step_time = record.time
+        if record.loss is not None:
+            self._losses.append(record.loss)
+
+    def rollback_to(self, step: int) -> None:
+        """The steps after `step` were lost: their time does not count as goodput (rare: only
+        then is the scan paid)."""
+        for lost in [s for s in self._step_seconds if s > step]:
+            del self._step_seconds[lost]
+        self._newest_step = min(self._newest_step, step)
+
+    def on_final_data(self, samples_consumed: int, data_order: str | None) -> None:
+        """The finished run's data as rank 0 holds it (authoritative over step records)."""
+        self._data = (samples_consumed, data_order)
+
+    def on_recovery(self, recovery: dict[str, Any]) -> None:
+        self._recoveries.append(recovery)
+
+    def on_straggler(self, flag: dict[str, Any]) -> None:
+        self._stragglers.append(flag)
+
+    def on_checkpoint_fallback(self, fallback: dict[str, Any]) -> None:
+        """A committed checkpoint failed verification on load and an older one was used (each
+        rank reports it: kept once)."""
+        if fallback not in self._fallbacks:
+            log.warning("checkpoint fallback: %s", fallback)
+            self._fallbacks.append(fallback)
+
+    def build(self, *, status: str, final_step: int, checkpoints: list[int], model_sha256: str | None,
+              error: dict[str, Any] | None, metrics: dict[str, Any]) -> dict[str, Any]:
+        """summary.json's fields; `metrics` is the last value of each of the run's metrics."""
+        wall_s = self._clock() - self._started_at
+        kept = sum(self._step_seconds.values())
+        return {
+            "status": status, "final_step": final_step, "total_steps": self._total_steps,
+            "world_size_history": self._world_size_history, "recoveries": self._recoveries,
+            "checkpoints": checkpoints,
+            "loss_first": self._losses[0] if self._losses else None,
+            "loss_last": self._losses[-1] if self._losses else None,
+            "model_sha256": model_sha256, "wall_s": round(wall_s, 3),
+            "metrics": metrics,
+            "goodput": round(min(1.0, kept / wall_s), 4) if wall_s > 0 else None,
+            "resumed_from": self.resumed_from, "stragglers": self._stragglers,
+            "checkpoint_fallbacks": self._fallbacks,
+            "samples_consumed": self._data[0] if self._data else None,
+            "data_order_sha256": self._data[1] if self._data else None,
+            "config": self._config, "error": error,
+        }
