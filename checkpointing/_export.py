@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import logging
 import os
 import pickle
@@ -192,9 +193,13 @@ def _placeholders(metadata: Any, keys: list[str]) -> dict:
 
 def _module_names(storage: Storage, info: mf.CommitInfo, metadata: Any, checked: set[str],
                   rep: _Reporter) -> tuple[list[str] | None, list[dict]]:
-    """The module entries of the checkpoint (from `extra.state_kinds`, else the older layout)."""
+    """The module entries of the checkpoint: from `extra.state_kinds` in the manifest's JSON
+    meta (the runtime's layout), else in the DCP state (earlier runtimes), else the oldest layout."""
     flat_kinds = ".".join(KINDS_KEY)
     top = list(dict.fromkeys(_top(metadata, k) for k in metadata.state_dict_metadata))
+    in_meta = ((info.meta or {}).get(KINDS_KEY[0]) or {}).get(KINDS_KEY[1])
+    if in_meta is not None:
+        return _modules_of_kinds(storage, info, in_meta, top, rep), []
     if flat_kinds not in metadata.state_dict_metadata:
         if LEGACY_MODULE in top:
             return [LEGACY_MODULE], []
@@ -208,7 +213,12 @@ def _module_names(storage: Storage, info: mf.CommitInfo, metadata: Any, checked:
     checked.update(files)  # the caller's set: these need no second pass
     state = _placeholders(metadata, [flat_kinds])
     _dcp_load(storage, info, state)
-    raw = state[KINDS_KEY[0]][KINDS_KEY[1]]
+    return _modules_of_kinds(storage, info, state[KINDS_KEY[0]][KINDS_KEY[1]], top, rep), []
+
+
+def _modules_of_kinds(storage: Storage, info: mf.CommitInfo, raw: Any, top: list[str], rep: _Reporter) -> list[str]:
+    """The module names of a `state_kinds` JSON string."""
+    flat_kinds = ".".join(KINDS_KEY)
     try:
         kinds = json.loads(raw)
         if not isinstance(kinds, dict):
@@ -223,7 +233,7 @@ def _module_names(storage: Storage, info: mf.CommitInfo, metadata: Any, checked:
     missing = [m for m in modules if m not in top]
     if missing:
         rep.warning(f"step {info.step}: module entries {missing} hold no saved items; exported empty")
-    return modules, []
+    return modules
 
 
 def _verify_for_export(storage: Storage, info: mf.CommitInfo,
@@ -308,11 +318,28 @@ def _shape(modules: dict) -> dict:
 
 
 # ---- public ----------------------------------------------------------------------------------
+_STEP_URL = re.compile(r"^(?P<run>.+?)/checkpoints/step_(?P<step>\d{8})/?$")
+
+
+def run_and_step(url: str, step: int | None) -> tuple[str, int | None]:
+    """A checkpoint's own URL (`Result.checkpoint`: <run>/checkpoints/step_<step:08d>) stands
+    for its run and step; a run's URL is taken as it is."""
+    match = _STEP_URL.match(str(url))
+    if match is None:
+        return url, step
+    named = int(match["step"])
+    if step is not None and step != named:
+        raise CheckpointError(f"{url} is the checkpoint of step {named}, but step={step} was asked for",
+                              url=match["run"])
+    return match["run"], named
+
+
 def export_model_state(url: str, step: int | None = None, *, storage_options: dict | None = None,
                        progress: Progress | None = None) -> dict:
     """The model weights of a committed checkpoint under `url`, as plain CPU tensors.
 
-    `step=None`: the newest committed checkpoint whose files match the manifest (a newer one that
+    `url` is the run's storage URL, or a checkpoint's own (`Result.checkpoint`), which names
+    the step. `step=None`: the newest committed checkpoint whose files match the manifest (a newer one that
     does not is skipped with a warning). One module entry: its state dict (FQN -> tensor, as
     `model.state_dict()` without DDP's `module.` prefix); several: {name: state_dict}.
     Optimizers and other Stateful entries are not loaded. `progress` receives one line per phase
@@ -322,6 +349,7 @@ def export_model_state(url: str, step: int | None = None, *, storage_options: di
     (`step` does not match its manifest, or none does), StorageError.
     """
     rep = _Reporter(progress)
+    url, step = run_and_step(url, step)
     storage = Storage(url, storage_options)
     sel = _select(storage, step, rep)
     modules, _, _ = _read_modules(storage, sel, rep)
@@ -338,6 +366,7 @@ def export(url: str, out: str | os.PathLike, *, step: int | None = None,
     """
     import torch
     rep = _Reporter(progress)
+    url, step = run_and_step(url, step)
     storage = Storage(url, storage_options)
     sel = _select(storage, step, rep)
     modules, count, size = _read_modules(storage, sel, rep)

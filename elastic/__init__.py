@@ -8,7 +8,7 @@ Everything not exported here is internal (modules prefixed with `_`).
 """
 import importlib
 
-from checkpointing import CheckpointError, CorruptCheckpointError, FencedError, StorageError
+from checkpointing import CheckpointError, CorruptCheckpointError, FencedError, RunConflictError, StorageError
 from elastic.config import CheckpointConfig, FailureConfig, LRScalingConfig, ScalingConfig
 from elastic.errors import (ConfigError, DatasetError, ElasticError, InsufficientWorkersError,
                             NonFiniteLossError, RestoreRequiredError, StateError, StorageConfigError,
@@ -44,5 +44,5 @@ __all__ = [
     "ElasticError", "ConfigError", "DatasetError", "StorageConfigError", "WorkerLostError",
     "InsufficientWorkersError", "TooManyFailuresError", "UserCodeError", "StateError", "RestoreRequiredError",
     "NonFiniteLossError",
-    "CheckpointError", "StorageError", "CorruptCheckpointError", "FencedError",
+    "CheckpointError", "StorageError", "CorruptCheckpointError", "FencedError", "RunConflictError",
 ]

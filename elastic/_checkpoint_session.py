@@ -38,7 +38,8 @@ class CheckpointSession:
                 collective_timeout_s=spec.collective_timeout_s)
         return self.manager
 
-    def save(self, spec: Any, step: int, payload: dict[str, Any], *, generation: int, wait: bool) -> bool:
+    def save(self, spec: Any, step: int, payload: dict[str, Any], *, generation: int, wait: bool,
+             meta: dict[str, Any] | None = None) -> bool:
         """Collective: save `payload` as step `step`. False (nothing saved) for a step whose
         loss was not finite: such a state must never replace the last good checkpoint."""
         if self.nonfinite_step == step:
@@ -46,7 +47,7 @@ class CheckpointSession:
             return False
         manager = self.open(spec)
         self.save_started[step] = time.time()
-        manager.save(step, payload, generation=generation)
+        manager.save(step, payload, generation=generation, meta=meta)
         self.last_saved_step = self.unconfirmed_save = step
         if wait:
             manager.wait()

@@ -42,7 +42,8 @@ class WorkerGroup(Protocol):
 class CheckpointView(Protocol):
     def latest_step(self) -> int | None: ...
     def committed_steps(self) -> list[int]: ...
-    def fence(self, generation: int) -> None: ...
+    def fence(self, generation: int, start_step: int | None = None) -> None: ...
+    def committed_since(self, step: int | None) -> list[int]: ...
     def current_fence(self) -> int | None: ...
 
 
@@ -198,7 +199,8 @@ class Controller:
 
     def _on_starting(self) -> None:
         st: Starting = self.state
-        ok, _ = self._storage("write the generation fence", lambda: self.checkpoints.fence(self.generation + 1))
+        ok, _ = self._storage("write the generation fence",
+                              lambda: self.checkpoints.fence(self.generation + 1, start_step=st.restore.step))
         if not ok:
             return
         self.generation += 1
@@ -325,12 +327,16 @@ class Controller:
         """A storage call of the control loop. A transient storage error is retried on later
         ticks with backoff, counted once as a storage_error, instead of ending the run; it fails
         the run only once it has lasted FailureConfig.rendezvous_timeout_s."""
-        from checkpointing import StorageError
+        from checkpointing import FencedError, StorageError
         now, trouble = self.clock(), self._storage_trouble
         if trouble is not None and now < trouble["retry_at"]:
             return False, None
         try:
             value = call()
+        except FencedError as error:
+            # Another run holds the storage now (it took it over), or is past this one: stop.
+            self._fail(error)
+            return False, None
         except StorageError as error:
             if trouble is None:
                 trouble = self._storage_trouble = {"since": now, "attempts": 0, "retry_at": now}

@@ -19,20 +19,27 @@ from elastic.errors import UserCodeError
 class CheckpointView:
     """What the controller needs from committed checkpoints; it is not in any process group."""
 
-    def __init__(self, url: str, storage_options: dict | None, keep: int | None):
+    def __init__(self, url: str, storage_options: dict | None, keep: int | None, run_id: str | None = None):
         from checkpointing import CheckpointManager
         self._storage_options = storage_options
+        self._run_id = run_id          # the run holding the storage's lease: fencing checks it is still this one
         self._manager = CheckpointManager(url, keep=keep, storage_options=storage_options, async_save=False)
 
     def latest_step(self) -> int | None:
-        committed = self._manager.committed()
-        return committed[-1].step if committed else None
+        latest = self._manager.latest()
+        return latest.step if latest is not None else None
 
     def committed_steps(self) -> list[int]:
         return [info.step for info in self._manager.committed()]
 
-    def fence(self, generation: int) -> None:
-        self._manager.set_generation(generation)
+    def committed_since(self, step: int | None) -> list[int]:
+        """Steps committed after `step`, oldest first (reads only their manifests)."""
+        return [info.step for info in self._manager.committed_since(step)]
+
+    def fence(self, generation: int, start_step: int | None = None) -> None:
+        """FENCE to `generation` (a compare-and-swap; FencedError if it is past it already,
+        RunConflictError if another run took the storage over), with the step it starts from."""
+        self._manager.set_generation(generation, start_step=start_step, run_id=self._run_id)
 
     def current_fence(self) -> int | None:
         from checkpointing import read_fence
@@ -49,7 +56,8 @@ def run_status(finished: bool, step: int, total_steps: int) -> str:
 
 class ControllerActor:
     def __init__(self, spec: RunSpec, scaling: ScalingConfig, failure: FailureConfig, checkpoint: CheckpointConfig,
-                 total_steps: int, config: dict[str, Any], failure_policy, scaling_policy, feed: bool = False):
+                 total_steps: int, config: dict[str, Any], failure_policy, scaling_policy, feed: bool = False,
+                 run_id: str | None = None):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         spec.apply_storage_env()     # the driver's credentials, before anything here opens storage
         options = dict(checkpoint.storage_options) or None
@@ -57,8 +65,9 @@ class ControllerActor:
         self._feed = RunFeed() if feed else None
         self._recorder = RunRecorder(checkpoint.storage, options, total_steps=total_steps, config=config,
                                      background=True, feed=self._feed,
-                                     listeners=[RayMetricsListener(run=checkpoint.storage)])
-        self._checkpoints = CheckpointView(checkpoint.storage, options, checkpoint.keep)
+                                     listeners=[RayMetricsListener(run=checkpoint.storage)], run_id=run_id)
+        self._checkpoints = CheckpointView(checkpoint.storage, options, checkpoint.keep, run_id)
+        self._run_id, self._url, self._options = run_id, checkpoint.storage, options
         self._controller = Controller(
             RayWorkerGroup(spec, scaling, failure), self._recorder, self._checkpoints, scaling=scaling,
             failure=failure, total_steps=total_steps, failure_policy=failure_policy, scaling_policy=scaling_policy)
@@ -91,6 +100,12 @@ class ControllerActor:
             self._recorder.write_status(force=True, state=controller.state.state.value)
         except Exception:   # noqa: BLE001 - the outcome must reach the driver: fit() returns, never raises
             logging.getLogger("elastic.controller").exception("could not write the final status.json")
+        if self._run_id is not None:
+            try:   # the next run on this storage needs no wait and no takeover
+                from checkpointing import release_run_lease
+                release_run_lease(self._url, self._run_id, storage_options=self._options)
+            except Exception:   # noqa: BLE001 - a final status.json already says the run ended
+                logging.getLogger("elastic.controller").warning("could not release the storage lease", exc_info=True)
         exception = None
         if error is not None:
             exception = error.get("exception") or UserCodeError(f"{error['type']}: {error['message']}")

@@ -29,6 +29,7 @@ import threading
 from array import array
 from typing import Any
 
+from checkpointing.appendlog import AppendLog
 from checkpointing.storage import Storage
 from elastic._protocol import StepRecord
 
@@ -100,6 +101,9 @@ class MetricHistory:
 class MetricsLog:
     def __init__(self, storage: Storage):
         self._storage = storage
+        # On object storage an "append" rewrites the whole object: the append log keeps it to small
+        # segment objects folded in now and then (checkpointing.appendlog); local files append in place.
+        self._log = AppendLog(storage, storage.path(METRICS_FILE))
         # The lock guards what a flush (on the writer's thread) shares with the controller's thread.
         self._lock = threading.Lock()
         self._unwritten: list[dict[str, Any]] = []    # lines not on storage yet, in the order they came
@@ -142,9 +146,13 @@ class MetricsLog:
                 clean = False
         return rows, clean
 
+    def compact(self) -> None:
+        """At the run's end: leave metrics.jsonl as the one complete file the contract names."""
+        self._log.compact()
+
     def _read(self) -> str:
         try:
-            return self._storage.read_bytes(self._storage.path(METRICS_FILE)).decode()
+            return self._log.read().decode()
         except FileNotFoundError:
             return ""
 
@@ -219,7 +227,6 @@ class MetricsLog:
             lines, keep, rollbacks_seen = list(self._unwritten), self._keep_through, len(self._rollbacks)
         if not lines and keep is None:
             return
-        path = self._storage.path(METRICS_FILE)
         # In step order within the batch (stable: a step's line stays before its log lines), since
         # the controller records a tick's log lines after its step lines.
         new = "".join(dumps(line) + "\n" for line in sorted(lines, key=lambda line: line["step"]))
@@ -235,9 +242,9 @@ class MetricsLog:
                     if step <= keep:
                         kept.append(line + "\n")
                         through = max(through, step)
-                self._storage.write_atomic(path, ("".join(kept) + new).encode())
+                self._log.rewrite(("".join(kept) + new).encode())
             else:
-                self._storage.append(path, new.encode())
+                self._log.append(new.encode())
         except BaseException:
             # A failed append may have written part of the lines: rewrite the file next time.
             with self._lock:

@@ -12,11 +12,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from checkpointing import CheckpointError
 from elastic import _wrap
 from elastic._lr import ScaleRamp
 from elastic._protocol import GenerationPlan, RestorePlan, RunSpec
 from elastic._state import broadcast_state
-from elastic._train_state import TrainState
+from elastic._train_state import EXTRA, TrainState
 from elastic._worker_state import WorkerState
 from elastic.errors import ElasticError, StateError
 
@@ -90,14 +91,26 @@ class Restorer:
 
     def _checkpoint(self, state: TrainState, compression: Any) -> None:
         session = self._worker.checkpoints
+        manager = session.open(self._spec)
+        # The framework's progress is JSON in the manifest; checkpoints of earlier runtimes kept
+        # it in the DCP state (the newest manifest says which: every rank reads the same one).
+        newest = manager.latest()
+        in_meta = newest is None or EXTRA in (newest.meta or {})
         loaded_state, loaded = _wrap.load_with_compression_state(
-            session.open(self._spec), compression, self._plan.rank, self._plan.world_size, self._comm_device,
-            lambda with_keys: state.state_dict(extra=with_keys))
+            manager, compression, self._plan.rank, self._plan.world_size, self._comm_device,
+            lambda with_keys: state.checkpoint_template(with_keys, framework_in_meta=in_meta))
         if loaded is None:
             log.warning("rank %d: no committed checkpoint under %s; starting fresh", self._plan.rank,
                         self._spec.storage)
             self._start_over()
             return
+        if in_meta:
+            framework = (loaded.meta or {}).get(EXTRA)
+            if framework is None:
+                raise CheckpointError(f"checkpoint step {loaded.step} at {loaded.path} has no framework state in "
+                                      f"its manifest (it was written by an earlier runtime than the newest "
+                                      f"checkpoint)", url=self._spec.storage)
+            loaded_state = {**loaded_state, EXTRA: {**framework, **loaded_state.get(EXTRA, {})}}
         state.load_state_dict(loaded_state, source=f"checkpoint step {loaded.step} at {loaded.path}")
         session.load_fallbacks.extend(dict(s) for s in loaded.skipped)
         session.last_saved_step = self._worker.progress.step

@@ -45,8 +45,9 @@ class RunListener(Protocol):
 class RunRecorder:
     def __init__(self, url: str, storage_options: dict | None, *, total_steps: int,
                  config: dict[str, Any], min_interval_s: float = 1.0, background: bool = False,
-                 feed: RunFeed | None = None, listeners: Iterable[RunListener] = ()):
+                 feed: RunFeed | None = None, listeners: Iterable[RunListener] = (), run_id: str | None = None):
         self._url = url
+        self._run_id = run_id                          # in every status.json: the storage lease's holder
         self._storage = Storage(url, storage_options)      # shared by the parts that write
         self.metrics_log = MetricsLog(self._storage)
         self.summary = RunSummary(total_steps=total_steps, config=config)
@@ -142,6 +143,8 @@ class RunRecorder:
     # ---- files -------------------------------------------------------------------------
     def write_status(self, *, force: bool = False, **status: Any) -> None:
         """status.json's newest fields (see StatusWriter.update: throttled unless `force`)."""
+        if self._run_id is not None:
+            status.setdefault("run_id", self._run_id)
         self.status_writer.update(force=force, **status)
 
     def flush_metrics(self) -> None:
@@ -163,6 +166,7 @@ class RunRecorder:
         try:
             self.close()
             self.flush_metrics()
+            self.metrics_log.compact()
         except Exception:   # noqa: BLE001
             log.exception("could not write the last metrics.jsonl lines under %s; summary.json is written anyway",
                           self._url)

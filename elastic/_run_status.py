@@ -18,6 +18,7 @@ class StatusReport:
     def __init__(self, recorder: Any, checkpoints: Any, clock: Callable[[], float]):
         self._recorder, self._checkpoints, self._clock = recorder, checkpoints, clock
         self.last_committed: int | None = None
+        self._announced: int | None = None   # newest commit handed to the recorder
         self._listed_at = -1e9
 
     def write(self, *, force: bool, state: str, generation: int, step: int, world_size: int,
@@ -40,9 +41,13 @@ class StatusReport:
         if now - self._listed_at > LIST_EVERY_S:
             self._listed_at = now
             try:
-                committed = self._checkpoints.committed_steps()
-                self.last_committed = committed[-1] if committed else None
-                self._recorder.on_commits(committed)        # the callbacks' on_checkpoint
+                # Newest first, stopping at the first valid manifest: O(1) reads however many
+                # checkpoints are kept; then the manifests of commits not announced yet.
+                self.last_committed = self._checkpoints.latest_step()
+                new = self._checkpoints.committed_since(self._announced)
+                if new:
+                    self._announced = new[-1]
+                    self._recorder.on_commits(new)          # the callbacks' on_checkpoint
             except Exception:   # noqa: BLE001 - status is best effort; storage errors surface in saves
                 log.debug("could not read the latest checkpoint", exc_info=True)
         return self.last_committed

@@ -129,6 +129,28 @@ class TrainState:
                 state[name] = obj.state_dict()
         return state
 
+    def checkpoint_payload(self, rank_extra: Mapping[str, Any], *, world_size: int
+                           ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """What a checkpoint saves: the objects' state for DCP, and the framework's part as JSON
+        for the manifest (checkpoints are data: no pickle of the framework's own). `rank_extra`:
+        per-rank values that must stay per rank in DCP (PowerSGD's state)."""
+        payload = self.state_dict()
+        extra = payload.pop(EXTRA)
+        if rank_extra:
+            payload[EXTRA] = dict(rank_extra)
+        return payload, {EXTRA: {**extra, "world_size": world_size}}
+
+    def checkpoint_template(self, rank_extra: Mapping[str, Any], *, framework_in_meta: bool) -> dict[str, Any]:
+        """The state dict a checkpoint load fills (see checkpoint_payload); with
+        `framework_in_meta` False, a checkpoint of an earlier runtime (framework state in DCP)."""
+        if not framework_in_meta:
+            return self.state_dict(extra=rank_extra)
+        template = self.state_dict()
+        del template[EXTRA]
+        if rank_extra:
+            template[EXTRA] = dict(rank_extra)
+        return template
+
     def load_state_dict(self, state: Mapping[str, Any], *, source: str) -> None:
         """Load a state from `state_dict()` (here or on another rank); `source` names it in errors."""
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict

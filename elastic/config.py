@@ -308,12 +308,18 @@ class CheckpointConfig:
     storage_options: dict[str, Any] = field(default_factory=dict)
     """Extra fsspec options (for s3: endpoint_url, key, secret); AWS_* variables also work. Shown
     (repr, summary.json) with every secret-named key masked at any depth."""
+    takeover: bool = False
+    """Take the storage over from another run even if that run looks alive (its status.json is
+    fresh). Without it a second run on one storage URL refuses to start with RunConflictError
+    naming the live run; a dead run's storage (status.json older than 60 s, or a final state) is
+    taken over without it. The run taken over is fenced: its next checkpoint is refused."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "storage", normalized_storage(self.storage))
         _count("CheckpointConfig.every_n_steps", self.every_n_steps, 1, none="only at the end")
         _count("CheckpointConfig.keep", self.keep, 1, none="keep all")
         _flag("CheckpointConfig.async_save", self.async_save)
+        _flag("CheckpointConfig.takeover", self.takeover)
         _count("CheckpointConfig.max_consecutive_failures", self.max_consecutive_failures, 1)
         _require(isinstance(self.storage_options, Mapping) and all(isinstance(k, str) for k in self.storage_options),
                  f"CheckpointConfig.storage_options must be a dict of fsspec option name -> value, "

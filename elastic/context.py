@@ -209,9 +209,10 @@ class TrainContext:
     def save_checkpoint(self, *, wait: bool = False) -> None:
         """Collective: commit a checkpoint of the current step (async unless `wait`)."""
         state = self._require_state("ctx.save_checkpoint()")
-        payload = state.state_dict(extra={"world_size": self.world_size,
-                                          **_wrap.compression_extra(self._compression, self.rank)})
-        self._worker.checkpoints.save(self._spec, self.step, payload, generation=self.generation, wait=wait)
+        payload, meta = state.checkpoint_payload(_wrap.compression_extra(self._compression, self.rank),
+                                                 world_size=self.world_size)
+        self._worker.checkpoints.save(self._spec, self.step, payload, generation=self.generation, wait=wait,
+                                      meta=meta)
         if self.rank == 0:
             self._worker.checkpoints.export_commit(self._spec.storage)
 

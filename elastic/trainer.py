@@ -5,9 +5,11 @@ workers share its fate: if the driver goes, the whole run goes with it and nothi
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -151,6 +153,7 @@ class ElasticTrainer:
         self.failure_policy, self.scaling_policy = failure_policy, scaling_policy
         self._progress = progress
         self._callbacks = check_callbacks(callbacks)
+        self._run_id: str | None = None     # this fit()'s, holding the storage's lease (see _check_storage)
 
     def effective_config(self) -> dict[str, Any]:
         """The configuration as plain JSON (summary.json's `config`), with no secret in it: every
@@ -184,11 +187,21 @@ class ElasticTrainer:
                               f"locks and live connections belong inside the loop)") from error
 
     def _check_storage(self) -> None:
+        """Take the storage for this run (one run per URL: RunConflictError names a live one),
+        then write its first status.json: both prove the storage writable before anything starts."""
+        from checkpointing import RunConflictError, acquire_run_lease
         from checkpointing.storage import Storage
+        self._run_id = uuid.uuid4().hex
+        options = self.checkpoint.storage_options or None
         try:
-            storage = Storage(self.checkpoint.storage, self.checkpoint.storage_options or None)
-            storage.write_atomic(storage.path("status.json"),
-                                 b'{"state": "scheduling", "generation": -1, "step": 0, "workers": []}')
+            acquire_run_lease(self.checkpoint.storage, self._run_id, storage_options=options,
+                              takeover=self.checkpoint.takeover)
+            storage = Storage(self.checkpoint.storage, options)
+            storage.write_atomic(storage.path("status.json"), json.dumps(
+                {"state": "scheduling", "generation": -1, "step": 0, "workers": [], "run_id": self._run_id,
+                 "updated_at": time.time()}).encode())
+        except RunConflictError:
+            raise
         except Exception as error:
             raise StorageConfigError(f"CheckpointConfig.storage {mask_url(self.checkpoint.storage)!r} is not "
                                      f"writable: {error}; check the URL, credentials and endpoint") from error
@@ -229,7 +242,8 @@ class ElasticTrainer:
             # run may lose. If the driver's node goes, the run goes with it anyway.
             scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
         ).remote(self._spec(storage_env=credentials), self.scaling, self.failure, self.checkpoint, self.total_steps,
-                 self.effective_config(), self.failure_policy, self.scaling_policy, feed=bool(self._callbacks))
+                 self.effective_config(), self.failure_policy, self.scaling_policy, feed=bool(self._callbacks),
+                 run_id=self._run_id)
         done = actor.run.remote()
         runner = CallbackRunner(self._callbacks) if self._callbacks else None
 

@@ -5,8 +5,11 @@
 Starts a local Ray instance (or joins the cluster in RAY_ADDRESS), checkpoints to --storage and
 resumes from it when run again. Trains on the Parquet token corpus at --data URL, or on a
 synthetic one written under <storage>/corpus/ on the first run and reused afterwards. Kill a worker (its pid is in <storage>/status.json) and watch
-the run re-form and go on. Exit code 0 when the run finished. With --gpu each worker trains on
-one GPU of its own (NCCL), which --precision fp16 needs.
+the run re-form and go on. With --gpu each worker trains on one GPU of its own (NCCL), which
+--precision fp16 needs.
+
+Exit codes: 0 finished; 1 failed; 2 bad flags or storage that cannot be written; 3 the loop
+stopped before --steps; 4 the storage is in use by another live run (see --takeover).
 """
 from __future__ import annotations
 
@@ -21,7 +24,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import gpt  # noqa: E402
 from elastic import (CheckpointConfig, ConfigError, DatasetError, ElasticTrainer, FailureConfig,  # noqa: E402
-                     LRScalingConfig, ScalingConfig, StorageError)
+                     LRScalingConfig, RunConflictError, ScalingConfig, StorageError)
+
+EXIT_STOPPED_EARLY = 3
+EXIT_STORAGE_IN_USE = 4
 
 
 def parse_workers(text: str) -> tuple[int, int]:
@@ -69,6 +75,9 @@ def parse_hold_at(text: str) -> tuple[int, str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--storage", required=True, help="run directory: local path, file://, or s3://bucket/prefix")
+    p.add_argument("--takeover", action="store_true",
+                   help="take the storage over from a run that still looks alive (its status.json is fresh); "
+                        "without it a second run on the same storage refuses to start")
     p.add_argument("--data", metavar="URL",
                    help="folder of Parquet token shards (local, file:// or s3://); default: a synthetic corpus "
                         "written under <storage>/corpus/ on the first run and reused on resume")
@@ -237,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                                "hold_at": args.hold_at, "loader_workers": args.loader_workers},
             scaling=scaling_config(args),
             checkpoint=CheckpointConfig(storage=args.storage, every_n_steps=args.checkpoint_every,
-                                        async_save=not args.sync_checkpoints),
+                                        async_save=not args.sync_checkpoints, takeover=args.takeover),
             failure=FailureConfig(heartbeat_timeout_s=args.heartbeat_timeout),
             lr=lr_config(args), total_steps=args.steps, seed=args.seed, progress=ProgressLine(args.quiet))
     except ConfigError as error:
@@ -259,12 +268,22 @@ def main(argv: list[str] | None = None) -> int:
         # cluster to join is given by RAY_ADDRESS, as `ray job submit` does).
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(high * args.cpus_per_worker)),
                  num_gpus=gpus, include_dashboard=False)
-    result = trainer.fit()
+    try:
+        result = trainer.fit()
+    except RunConflictError as error:
+        print(f"storage in use: {error}", file=sys.stderr)
+        return EXIT_STORAGE_IN_USE
+    except ConfigError as error:     # StorageConfigError: the storage cannot be written
+        print(f"configuration error: {error}", file=sys.stderr)
+        return 2
     s = result.summary
     print()
     print(json.dumps({k: s.get(k) for k in ("status", "final_step", "loss_first", "loss_last", "world_size_history",
                                             "recoveries", "checkpoints", "resumed_from", "wall_s", "goodput",
                                             "model_sha256")}, indent=1))
+    if result.status == "stopped_early":
+        print(f"stopped early: the loop returned at step {result.final_step} of {args.steps}", file=sys.stderr)
+        return EXIT_STOPPED_EARLY
     if not result.ok:
         print(f"run failed: {type(result.error).__name__}: {result.error}", file=sys.stderr)
         if result.error_traceback:

@@ -137,7 +137,10 @@ class FakeCheckpoints:
     def committed_steps(self):
         return [] if self.latest is None else [self.latest]
 
-    def fence(self, generation):
+    def committed_since(self, step):
+        return [s for s in self.committed_steps() if step is None or s > step]
+
+    def fence(self, generation, start_step=None):
         assert not self.fences or generation >= self.fences[-1], "generations must never go back"
         self.fences.append(generation)
 

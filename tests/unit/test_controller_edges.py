@@ -67,11 +67,11 @@ class FlakyCheckpoints:
         if name != self.method:
             return real
 
-        def call(*args):
+        def call(*args, **kwargs):
             if self.fails > 0:
                 self.fails -= 1
                 raise StorageError("503 SlowDown", url="s3://bucket/run")
-            return real(*args)
+            return real(*args, **kwargs)
         return call
 
 

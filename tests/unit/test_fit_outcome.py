@@ -67,6 +67,7 @@ def test_the_controller_actor_returns_its_outcome_when_storage_fails_at_the_end(
     actor._controller = FakeController()
     actor._checkpoints = SimpleNamespace(committed_steps=lambda: [])
     actor._recorder = recorder_with_a_full_disk(tmp_path)
+    actor._run_id = None                          # no lease to release
     outcome = actor.run()                         # raised OSError before: ray.get(done) then raised in fit()
     assert outcome["status"] == "failed" and outcome["summary"]["status"] == "failed"
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "failed"

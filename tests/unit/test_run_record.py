@@ -127,7 +127,7 @@ class StalledStorage:
 
 def test_a_stalled_storage_does_not_stall_the_caller_in_background_mode(tmp_path):
     recorder = RunRecorder(str(tmp_path), None, total_steps=10, config={}, background=True)
-    stalled = recorder.metrics_log._storage = StalledStorage(recorder.metrics_log._storage)
+    stalled = recorder.metrics_log._log.storage = StalledStorage(recorder.metrics_log._log.storage)
     recorder.on_generation_start(0, 2)
     for step in range(1, 6):
         recorder.on_step(record(step, step))

@@ -308,3 +308,24 @@ def test_a_commit_before_leaving_that_fails_is_raised_not_left_unseen(generation
     ctx._preempted.set()
     with pytest.raises(CheckpointError, match="taken before the group changes, was not committed"):
         ctx.report(loss=1.0)
+
+
+def test_the_frameworks_state_is_json_in_the_manifest_not_pickled_in_dcp(generations):
+    # Reliability review F3: checkpoints are data. The framework's own progress travels as JSON in
+    # COMMITTED; Result.checkpoint's URL exports directly.
+    from checkpointing import CheckpointManager, export_model_state
+    run = generations()
+    ctx = run.context("fresh")
+    model = ctx.prepare_model(nn.Linear(4, 1))
+    ctx.restore()
+    ctx.report(loss=1.0)
+    ctx.save_checkpoint(wait=True)
+    (info,) = CheckpointManager(run.spec.storage).committed()
+    extra = info.meta["extra"]
+    assert extra["step"] == 1 and extra["world_size"] == 1 and json.loads(extra["state_kinds"]) == {"model": "module"}
+    import pickle
+    with open(os.path.join(info.path, info.data_dir, ".metadata"), "rb") as f:
+        metadata = pickle.load(f)                 # DCP's own format (the trust boundary the README names)
+    assert not any(key.startswith("extra") for key in metadata.state_dict_metadata)
+    exported = export_model_state(f"{run.spec.storage}/checkpoints/step_00000001")
+    assert all(torch.equal(exported[k], v) for k, v in model.module.state_dict().items())
