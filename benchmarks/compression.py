@@ -2,7 +2,7 @@
 grad_compression None / "bf16" / "powersgd", on the same model and world size; prints one JSON line.
 
 Each mode runs in its own gloo group of --workers processes on this machine (CPU), with the
-model wrapped by elastic._wrap exactly as the runtime wraps it. Bytes are what the DDP hook hands
+model wrapped by elastic._worker.wrap exactly as the runtime wraps it. Bytes are what the DDP hook hands
 to all-reduce per step on one rank (every `dist.all_reduce` the hook issues is counted: the
 bucket buffer uncompressed, its bf16 copy, or PowerSGD's P and Q matrices plus the tensors it
 leaves uncompressed), averaged over the measured steps after the warm-up (PowerSGD's plain
@@ -30,7 +30,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 import gpt  # noqa: E402
 from elastic import ScalingConfig, _wrap  # noqa: E402
-from elastic._step_timer import StepTimer  # noqa: E402
+from elastic._worker.step_timer import StepTimer  # noqa: E402
 
 MODES = {"none": {}, "bf16": {"grad_compression": "bf16"}, "powersgd": {"grad_compression": "powersgd"}}
 

@@ -56,7 +56,7 @@ def one_rank_group() -> None:
 def context(storage: str, steps: int, generation: int):
     """A fresh generation's TrainContext over the one-rank group, as a worker builds it."""
     from elastic._protocol import GenerationPlan, RestorePlan, RunSpec
-    from elastic._worker_state import WorkerState
+    from elastic._worker.state import WorkerState
     from elastic.context import TrainContext
     spec = RunSpec(user_code=b"", total_steps=steps, seed=0, strategy="ddp", use_gpu=False, storage=storage,
                    storage_options={}, checkpoint_every=None, keep=None, async_save=False,

@@ -70,6 +70,8 @@ class Campaign:
             self.job_env["AWS_ENDPOINT_URL"] = self.proxy.endpoint
             self.job_env.pop("AWS_ENDPOINT_URL_S3", None)
         self.env.cluster, self.env.proxy = self.cluster, self.proxy
+        self.env.job_spec, self.env.job_env, self.env.out_dir = self.spec, self.job_env, self.out_dir
+        self.env.exec_prefix = self.cluster.exec_prefix() if self.cluster is not None else []
         self.watcher = CommitWatcher(self.view, self.history)
         self.watcher.start()
         self.nemesis = Nemesis(self.schedule, build_injectors(self.env), self.view, self.history,
@@ -157,6 +159,7 @@ class Campaign:
         n = len(self.attempts)
         self.deadline = time.time() + self.timeout_s
         self.nemesis.total_steps = spec.steps
+        self.env.job_spec = spec.replace(fail_at=None)
         self.job = JobProcess(spec, self.job_env, os.path.join(self.out_dir, f"job-{n}.log"),
                               prefix=self.cluster.exec_prefix() if self.cluster is not None else []).start()
         self.history.record("job_start", attempt=n, argv=spec.argv())

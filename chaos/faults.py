@@ -231,9 +231,57 @@ class UserError(Fault):
         return Expectation(required=True, causes=("user_error",), fails_run=True)
 
 
+LATE_COMMIT_PHASES = ("check", "put")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LateCommit(Fault):
+    """A fenced writer's late commit: a zombie of the current generation's rank 0 (a separate
+    process, the checkpointing package's own save path) writes a checkpoint of a step the run
+    has not reached, then stalls at its commit while the target workers are killed and the run
+    re-forms under a newer generation; then it tries to commit. `phase` is where it stalls:
+      "check"  before the commit's final fence check: the commit must be refused (FencedError)
+      "put"    after that check passed, with its COMMITTED PUT on the wire, until the newer
+               generation has committed the same step (at most `within_s`): the conditional
+               PUT must fail and the commit be refused (FencedError); if the newer generation
+               never gets there in time, the PUT goes out anyway and the late manifest must be
+               ignored by every reader and collector (the fence history rejects it)
+    Either way the zombie's own retention pass must delete nothing, and a newer generation's
+    manifest must never be replaced. The kill makes the new generation, so a recovery is due."""
+
+    kind: ClassVar[str] = "late_commit"
+    target: str = "one"
+    phase: str = "check"
+    within_s: float = 90.0           # for the zombie to start, the fence to move and (put) the newer commit
+
+    def __post_init__(self) -> None:
+        _check_target(self.target)
+        _check_positive("within_s", self.within_s)
+        if self.phase not in LATE_COMMIT_PHASES:
+            raise ValueError(f"late_commit phase={self.phase!r}: use one of {LATE_COMMIT_PHASES}")
+
+    def expectation(self, heartbeat_timeout_s: float) -> Expectation:
+        return Expectation(required=True, causes=("worker_died", "collective_error", "hang"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SecondRun(Fault):
+    """The job started a second time on the same storage while the first run is live (a
+    resubmitted job, a retried Kubernetes job). The second must exit non-zero within
+    `within_s` with the run lease's RunConflictError naming the live run, having written
+    nothing; the first run must go on as if nothing happened (same lease holder, same
+    generation, still training). No recovery is expected."""
+
+    kind: ClassVar[str] = "second_run"
+    within_s: float = 120.0          # a refused start still imports torch and the runtime
+
+    def __post_init__(self) -> None:
+        _check_positive("within_s", self.within_s)
+
+
 FAULT_TYPES: dict[str, type[Fault]] = {cls.kind: cls for cls in (
     KillWorker, KillNode, Hang, Slow, Partition, StorageOutage, CrashBeforeCommit, CorruptCheckpoint,
-    Preempt, UserError)}
+    Preempt, UserError, LateCommit, SecondRun)}
 
 
 def fault_from_dict(data: dict[str, Any]) -> Fault:

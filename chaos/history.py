@@ -9,7 +9,10 @@ Event types:
   running                 the run reached `running` for the first time in an attempt
   invoke / heal           a fault was injected / healed (`index`, `fault`, `detail`, run state)
   skip                    a scheduled fault was not injected (`reason`: run ended, unsupported...)
-  commits                 the set of committed checkpoint steps changed (`steps`, `newest`)
+  commits                 the committed checkpoints changed (`steps`, `generations`, `newest`, and
+                          `rejected`: [step, generation] of manifests the fence history rejects)
+  fence                   FENCE changed (`generation`, `run_id`, `history`: [generation, start
+                          step, run id] per generation)
 """
 from __future__ import annotations
 

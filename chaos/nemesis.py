@@ -20,7 +20,7 @@ from typing import Callable
 from chaos.faults import Fault
 from chaos.history import History
 from chaos.injectors import Active, Injector, Skip, Unsupported
-from chaos.observe import RunView
+from chaos.observe import RunView, fence_facts
 from chaos.schedule import Schedule
 
 log = logging.getLogger("chaos.nemesis")
@@ -199,7 +199,8 @@ class Nemesis:
 
 
 class CommitWatcher(threading.Thread):
-    """Records the committed checkpoint steps in the history whenever they change."""
+    """Records the committed checkpoints (step and generation) in the history whenever they
+    change, with the manifests the fence history rejects; and FENCE whenever it changes."""
 
     def __init__(self, view: RunView, history: History, interval_s: float = 0.5):
         super().__init__(name="chaos-commit-watcher", daemon=True)
@@ -209,20 +210,26 @@ class CommitWatcher(threading.Thread):
         self.generations: set[int] = set()    # generations seen committing at least once
 
     def run(self) -> None:
-        last = None
+        last, last_fence = None, None
         while not self._halt.is_set():
             try:
-                steps = {c.step: c.generation for c in self.view.committed()}
+                fence, steps, rejected = self.view.manifests()
             except Exception:   # noqa: BLE001 - a listing that fails is retried next interval
-                steps = None
-            if steps is not None and steps != last:
+                fence = steps = rejected = None
+            if fence is not None:
+                facts = fence_facts(fence)
+                if facts != last_fence:
+                    self.history.record("fence", **facts)
+                    last_fence = facts
+            if steps is not None and (steps, rejected) != last:
+                fields = {"rejected": [[s, rejected[s]] for s in sorted(rejected)]} if rejected else {}
                 event = self.history.record("commits", steps=sorted(steps),
                                             generations=[steps[s] for s in sorted(steps)],
-                                            newest=max(steps) if steps else None)
-                if set(steps.items()) - set((last or {}).items()):
+                                            newest=max(steps) if steps else None, **fields)
+                if set(steps.items()) - set((last or ({}, {}))[0].items()):
                     self.generations.update(steps.values())
                     self.newest_at = event["t"]
-                last = steps
+                last = (steps, rejected)
             self._halt.wait(self.interval_s)
 
     def stop(self) -> None:

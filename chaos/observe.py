@@ -19,6 +19,15 @@ from checkpointing.storage import Storage
 log = logging.getLogger("chaos.observe")
 
 
+def fence_facts(fence: mf.Fence | None) -> dict | None:
+    """FENCE as plain data for the history: generation, holder, and [generation, start step,
+    run id] for each generation of its history."""
+    if fence is None:
+        return None
+    return {"generation": fence.generation, "run_id": fence.run_id,
+            "history": [[e.generation, e.start_step, e.run_id] for e in fence.history]}
+
+
 class RunView:
     def __init__(self, url: str, storage_options: dict | None = None):
         self.url = url
@@ -64,6 +73,31 @@ class RunView:
     # ---- checkpoints ---------------------------------------------------------------------
     def committed(self) -> list[mf.CommitInfo]:
         return mf.list_committed(self.storage)
+
+    def fence(self) -> mf.Fence | None:
+        """FENCE: the newest generation, the run holding the storage and the generations'
+        history with the step each started from."""
+        return mf.read_fence_doc(self.storage)
+
+    def manifests(self) -> tuple[mf.Fence | None, dict[int, int], dict[int, int]]:
+        """FENCE, then every readable manifest as step -> generation, split into those the fence
+        history accepts (the committed checkpoints, as `committed()` lists them) and those it
+        rejects (a fenced writer's late commit, or a timeline a later generation abandoned).
+        FENCE is read before the listing, as the runtime's readers do."""
+        fence = self.fence()
+        accepted, rejected = {}, {}
+        for step in mf.list_steps(self.storage):
+            try:
+                info = mf.read_manifest(self.storage, step)
+            except CheckpointError:
+                continue
+            if info is None:
+                continue
+            if fence is not None and fence.rejects(info) is not None:
+                rejected[step] = info.generation
+            else:
+                accepted[step] = info.generation
+        return fence, accepted, rejected
 
     def step_dirs(self) -> list[int]:
         return mf.list_steps(self.storage)

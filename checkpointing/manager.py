@@ -302,7 +302,7 @@ class CheckpointManager:
             return retention.collect(self.storage, keep=self.keep, protect=protect, verify=verify)
 
 
-_BACKEND_MARKERS = ("gloo", "nccl", "c10d", "processgroup")  # as elastic._worker judges them
+_BACKEND_MARKERS = ("gloo", "nccl", "c10d", "processgroup")  # as elastic._worker.worker judges them
 
 
 def _peer_failure(error: BaseException) -> bool:

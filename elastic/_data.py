@@ -36,7 +36,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler, default_collate
 
 from elastic._accumulation import rank_positions
-from elastic._state import mix_seed
+from elastic._determinism import mix_seed
 from elastic.config import check_dataset_covers_global_batch
 from elastic.errors import ConfigError, ElasticError
 
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 
 class LoaderSide(Protocol):
     """What the loader reads of, and tells, its generation's step boundary
-    (elastic._step_boundary.StepBoundary): the counters, and the opening of each step."""
+    (elastic._worker.step_boundary.StepBoundary): the counters, and the opening of each step."""
 
     rank: int
     world_size: int

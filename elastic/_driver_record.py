@@ -42,7 +42,7 @@ def record_lost_controller(url: str, storage_options: dict | None, *, error: Ela
     error, what storage still tells: the last step status.json saw, the committed checkpoints).
     Returns (the summary, whether it is the controller's own: then nothing was written)."""
     from checkpointing.storage import Storage
-    from elastic._run_record import dumps, strict
+    from elastic._controller.run_record import dumps, strict
     error_doc = {"type": type(error).__name__, "message": str(error), "traceback": traceback, "ranks": []}
     status: dict[str, Any] = {}
     storage = None

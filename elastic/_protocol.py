@@ -53,7 +53,7 @@ class WorkerReport:
     error_type: str | None = None
     error_message: str | None = None
     error_traceback: str | None = None
-    error_kind: str | None = None        # see elastic._worker.classify_error
+    error_kind: str | None = None        # see elastic._worker.worker.classify_error
     error: BaseException | None = None   # the original exception when it pickles
     preempted: bool = False              # got SIGTERM: leaves after committing a checkpoint
     restored_step: int | None = None     # step ctx.restore loaded in this generation

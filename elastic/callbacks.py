@@ -18,7 +18,7 @@ controller recorded things (a log line comes after its step's line, maybe after 
 - `on_end(result)`: the `Result`, once, after the run ended (finished or failed).
 
 The events travel from the controller's actor in order, numbered, each delivered once (see
-elastic._feed); they reach the driver about once a second. A callback that raises does not stop
+elastic._controller.feed); they reach the driver about once a second. A callback that raises does not stop
 the run: its first error is logged with the traceback, later ones are counted and summed up at
 the end.
 """
@@ -29,7 +29,7 @@ import math
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from elastic._feed import Event, FeedKind
+from elastic._controller.feed import Event, FeedKind
 from elastic.errors import ConfigError
 
 if TYPE_CHECKING:

@@ -3,12 +3,12 @@
 A generation is one formation of the process group. When the controller rescales, the loop is
 unwound at a step boundary (`report`) and re-entered with a new context. This class is the
 user's face only; the work is done by the worker-side parts it holds:
-- `StepBoundary` (elastic/_step_boundary.py): opens and closes steps, shares the metrics;
-- `Restorer` (elastic/_restore.py): the recovery ladder's rungs into the generation's state;
-- `TrainState` (elastic/_train_state.py): what `restore(...)` was handed, the one object that
+- `StepBoundary` (elastic/_worker/step_boundary.py): opens and closes steps, shares the metrics;
+- `Restorer` (elastic/_worker/restore.py): the recovery ladder's rungs into the generation's state;
+- `TrainState` (elastic/_worker/train_state.py): what `restore(...)` was handed, the one object that
   warm broadcasts and checkpoints both save and load;
-- `WorkerState` (elastic/_worker_state.py): what outlives the generation, incl. the
-  `CheckpointSession` (elastic/_checkpoint_session.py) with the rules around commits.
+- `WorkerState` (elastic/_worker/state.py): what outlives the generation, incl. the
+  `CheckpointSession` (elastic/_worker/checkpoint_session.py) with the rules around commits.
 """
 from __future__ import annotations
 
@@ -18,16 +18,16 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from elastic import _checkpoint_io, _wrap
+from elastic._worker import checkpoint_io as _checkpoint_io, wrap as _wrap
 from elastic._accumulation import wrap_optimizer
 from elastic._data import ElasticLoader
-from elastic._precision import Precision
+from elastic._worker.precision import Precision
 from elastic._protocol import GenerationPlan, RunSpec
-from elastic._restore import Restorer, named_objects
-from elastic._state import mix_seed, state_sha256
-from elastic._step_boundary import StepBoundary
-from elastic._train_state import TrainState
-from elastic._worker_state import WorkerState
+from elastic._worker.restore import Restorer, named_objects
+from elastic._determinism import mix_seed, state_sha256
+from elastic._worker.step_boundary import StepBoundary
+from elastic._worker.train_state import TrainState
+from elastic._worker.state import WorkerState
 from elastic.config import ScalingConfig
 from elastic.errors import ConfigError, RestoreRequiredError
 
@@ -139,7 +139,7 @@ class TrainContext:
         return wrapped
 
     def autocast(self):
-        """Around forward and loss: autocast to ScalingConfig.precision (see elastic._precision)."""
+        """Around forward and loss: autocast to ScalingConfig.precision (see elastic._worker.precision)."""
         return self._precision.autocast()
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -33,7 +33,7 @@ INFRA_CAUSES = tuple(c for c in Cause if c not in (Cause.USER_ERROR, Cause.FATAL
 USER_CAUSE = Cause.USER_ERROR
 FATAL_CAUSE = Cause.FATAL_ERROR
 HARDWARE_CAUSE = Cause.HARDWARE_ERROR
-# A worker's error kind (elastic._worker.classify_error) -> the cause it stands for.
+# A worker's error kind (elastic._worker.worker.classify_error) -> the cause it stands for.
 CAUSE_OF_ERROR_KIND = {"user": Cause.USER_ERROR, "infra": Cause.STORAGE_ERROR, "fatal": Cause.FATAL_ERROR,
                        "comm": Cause.COLLECTIVE_ERROR, "hardware": Cause.HARDWARE_ERROR}
 

@@ -231,7 +231,7 @@ class ElasticTrainer:
     def _run(self, ray: Any) -> Result:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from elastic._controller_actor import ControllerActor
+        from elastic._controller.actor import ControllerActor
         here = ray.get_runtime_context().get_node_id()
         runtime_env, credentials = actor_environment(os.environ)
         started = time.time()
@@ -326,7 +326,7 @@ def _start_ray(ray: Any) -> bool:
 
 def newest_checkpoint(storage: str, committed: list[int] | None) -> str | None:
     """The URL of the newest committed checkpoint, or None."""
-    from elastic._run_record import checkpoint_url
+    from elastic._controller.run_record import checkpoint_url
     return checkpoint_url(storage, max(committed)) if committed else None
 
 

@@ -34,12 +34,18 @@ class Skip(Exception):
 
 @dataclass
 class Env:
-    """What injectors may act on. `cluster` and `proxy` are None when the runner has none."""
+    """What injectors may act on. `cluster` and `proxy` are None when the runner has none; the
+    job fields describe the job as the campaign runs it (for faults that start a process of
+    their own against the run: a second run of the job, a zombie writer)."""
 
     view: RunView
     cluster: Any = None              # chaos.cluster.LocalCluster / chaos.netns.NetnsCluster
     proxy: Any = None                # chaos.proxy.FaultProxy (S3 storage only)
     touched: list[Proc] = field(default_factory=list)   # every worker process signalled
+    job_spec: Any = None             # chaos.job.JobSpec of the attempt running now
+    job_env: dict[str, str] | None = None                # the job's environment
+    exec_prefix: list[str] = field(default_factory=list)  # e.g. `ip netns exec NS` (chaos.netns)
+    out_dir: str | None = None       # where injectors keep their processes' logs
 
 
 @dataclass
@@ -102,10 +108,12 @@ class Injector:
 
 def build_injectors(env: Env) -> dict[str, Injector]:
     """One injector per fault kind (UserError has none: it is armed in the job's arguments)."""
+    from chaos.injectors.commit import LateCommitInjector, SecondRunInjector
     from chaos.injectors.node import KillNodeInjector
     from chaos.injectors.partition import PartitionInjector
     from chaos.injectors.process import HangInjector, KillWorkerInjector, PreemptInjector, SlowInjector
     from chaos.injectors.storage import CorruptCheckpointInjector, CrashBeforeCommitInjector, StorageOutageInjector
     classes = (KillWorkerInjector, PreemptInjector, HangInjector, SlowInjector, KillNodeInjector,
-               PartitionInjector, StorageOutageInjector, CrashBeforeCommitInjector, CorruptCheckpointInjector)
+               PartitionInjector, StorageOutageInjector, CrashBeforeCommitInjector, CorruptCheckpointInjector,
+               LateCommitInjector, SecondRunInjector)
     return {cls.kind: cls(env) for cls in classes}

@@ -30,8 +30,8 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from checkpointing import CheckpointManager
-from elastic._group_sockets import GroupSockets
-from elastic._worker import TrainWorker
+from elastic._worker.group_sockets import GroupSockets
+from elastic._worker.worker import TrainWorker
 
 CUDA = torch.device("cuda", 0)
 

@@ -1,5 +1,5 @@
 """FSDP2 on the GPU, on a one-rank NCCL group in this process (no Ray): the example's model
-fully_shard-ed as the runtime shards it (elastic._wrap: each block, then the root, on a cuda
+fully_shard-ed as the runtime shards it (elastic._worker.wrap: each block, then the root, on a cuda
 device mesh), trained, checkpointed asynchronously (DTensor shards staged from the GPU) and
 loaded into a freshly built model and optimizer."""
 import math
@@ -13,8 +13,8 @@ from torch.distributed.tensor import DTensor
 import gpt
 from checkpointing import CheckpointManager
 from elastic import ScalingConfig
-from elastic import _wrap
-from elastic._step_timer import StepTimer
+from elastic._worker import wrap as _wrap
+from elastic._worker.step_timer import StepTimer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(180),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (make test-gpu)")]

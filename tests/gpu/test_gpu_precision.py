@@ -1,6 +1,6 @@
 """bf16 and fp16 on the GPU, on a one-rank NCCL group in this process (no Ray): the model wrapped
-as the runtime wraps it (elastic._wrap, DDP on cuda:0), the loop of the example through
-elastic._precision (autocast, ctx.backward's scaled backward, the optimizer's step through the
+as the runtime wraps it (elastic._worker.wrap, DDP on cuda:0), the loop of the example through
+elastic._worker.precision (autocast, ctx.backward's scaled backward, the optimizer's step through the
 GradScaler), and fp16's scaler state through a checkpoint and back."""
 import functools
 import math
@@ -13,9 +13,9 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_st
 import gpt
 from checkpointing import CheckpointManager
 from elastic import ScalingConfig
-from elastic import _wrap
-from elastic._precision import Precision
-from elastic._step_timer import StepTimer
+from elastic._worker import wrap as _wrap
+from elastic._worker.precision import Precision
+from elastic._worker.step_timer import StepTimer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(180),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (make test-gpu)")]

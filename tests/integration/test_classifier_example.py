@@ -10,7 +10,7 @@ import pytest
 
 import classifier
 from checkpointing import export_model_state
-from elastic._state import state_sha256
+from elastic._determinism import state_sha256
 from faults import SignalAtStep
 
 pytestmark = [pytest.mark.integration]

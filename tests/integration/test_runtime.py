@@ -38,7 +38,7 @@ def expected_data_order(samples: int, seed: int = 0, n_samples: int = 100_000) -
     from types import SimpleNamespace
 
     from elastic._data import ElasticLoader
-    from elastic._state import DATA_ORDER_START, chain_sample_ids
+    from elastic._determinism import DATA_ORDER_START, chain_sample_ids
     loader = ElasticLoader(SimpleNamespace(seed=seed, world_size=1, total_steps=1), range(n_samples), batch_size=1)
     return chain_sample_ids(DATA_ORDER_START, [loader._dataset_index(g) for g in range(samples)])
 

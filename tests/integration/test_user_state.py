@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from elastic import Callback, CheckpointConfig, ElasticTrainer, FailureConfig, ScalingConfig, TensorBoardCallback
-from elastic._state import state_sha256
+from elastic._determinism import state_sha256
 from faults import SignalAtStep, read_json
 
 pytestmark = [pytest.mark.integration]

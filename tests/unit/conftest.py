@@ -28,7 +28,7 @@ class Generations:
 
     def __init__(self, storage: str, **spec):
         from elastic._protocol import RunSpec
-        from elastic._worker_state import WorkerState
+        from elastic._worker.state import WorkerState
         defaults = dict(user_code=b"", total_steps=100, seed=0, strategy="ddp", use_gpu=False, storage=storage,
                         storage_options={}, checkpoint_every=None, keep=None, async_save=False,
                         max_consecutive_failures=3, cpus_per_worker=1, collective_timeout_s=60.0)

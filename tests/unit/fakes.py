@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from elastic._protocol import StepRecord, WorkerInfo, WorkerPhase, WorkerReport
-from elastic._ray_group import DEAD, READY, WorkerView
+from elastic._controller.worker_group import DEAD, READY, WorkerView
 from elastic.policies import Cause
 
 

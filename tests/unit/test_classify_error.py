@@ -1,10 +1,10 @@
-"""What an error out of the training thread means to the controller (elastic._worker.classify_error)."""
+"""What an error out of the training thread means to the controller (elastic._worker.worker.classify_error)."""
 from __future__ import annotations
 
 import pytest
 
 from checkpointing import CheckpointError, FencedError, StorageError
-from elastic._worker import classify_error
+from elastic._worker.worker import classify_error
 
 GLOO_RESET = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
               "[127.0.0.1]:52138: Connection reset by peer.")

@@ -5,7 +5,7 @@ import pytest
 
 from checkpointing import StorageError
 from elastic._protocol import WorkerPhase
-from elastic._states import RunState
+from elastic._controller.states import RunState
 from elastic.errors import TooManyFailuresError, WorkerLostError
 from test_controller import interrupt, make, start
 

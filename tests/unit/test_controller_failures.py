@@ -5,7 +5,7 @@ still says what the last one was."""
 import pytest
 
 from elastic._protocol import WorkerPhase
-from elastic._states import RunState
+from elastic._controller.states import RunState
 from elastic.errors import TooManyFailuresError
 from test_controller import make, start
 

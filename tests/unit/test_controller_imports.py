@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CONTROLLER_PROCESS = """
 import sys
 from ray import cloudpickle
-import elastic._controller_actor
+import elastic._controller.actor
 args = cloudpickle.loads(sys.stdin.buffer.read())
 heavy = sorted(m for m in ("torch", "pyarrow", "gpt") if m in sys.modules)
 print(",".join(heavy) or "none")
@@ -65,3 +65,19 @@ def test_the_package_still_exports_what_it_imports_lazily():
     assert {"TrainContext", "ParquetTokens"} <= set(dir(elastic)) and set(elastic.__all__) <= set(dir(elastic))
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         elastic.Nope
+
+
+def test_no_module_of_the_controller_folder_imports_torch():
+    # The folder is the rule (elastic/_controller/): a module added there that pulls torch in
+    # fails here, whatever imports it.
+    folder = os.path.join(ROOT, "elastic", "_controller")
+    modules = sorted(f"elastic._controller.{name[:-3]}" for name in os.listdir(folder)
+                     if name.endswith(".py") and name != "__init__.py")
+    assert "elastic._controller.controller" in modules and len(modules) >= 10
+    code = ("import importlib, sys\n"
+            f"for m in {modules!r}: importlib.import_module(m)\n"
+            "print(','.join(sorted(m for m in ('torch', 'pyarrow') if m in sys.modules)) or 'none')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, env={**os.environ, "PYTHONPATH": ROOT},
+                         timeout=120)
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    assert out.stdout.decode().split() == ["none"]

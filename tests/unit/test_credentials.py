@@ -107,7 +107,7 @@ def test_a_worker_and_the_controller_set_the_credentials_before_storage_is_opene
     spec.load_user_code()                                   # what TrainWorker.__init__ does first
     assert {k: os.environ.get(k) for k in credentials} == credentials
 
-    import elastic._controller_actor as controller_actor
+    import elastic._controller.actor as controller_actor
     for name in credentials:
         monkeypatch.delenv(name)
     seen = {}

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from elastic._data import ElasticLoader
-from elastic._state import mix_seed, state_sha256
+from elastic._determinism import mix_seed, state_sha256
 
 pytestmark = pytest.mark.timeout(30)
 

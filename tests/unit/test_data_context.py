@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from elastic._data import ElasticLoader
-from elastic._state import DATA_ORDER_START, chain_sample_ids
+from elastic._determinism import DATA_ORDER_START, chain_sample_ids
 from elastic.context import RescaleInterrupt
 from test_data_workers import Noisy
 

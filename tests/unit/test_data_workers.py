@@ -19,7 +19,7 @@ import torch
 
 from elastic._accumulation import Accumulation
 from elastic._data import ElasticLoader
-from elastic._state import DATA_ORDER_START, chain_sample_ids, mix_seed
+from elastic._determinism import DATA_ORDER_START, chain_sample_ids, mix_seed
 from elastic.context import RescaleInterrupt
 from elastic.errors import ConfigError, ElasticError
 

@@ -9,7 +9,7 @@ import pytest
 from checkpointing import StorageError
 from checkpointing.storage import Storage
 from elastic import DatasetError, ParquetTokens, write_token_shards
-from elastic._worker import classify_error
+from elastic._worker.worker import classify_error
 
 pytestmark = pytest.mark.timeout(60)
 

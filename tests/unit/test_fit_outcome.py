@@ -12,10 +12,10 @@ import ray
 from ray.exceptions import ActorDiedError, RayTaskError
 
 from elastic import CheckpointConfig, ElasticTrainer, ScalingConfig, WorkerLostError
-from elastic._controller_actor import ControllerActor
+from elastic._controller.actor import ControllerActor
 from elastic._protocol import StepRecord
-from elastic._run_record import RunRecorder
-from elastic._states import RunState
+from elastic._controller.run_record import RunRecorder
+from elastic._controller.states import RunState
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from elastic._group_sockets import GroupSockets
+from elastic._worker.group_sockets import GroupSockets
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -21,7 +21,7 @@ COLLECTIVE_TIMEOUT_S = 300     # beyond this test's timeout: waiting it out cann
 RANK = textwrap.dedent("""
     import datetime, socket, sys, threading, time
     import torch, torch.distributed as dist
-    from elastic._group_sockets import GroupSockets
+    from elastic._worker.group_sockets import GroupSockets
     rank, port, frozen = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     server = socket.create_server(("127.0.0.1", 0))          # the user's: a local service, open before
     sockets = GroupSockets(("127.0.0.1", port))

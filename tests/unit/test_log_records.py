@@ -3,7 +3,7 @@ keys), the lowest rank's; none of a step a restore discarded (fake worker group,
 import pytest
 
 from elastic._protocol import StepRecord, WorkerPhase
-from elastic._states import RunState
+from elastic._controller.states import RunState
 from fakes import FakeRecorder
 from test_controller import interrupt, make, start
 

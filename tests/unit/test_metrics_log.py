@@ -4,7 +4,7 @@ import json
 import pytest
 
 from checkpointing.storage import Storage
-from elastic._metrics_log import MetricsLog
+from elastic._controller.metrics_log import MetricsLog
 from elastic._protocol import StepRecord
 
 pytestmark = pytest.mark.timeout(30)

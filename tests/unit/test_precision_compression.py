@@ -8,9 +8,9 @@ import torch.nn.functional as F
 
 import gpt
 from elastic import ConfigError, ScalingConfig
-from elastic import _wrap
-from elastic._precision import Precision
-from elastic._step_timer import StepTimer
+from elastic._worker import wrap as _wrap
+from elastic._worker.precision import Precision
+from elastic._worker.step_timer import StepTimer
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayTaskError
 
-import elastic._ray_group as ray_group
+import elastic._controller.worker_group as ray_group
 from elastic._protocol import WorkerReport
-from elastic._ray_group import DEAD, READY, RayWorkerGroup, _Slot
+from elastic._controller.worker_group import DEAD, READY, RayWorkerGroup, _Slot
 from elastic.config import FailureConfig, ScalingConfig
 from elastic.errors import WorkerLostError
 

@@ -4,8 +4,8 @@ import logging
 import pytest
 
 from elastic._protocol import StepRecord
-from elastic._ray_metrics import RayMetricsListener
-from elastic._run_record import RunRecorder
+from elastic._controller.ray_metrics import RayMetricsListener
+from elastic._controller.run_record import RunRecorder
 
 pytestmark = pytest.mark.timeout(30)
 

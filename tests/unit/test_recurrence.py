@@ -1,7 +1,7 @@
-"""elastic._recurrence: when a broken group is the loop's bug rather than a fault (review F8)."""
+"""elastic._controller.recurrence: when a broken group is the loop's bug rather than a fault (review F8)."""
 import pytest
 
-from elastic._recurrence import ErrorSighting, RecurringErrors
+from elastic._controller.recurrence import ErrorSighting, RecurringErrors
 
 pytestmark = pytest.mark.timeout(10)
 

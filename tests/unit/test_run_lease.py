@@ -7,7 +7,7 @@ import pytest
 
 from checkpointing import FencedError, RunConflictError
 from elastic import CheckpointConfig, ElasticTrainer, ScalingConfig
-from elastic._controller_actor import CheckpointView
+from elastic._controller.actor import CheckpointView
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -5,7 +5,7 @@ import threading
 import pytest
 
 from elastic._protocol import StepRecord
-from elastic._run_record import RunRecorder
+from elastic._controller.run_record import RunRecorder
 
 pytestmark = pytest.mark.timeout(30)
 

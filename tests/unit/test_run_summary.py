@@ -2,7 +2,7 @@
 import pytest
 
 from elastic._protocol import StepRecord
-from elastic._run_summary import RunSummary
+from elastic._controller.run_summary import RunSummary
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from elastic._status_writer import StatusWriter
+from elastic._controller.status_writer import StatusWriter
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -3,7 +3,7 @@ failures that happen while a recovery is open are listed in it (fake worker grou
 import pytest
 
 from elastic._protocol import WorkerPhase
-from elastic._states import RunState
+from elastic._controller.states import RunState
 from test_controller import interrupt, make, start
 
 pytestmark = pytest.mark.timeout(30)

@@ -3,8 +3,8 @@ import random
 
 import pytest
 
-from elastic._states import RunState
-from elastic._stragglers import StragglerDetector
+from elastic._controller.states import RunState
+from elastic._controller.stragglers import StragglerDetector
 from elastic.policies import ScalingPolicy
 from test_controller import interrupt, make, start
 

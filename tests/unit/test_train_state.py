@@ -13,10 +13,10 @@ import torch.distributed as dist
 from torch import nn
 
 from elastic import CheckpointError, RestoreRequiredError, StateError
-from elastic._controller_actor import run_status
+from elastic._controller.actor import run_status
 from elastic._protocol import GenerationPlan, RestorePlan, WorkerInfo, placement
-from elastic._train_state import STATE_KINDS
-from elastic._worker import _set_torchrun_environment
+from elastic._worker.train_state import STATE_KINDS
+from elastic._worker.worker import _set_torchrun_environment
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -260,8 +260,8 @@ def test_a_fresh_optimizers_state_has_every_key_despite_the_frameworks_step_patc
     # framework's patched step() (a no-op on a non-final micro-step; fp16's scaler, which refuses
     # a step without ctx.backward) must not see it, or a load would skip the Adam moments (or fail).
     from elastic._accumulation import Accumulation, wrap_optimizer
-    from elastic._precision import Precision
-    from elastic._train_state import Progress, TrainState
+    from elastic._worker.precision import Precision
+    from elastic._worker.train_state import Progress, TrainState
     model = nn.Linear(4, 2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     precision = Precision("fp32", "ddp", torch.device("cpu"), None)

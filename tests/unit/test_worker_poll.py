@@ -5,7 +5,7 @@ import pytest
 from ray import cloudpickle
 
 from elastic._protocol import RunSpec, WorkerPhase
-from elastic._worker import TrainWorker
+from elastic._worker.worker import TrainWorker
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -97,7 +97,7 @@ def test_the_next_generation_waits_for_the_previous_thread_that_already_reported
 
 
 def test_a_previous_thread_that_does_not_end_is_still_refused(worker, monkeypatch):
-    import elastic._worker as worker_module
+    import elastic._worker.worker as worker_module
     monkeypatch.setattr(worker_module, "PREVIOUS_THREAD_JOIN_S", 0.2)
     gate = previous_generation_reported_but_not_returned(worker)
     try:

@@ -330,7 +330,7 @@ def test_f3_meta_is_stored_as_strict_json_in_the_manifest_and_returned_by_load(u
 @pytest.mark.timeout(30)
 def test_f7_the_failure_limit_stops_the_run_and_is_classified_fatal(memory_url, monkeypatch):
     """The review's repro: a save that fails with StorageError 3 times, then would succeed."""
-    from elastic._worker import classify_error
+    from elastic._worker.worker import classify_error
 
     import checkpointing._save as save_module
     real = save_module.run_save
@@ -370,7 +370,7 @@ def test_f7_saves_broken_by_a_lost_peer_do_not_count(memory_url, monkeypatch):
     for step in range(5):
         mgr.save(step, make_state(step), generation=0)
     assert mgr.consecutive_failures == 0 and isinstance(mgr.last_error, RuntimeError)
-    # The runtime may pass its own judgement (e.g. elastic._worker.classify_error(e) == "comm").
+    # The runtime may pass its own judgement (e.g. elastic._worker.worker.classify_error(e) == "comm").
     strict = CheckpointManager(memory_url, async_save=False, max_consecutive_failures=2,
                                peer_failure=lambda error: False)
     strict.save(1, make_state(1), generation=0)

@@ -1,5 +1,5 @@
 """The controller's states: one enum, one small payload class per state. (The open recovery is
-not part of any state: elastic._ledgers.RecoveryLedger owns it across Recovering, Starting and
+not part of any state: elastic._controller.ledgers.RecoveryLedger owns it across Recovering, Starting and
 the first steps of Running.)"""
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from elastic._protocol import GenerationPlan, RunSpec, WorkerInfo, WorkerPhase, WorkerReport
 
 if TYPE_CHECKING:
-    from elastic._group_sockets import GroupSockets
+    from elastic._worker.group_sockets import GroupSockets
 
 log = logging.getLogger("elastic.worker")
 
@@ -71,7 +71,7 @@ def classify_error(error: BaseException) -> str:
     the run recovers and commits again; only a checkpoint error with no such cause is fatal.
     A hardware fault wins over the broken collective it causes (NCCL reports a failed GPU as
     its own error). A collective that breaks the same way at the same step again and again is
-    the loop's bug, not a fault: the controller sees that (elastic._recurrence), not this function.
+    the loop's bug, not a fault: the controller sees that (elastic._controller.recurrence), not this function.
     """
     from checkpointing import CheckpointError, FencedError, StorageError
     if isinstance(error, FencedError):
@@ -148,7 +148,7 @@ class TrainWorker:
 
     def __init__(self, spec: RunSpec):
         import torch
-        from elastic._worker_state import WorkerState
+        from elastic._worker.state import WorkerState
         self._spec = spec
         self._loop, self._loop_config = spec.load_user_code()
         self._lock = threading.Lock()
@@ -276,7 +276,7 @@ class TrainWorker:
     # ---- the training thread -----------------------------------------------------------
     def _run_generation(self, plan: GenerationPlan) -> None:
         import torch
-        from elastic._state import mix_seed
+        from elastic._determinism import mix_seed
         from elastic.context import RescaleInterrupt, TrainContext
         try:
             self._join_group(plan)
@@ -311,7 +311,7 @@ class TrainWorker:
 
     def _leave_group(self, abort: bool = False) -> None:
         """Destroy the current group. With `abort` (the group broke), first cut its connections
-        so that peers blocked on this rank fail now (see elastic._group_sockets)."""
+        so that peers blocked on this rank fail now (see elastic._worker.group_sockets)."""
         import torch.distributed as dist
         if not dist.is_initialized():
             return
@@ -336,7 +336,7 @@ class TrainWorker:
 
     def _join_group(self, plan: GenerationPlan) -> None:
         import torch.distributed as dist
-        from elastic._group_sockets import GroupSockets
+        from elastic._worker.group_sockets import GroupSockets
         self._leave_group()
         _set_torchrun_environment(plan)
         sockets = GroupSockets(store_address=(plan.master_addr, plan.master_port))

@@ -9,12 +9,12 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from elastic._ledgers import RecoveryLedger, StepLedger
-from elastic._log_records import LogRecordPicker
+from elastic._controller.ledgers import RecoveryLedger, StepLedger
+from elastic._controller.log_records import LogRecordPicker
 from elastic._protocol import StepRecord, WorkerPhase
-from elastic._ray_group import DEAD, WorkerView
-from elastic._states import Running
-from elastic._stragglers import StragglerDetector
+from elastic._controller.worker_group import DEAD, WorkerView
+from elastic._controller.states import Running
+from elastic._controller.stragglers import StragglerDetector
 from elastic.config import FailureConfig
 
 log = logging.getLogger("elastic.controller")

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from elastic._step_timer import StepTimer, timed_comm_hook
+from elastic._worker.step_timer import StepTimer, timed_comm_hook
 from elastic.config import ScalingConfig
 
 log = logging.getLogger("elastic.wrap")

@@ -2,7 +2,7 @@
 Prometheus endpoint next to Ray's, tagged with the run's storage URL.
 
 Controller side: `RayMetricsListener` listens to the run record (a `RunListener` of
-elastic._run_record, called on the controller's thread) and exports what it is told (world size,
+elastic._controller.run_record, called on the controller's thread) and exports what it is told (world size,
 step rate, steps, recoveries by cause, recovery seconds). Worker side: rank 0 calls
 `checkpoint_committed` when it learns of a commit (checkpoint seconds and bytes). Metric names
 start with `elastic_`; Prometheus adds Ray's `ray_` prefix.

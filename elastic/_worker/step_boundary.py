@@ -19,9 +19,9 @@ import torch.distributed as dist
 from elastic._accumulation import Accumulation, as_float, new_accumulation
 from elastic._lr import ScaleRamp, rule_lr
 from elastic._protocol import GenerationPlan, RunSpec, StepRecord
-from elastic._state import chain_sample_ids, mix_seed
-from elastic._step_timer import StepTimer
-from elastic._worker_state import WorkerState
+from elastic._determinism import chain_sample_ids, mix_seed
+from elastic._worker.step_timer import StepTimer
+from elastic._worker.state import WorkerState
 from elastic.errors import NonFiniteLossError, StateError
 
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 
 Synchronous training runs at the pace of its slowest rank, so what matters is each rank's own
 compute time per step, not its step time (every rank's step time is the slowest one's). Workers
-measure it (see elastic._step_timer) and the step records carry every rank's value.
+measure it (see elastic._worker.step_timer) and the step records carry every rank's value.
 
 A rank's score for one step is its compute time over the median of the *other* ranks' (so with
 two ranks the score of a 1.5x slower rank is 1.5, not diluted by itself). Its score over a window

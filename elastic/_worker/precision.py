@@ -8,7 +8,7 @@ just `loss.backward()`. fp16 underflows small gradients without scaling: the los
 updates the scale (`scaler.step` + `scaler.update`), so `opt.step()` stays the loop's call.
 A plain `loss.backward()` under fp16 is caught at `opt.step()` with an error saying what to change.
 
-With FSDP, FSDP2's MixedPrecisionPolicy casts parameters per module instead (see elastic._wrap),
+With FSDP, FSDP2's MixedPrecisionPolicy casts parameters per module instead (see elastic._worker.wrap),
 so `ctx.autocast()` is a no-op there. The scaler's state travels in warm restores and checkpoints.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from elastic._wrap import low_precision_dtype
+from elastic._worker.wrap import low_precision_dtype
 from elastic.errors import ConfigError
 
 

@@ -4,7 +4,7 @@ One role: a pure accumulator. It keeps the world size of each generation, the cl
 the stragglers flagged, the checkpoint fallbacks, the losses, the data consumed, the step a
 resume started from, and how long the kept attempt of each step took (the goodput), and builds
 summary.json's fields from them. It touches no storage and runs no thread: the controller's
-thread feeds it through the run record (elastic._run_record), which writes what `build` returns.
+thread feeds it through the run record (elastic._controller.run_record), which writes what `build` returns.
 """
 from __future__ import annotations
 

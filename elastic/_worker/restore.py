@@ -13,12 +13,12 @@ import torch
 from torch import nn
 
 from checkpointing import CheckpointError
-from elastic import _wrap
+from elastic._worker import wrap as _wrap
 from elastic._lr import ScaleRamp
 from elastic._protocol import GenerationPlan, RestorePlan, RunSpec
-from elastic._state import broadcast_state
-from elastic._train_state import EXTRA, TrainState
-from elastic._worker_state import WorkerState
+from elastic._worker.broadcast import broadcast_state
+from elastic._worker.train_state import EXTRA, TrainState
+from elastic._worker.state import WorkerState
 from elastic.errors import ElasticError, StateError
 
 log = logging.getLogger("elastic.context")

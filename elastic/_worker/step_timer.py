@@ -1,13 +1,13 @@
 """A rank's own compute time per step, without the time it waits for its peers.
 
-Straggler scoring (elastic._stragglers) needs what this rank costs the group, and step time
+Straggler scoring (elastic._controller.stragglers) needs what this rank costs the group, and step time
 cannot tell: in synchronous training every rank's step takes as long as the slowest rank's.
 
 With DDP the gradient all-reduce of a bucket is launched by a communication hook the moment
 the bucket's gradients are ready on this rank; the last launch is the end of this rank's
 backward. Waiting happens after that (in the reducer's final wait), so compute time is the time
 from the previous step boundary to the last launch: data, forward and backward, all local.
-Compression hooks (bf16, PowerSGD; elastic._wrap) run inside the timed hook, after its stamp:
+Compression hooks (bf16, PowerSGD; elastic._worker.wrap) run inside the timed hook, after its stamp:
 their collectives never count as compute; the compression arithmetic of the buckets launched
 before the last one does (it runs on the training thread between stamps), alike on every rank.
 Without a hook (FSDP, or a model that is not wrapped) it falls back to the time until the rank

@@ -1,13 +1,12 @@
-"""In-memory training state: broadcast from the warm source rank, and the model hash.
+"""Warm recovery's transfer: a nested state broadcast from the source rank to every other.
 
-Warm recovery sends a nested state (model + optimizer state dicts, counters) from one rank to
-all others. Pickling every tensor through broadcast_object_list would copy it several times, so
-only the skeleton (structure, shapes, dtypes) is pickled; tensor payloads travel as one flat
+Warm recovery sends a nested state (a TrainState's state dict) from one rank to all others.
+Pickling every tensor through broadcast_object_list would copy it several times, so only the
+skeleton (structure, shapes, dtypes) is pickled; tensor payloads travel as one flat
 buffer per dtype.
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,40 +90,3 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
-
-
-def state_sha256(state_dict: dict[str, torch.Tensor]) -> str:
-    """Hash of a full model state dict: identical for bitwise-identical training."""
-    digest = hashlib.sha256()
-    for key in sorted(state_dict):
-        value = state_dict[key]
-        digest.update(key.encode())
-        if isinstance(value, torch.Tensor):
-            t = value.detach().cpu().contiguous().reshape(-1)
-            digest.update(str(t.dtype).encode())
-            digest.update(t.view(torch.uint8).numpy().tobytes())
-        else:
-            digest.update(repr(value).encode())
-    return digest.hexdigest()
-
-
-def mix_seed(*parts: Any) -> int:
-    """A 63-bit seed from (seed, step, rank, ...), stable across processes and Python runs."""
-    digest = hashlib.sha256(repr(parts).encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-DATA_ORDER_START = "0" * 64
-
-
-def chain_sample_ids(digest: str, ids) -> str:
-    """Extend the data-order hash by `ids`, one sample at a time.
-
-    Per sample, not per step, so the hash depends only on the ordered list of consumed samples:
-    the same samples in the same order give the same hash at any world size (the global batch,
-    hence the grouping into steps, changes with it).
-    """
-    h = bytes.fromhex(digest)
-    for sample in ids:
-        h = hashlib.sha256(h + int(sample).to_bytes(8, "little", signed=True)).digest()
-    return h.hex()

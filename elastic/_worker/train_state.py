@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 from elastic._lr import ScaleRamp
-from elastic._state import DATA_ORDER_START
+from elastic._determinism import DATA_ORDER_START
 from elastic.errors import StateError
 
 if TYPE_CHECKING:

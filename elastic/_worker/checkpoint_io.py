@@ -1,6 +1,6 @@
 """The full (unsharded) model state of a rank's model, for the run's model hash. (What a
-checkpoint holds is elastic._train_state.TrainState's state dict; the worker's checkpoint
-manager lives in elastic._checkpoint_session.)"""
+checkpoint holds is elastic._worker.train_state.TrainState's state dict; the worker's checkpoint
+manager lives in elastic._worker.checkpoint_session.)"""
 from __future__ import annotations
 
 import torch

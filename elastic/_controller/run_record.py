@@ -2,11 +2,11 @@
 
 Owned by the controller, which tells `RunRecorder` the run's events. The recorder composes three
 parts, one role each, and hands each event to the parts it concerns, then to the driver's feed
-(elastic._feed) and to the run's listeners (`RunListener`, e.g. the Ray metrics):
-- `MetricsLog` (elastic._metrics_log): metrics.jsonl and the run's metrics (Result.metrics);
-- `StatusWriter` (elastic._status_writer): status.json, throttled, and when the lines are flushed,
+(elastic._controller.feed) and to the run's listeners (`RunListener`, e.g. the Ray metrics):
+- `MetricsLog` (elastic._controller.metrics_log): metrics.jsonl and the run's metrics (Result.metrics);
+- `StatusWriter` (elastic._controller.status_writer): status.json, throttled, and when the lines are flushed,
   on a thread of its own with `background=True`;
-- `RunSummary` (elastic._run_summary): the pure accumulator behind summary.json.
+- `RunSummary` (elastic._controller.run_summary): the pure accumulator behind summary.json.
 
 status.json and summary.json are rewritten whole and atomically (one PUT on S3), so a reader
 never sees a torn file. Every file here is strict JSON: a non-finite value is written `null`.
@@ -22,11 +22,11 @@ import threading
 from typing import Any, Callable, Iterable, Protocol
 
 from checkpointing.storage import Storage
-from elastic._feed import FeedKind, RunFeed
-from elastic._metrics_log import MetricsLog, dumps, strict
+from elastic._controller.feed import FeedKind, RunFeed
+from elastic._controller.metrics_log import MetricsLog, dumps, strict
 from elastic._protocol import StepRecord
-from elastic._run_summary import RunSummary
-from elastic._status_writer import StatusWriter
+from elastic._controller.run_summary import RunSummary
+from elastic._controller.status_writer import StatusWriter
 
 log = logging.getLogger("elastic.record")
 

@@ -8,7 +8,7 @@ the file reaches, a torn line left by a crash). On resume `load_previous` reads 
 lines back, so that the run's metrics cover the steps before the resume too.
 
 Threads: the controller's thread appends and rolls back; `flush` runs on the status writer's
-thread (elastic._status_writer) or, inline, on the controller's. `flush` writes a snapshot taken
+thread (elastic._controller.status_writer) or, inline, on the controller's. `flush` writes a snapshot taken
 under the lock, so a rollback made while it writes is honoured by the next flush.
 
 metrics.jsonl has two kinds of lines. A step's line: the framework's keys (STEP_KEYS) and, after

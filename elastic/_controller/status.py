@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from elastic._ray_group import READY, WorkerView
+from elastic._controller.worker_group import READY, WorkerView
 
 log = logging.getLogger("elastic.controller")
 

@@ -10,14 +10,14 @@ import logging
 import time
 from typing import Any, Callable, Protocol
 
-from elastic._ledgers import RecoveryLedger, Rung, StepLedger
+from elastic._controller.ledgers import RecoveryLedger, Rung, StepLedger
 from elastic._protocol import GenerationPlan, RestoreKind, RestorePlan, WorkerPhase, WorkerReport, placement
-from elastic._ray_group import DEAD, READY, SLOW_TICK_S, STARTING, WorkerView
-from elastic._report_intake import ReportIntake
-from elastic._run_status import StatusReport
-from elastic._stragglers import StragglerDetector
-from elastic._recurrence import ErrorSighting, RecurringErrors
-from elastic._states import AnyState, Failed, Finished, Recovering, Running, RunState, Scheduling, Starting
+from elastic._controller.worker_group import DEAD, READY, SLOW_TICK_S, STARTING, WorkerView
+from elastic._controller.intake import ReportIntake
+from elastic._controller.status import StatusReport
+from elastic._controller.stragglers import StragglerDetector
+from elastic._controller.recurrence import ErrorSighting, RecurringErrors
+from elastic._controller.states import AnyState, Failed, Finished, Recovering, Running, RunState, Scheduling, Starting
 from elastic.config import FailureConfig, ScalingConfig
 from elastic.errors import InsufficientWorkersError, TooManyFailuresError, WorkerLostError
 from elastic.policies import CAUSE_OF_ERROR_KIND, Cause, Failure, FailurePolicy, ScalingPolicy
@@ -281,7 +281,7 @@ class Controller:
 
     def _on_broken_group(self, st: Running, ranks: list[int]) -> None:
         """The group broke and no peer was lost: a fault, recovered; or, when the same error broke
-        it at the same step the time before too, the loop's own bug (elastic._recurrence): the run
+        it at the same step the time before too, the loop's own bug (elastic._controller.recurrence): the run
         fails with that error as the user's."""
         reports = {rank: self.views[st.members[rank]].report for rank in ranks}
         recurring = self._recurring.observe([ErrorSighting(rank, r.step, r.error_type, r.error_message)

@@ -1,9 +1,9 @@
 """What a worker keeps across generations, in named parts.
 
 A generation's `TrainContext` is discarded at every rescale; what outlives it is here:
-- `Progress` (elastic._train_state): the framework's counters, identical on every rank;
+- `Progress` (elastic._worker.train_state): the framework's counters, identical on every rank;
 - `WarmSource`: the last generation's state, offered to the next one (warm recovery);
-- `CheckpointSession` (elastic._checkpoint_session): the checkpoint manager and what this rank
+- `CheckpointSession` (elastic._worker.checkpoint_session): the checkpoint manager and what this rank
   knows of its saves and loads;
 - `Outbox`: step records waiting for the controller's poll, and the event that wakes a held poll.
 """
@@ -13,12 +13,12 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from elastic._checkpoint_session import CheckpointSession
+from elastic._worker.checkpoint_session import CheckpointSession
 from elastic._protocol import StepRecord
-from elastic._train_state import Progress
+from elastic._worker.train_state import Progress
 
 if TYPE_CHECKING:
-    from elastic._train_state import TrainState
+    from elastic._worker.train_state import TrainState
 
 RECORDS_KEPT = 10_000   # step records a rank holds until polled (bounded if the controller stalls)
 

@@ -18,7 +18,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from elastic._protocol import GenerationPlan, RunSpec, WorkerInfo, WorkerReport
-from elastic._worker import TrainWorker
+from elastic._worker.worker import TrainWorker
 from elastic.config import FailureConfig, ScalingConfig
 from elastic.errors import WorkerLostError
 from elastic.policies import Cause

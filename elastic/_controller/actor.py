@@ -5,12 +5,12 @@ import logging
 import time
 from typing import Any
 
-from elastic._controller import Controller
-from elastic._feed import Event, RunFeed
-from elastic._ray_group import RayWorkerGroup
-from elastic._ray_metrics import RayMetricsListener
-from elastic._run_record import RunRecorder
-from elastic._states import RunState
+from elastic._controller.controller import Controller
+from elastic._controller.feed import Event, RunFeed
+from elastic._controller.worker_group import RayWorkerGroup
+from elastic._controller.ray_metrics import RayMetricsListener
+from elastic._controller.run_record import RunRecorder
+from elastic._controller.states import RunState
 from elastic.config import CheckpointConfig, FailureConfig, ScalingConfig
 from elastic._protocol import RunSpec
 from elastic.errors import UserCodeError
@@ -114,7 +114,7 @@ class ControllerActor:
                 "traceback": error.get("traceback") if error else None}
 
     def events(self, after: int) -> list[Event]:
-        """The driver's callbacks' events after number `after` (see elastic._feed)."""
+        """The driver's callbacks' events after number `after` (see elastic._controller.feed)."""
         return self._feed.after(after) if self._feed is not None else []
 
     def snapshot(self) -> dict[str, Any]:

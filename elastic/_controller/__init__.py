@@ -1,0 +1,17 @@
+"""The controller side of a run: the process that watches the workers and alone acts.
+
+Nothing here imports torch or the user's code (tests/unit/test_controller_imports.py checks the
+whole folder): the controller's actor starts before any worker, on the critical path of every
+start. What to read first to understand a recovery, in order:
+
+- `controller.py`  the state machine: each tick's handler decides, the policies advise;
+- `states.py`      its states, one payload class each;
+- `ledgers.py`     the kept steps, and the recovery that is open until the re-formed group steps;
+- `intake.py`      what the workers' reports add to the ledgers and the run record;
+- `worker_group.py` the Ray actors, their placement groups, polls, kills;
+- `actor.py`       the Ray actor that hosts all of it and writes the summary;
+- `run_record.py`  (with `metrics_log.py`, `status_writer.py`, `run_summary.py`) the run's files.
+"""
+from elastic._controller.controller import Controller
+
+__all__ = ["Controller"]

@@ -1,0 +1,17 @@
+"""The worker side of a run: the Ray actor hosting one rank, and what survives a rescale there.
+
+- `worker.py`          the actor: its training thread, its group, its answers to polls;
+- `state.py`           what outlives a generation (progress, warm source, checkpoints, outbox);
+- `train_state.py`     the one state contract, saved and loaded by warm broadcasts and checkpoints;
+- `restore.py`         the recovery ladder's rungs, carried out on a rank;
+- `step_boundary.py`   what happens between two steps (the loader opens, report closes);
+- `checkpoint_session.py`  the rules around commits;
+- `broadcast.py`, `group_sockets.py`, `precision.py`, `wrap.py`, `step_timer.py`,
+  `checkpoint_io.py`: the mechanisms those use.
+
+The user's face over this is `elastic.context.TrainContext`. Only `worker.py` is imported by the
+controller's process (to launch the actor class), and it imports torch inside its methods.
+"""
+from elastic._worker.worker import TrainWorker, classify_error
+
+__all__ = ["TrainWorker", "classify_error"]
