@@ -94,9 +94,9 @@ def _write_plot(url: str, summary: dict | None, target: str, options: dict | Non
     """Render metrics.jsonl (+ recoveries) to `target`, or to <url>/report.png through Storage."""
     from elastic import _report_plot
     storage = Storage(url, options)
-    try:
-        text = storage.read_bytes(storage.path("metrics.jsonl")).decode()
-    except FileNotFoundError:
+    from checkpointing.appendlog import read_log
+    text = read_log(storage, storage.path("metrics.jsonl")).decode()   # the live segments too (S3)
+    if not text:
         print(f"no metrics.jsonl under {url}: nothing to plot", file=sys.stderr)
         return 2
     try:
