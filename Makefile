@@ -4,7 +4,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 PYTHON3 ?= python3
 
-.PHONY: install run test test-unit test-gpu bench bench-full clean
+.PHONY: install run lint test test-unit test-gpu bench bench-full clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON3) -m venv $(VENV)
@@ -19,11 +19,18 @@ RUN_ARGS ?= --storage runs/pretrain --workers 2:3 --steps 200 --checkpoint-every
 run: install
 	$(PY) examples/pretrain.py $(RUN_ARGS)
 
-# Two passes over the whole suite. Most tests run two at a time (pytest-xdist): one test's
-# waiting (process starts, Ray start-up, polls) overlaps another's work. Tests marked
+# ruff (style, imports, bugbear, blind excepts) over the code and the tests; mypy over the
+# packages and the unit tests' fakes, which tests/unit/protocol_checks.py holds to the
+# controller's Protocols (both tools configured in pyproject.toml).
+lint: install
+	$(PY) -m ruff check elastic checkpointing chaos tests examples benchmarks
+	$(PY) -m mypy
+
+# Lint first, then two passes over the whole suite. Most tests run two at a time (pytest-xdist):
+# one test's waiting (process starts, Ray start-up, polls) overlaps another's work. Tests marked
 # `exclusive` measure time or need the whole machine (straggler scores, detection bounds,
 # clusters) and run alone afterwards. The target fails if either pass fails.
-test: install
+test: install lint
 	$(PY) -m pytest -n 2 -m "not exclusive"; parallel=$$?; \
 	$(PY) -m pytest -m exclusive; alone=$$?; \
 	test $$parallel -eq 0 && test $$alone -eq 0
@@ -59,4 +66,4 @@ bench-full: install
 	$(PEERS) checkpoint --mb 256 --reps 3 --plot $(BENCH_OUT)/c1_dcp.png --out $(BENCH_OUT)/c1_dcp.json
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache .mypy_cache

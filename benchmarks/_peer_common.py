@@ -12,7 +12,9 @@ import platform
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from itertools import pairwise
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for _p in (os.path.join(ROOT, "examples"), os.path.join(ROOT, "benchmarks"), ROOT):
@@ -84,7 +86,7 @@ def steady_rate(times: list[float], skip: int) -> float:
 
 
 def median_interval(times: list[float]) -> float | None:
-    gaps = [b - a for a, b in zip(times, times[1:])]
+    gaps = [b - a for a, b in pairwise(times)]
     return round(statistics.median(gaps), 4) if gaps else None
 
 
@@ -149,7 +151,7 @@ class CpuSampler:
             self.samples.append((time.time(), totals))
             self._stop.wait(self._interval)
 
-    def __enter__(self) -> "CpuSampler":
+    def __enter__(self) -> CpuSampler:
         self._thread.start()
         return self
 

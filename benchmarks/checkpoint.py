@@ -28,8 +28,8 @@ import uuid
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from checkpointing import CheckpointManager  # noqa: E402
-from checkpointing.storage import Storage  # noqa: E402
+from checkpointing import CheckpointManager
+from checkpointing.storage import Storage
 
 
 @contextlib.contextmanager
@@ -46,9 +46,9 @@ def moto_server():
             try:
                 urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).close()
                 break
-            except OSError:
+            except OSError as error:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("moto server did not start")
+                    raise RuntimeError("moto server did not start") from error
                 time.sleep(0.1)
         yield endpoint
     finally:

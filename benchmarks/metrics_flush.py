@@ -16,8 +16,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from elastic._protocol import StepRecord  # noqa: E402
-from elastic._controller.run_record import RunRecorder  # noqa: E402
+from elastic._controller.run_record import RunRecorder
+from elastic._protocol import StepRecord
 
 
 def main() -> None:

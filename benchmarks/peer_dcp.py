@@ -29,15 +29,15 @@ import time
 import uuid
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _peer_common as pc  # noqa: E402
-import checkpoint as ours_bench  # noqa: E402  (benchmarks/checkpoint.py: moto server, state, C1)
-import torch  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
-from torch.distributed.checkpoint import FileSystemWriter  # noqa: E402
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # noqa: E402
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-from checkpointing import CheckpointManager  # noqa: E402
-from checkpointing.storage import Storage  # noqa: E402
+import _peer_common as pc
+import checkpoint as ours_bench  # benchmarks/checkpoint.py: moto server, state, C1
+from checkpointing import CheckpointManager
+from checkpointing.storage import Storage
 
 
 def dcp_writer(url: str, endpoint: str | None):

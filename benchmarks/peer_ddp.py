@@ -28,9 +28,10 @@ import sys
 import tempfile
 import threading
 import time
+from itertools import pairwise
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _peer_common as pc  # noqa: E402
+import _peer_common as pc
 
 
 class PlainWorker:
@@ -204,7 +205,7 @@ def plot(fig, result: dict) -> None:
     ax = fig.add_subplot(1, 1, 1)
     for name in ("elastic", "plain_ddp"):
         for i, times in enumerate(result.pop(f"_{name}_times")):
-            gaps = [b - a for a, b in zip(times, times[1:])]
+            gaps = [b - a for a, b in pairwise(times)]
             ax.plot(range(2, len(gaps) + 2), gaps, lw=0.8, color="C0" if name == "elastic" else "C1",
                     label=f"{name} ({result[name]['steps_per_s_median']:.2f} steps/s median)" if i == 0 else None)
     ax.axvline(result["warmup"], color="grey", ls=":", lw=1, label="end of warm-up")
@@ -270,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     # Step times pooled over reps: on a shared machine they are bimodal (quiet / contended); the
     # low quantiles estimate the uncontended step, the one a dedicated machine would see.
     for name, reps in runs.items():
-        gaps = sorted(b - a for t in reps for a, b in zip(t[args.warmup:], t[args.warmup + 1:]))
+        gaps = sorted(b - a for t in reps for a, b in pairwise(t[args.warmup:]))
         result[name]["step_s_quantiles"] = {f"p{q}": round(gaps[int(q / 100 * (len(gaps) - 1))], 4)
                                             for q in (10, 25, 50)}
     result["ratio"] = round(result["elastic"]["steps_per_s_median"] / result["plain_ddp"]["steps_per_s_median"], 3)
@@ -279,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     result["ratio_uncontended_p25"] = round(result["plain_ddp"]["step_s_quantiles"]["p25"]
                                             / result["elastic"]["step_s_quantiles"]["p25"], 3)
     result["ratio_per_rep"] = [round(a / b, 3) for a, b in zip(result["elastic"]["steps_per_s"],
-                                                               result["plain_ddp"]["steps_per_s"])]
+                                                               result["plain_ddp"]["steps_per_s"], strict=True)]
     result["target"] = ">= 0.97"
     # Cost per step in CPU seconds (all of a system's processes): steadier than steps/s under load.
     for key in ("workers", "total"):

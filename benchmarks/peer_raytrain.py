@@ -28,7 +28,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _peer_common as pc  # noqa: E402
+import _peer_common as pc
 
 HEALTH_ENV = "RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S"
 

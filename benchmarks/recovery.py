@@ -22,8 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 import gpt  # noqa: E402
-from elastic import CheckpointConfig, ElasticTrainer, FailureConfig, ScalingConfig  # noqa: E402
 from _peer_common import read_json  # noqa: E402
+from elastic import CheckpointConfig, ElasticTrainer, FailureConfig, ScalingConfig  # noqa: E402
 
 
 def inject(run_dir: str, at_step: int, sig: int, rank: int, out: dict) -> None:
@@ -67,7 +67,7 @@ def trial(args: argparse.Namespace, run_dir: str) -> dict:
     metrics = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     next_step = next(m for m in metrics if m["step"] == recovery["step"] + 1)
     before = [m for m in metrics if m["time"] < fault["signal_time"]]
-    step_s = statistics.median(b["time"] - a["time"] for a, b in zip(before[-21:-1], before[-20:]))
+    step_s = statistics.median(b["time"] - a["time"] for a, b in zip(before[-21:-1], before[-20:], strict=False))
     return {"recovery_s": round(next_step["time"] - fault["signal_time"], 3),
             "lost_steps": recovery["lost_steps"], "detect_s": recovery["detect_s"], "rung": recovery["rung"],
             "cause": recovery["cause"], "from_world": recovery["from_world"], "to_world": recovery["to_world"],

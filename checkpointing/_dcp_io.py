@@ -67,11 +67,11 @@ class _StorageFS(FileSystemBase):
             discard = getattr(raw, "discard", None)
             try:
                 discard() if discard else raw.close()
-            except Exception:
+            except Exception:  # noqa: BLE001 - best-effort cleanup: the save raises the original error
                 pass
             try:
                 self.storage.rm(path, recursive=False)
-            except Exception:
+            except Exception:  # noqa: BLE001 - best-effort cleanup: the save raises the original error
                 pass
             raise
         with self._lock:
@@ -124,12 +124,15 @@ class StorageWriter(FileSystemWriter):
         # sync_files=False: DCP's fallback is a global os.sync(); _StorageFS fsyncs local files.
         super().__init__(path, single_file_per_rank=True, sync_files=False,
                          thread_count=thread_count, overwrite=True)
-        self.fs = _StorageFS(storage, path, cancel=cancel)
+        self._storage_fs = _StorageFS(storage, path, cancel=cancel)
+        # DCP takes any FileSystemBase here (torch's FsspecWriter does the same); the base class
+        # annotates `fs` with its local FileSystem.
+        self.fs = self._storage_fs  # type: ignore[assignment]
         self.path = path
 
     @property
     def written(self) -> dict[str, dict]:
-        return dict(self.fs.written)
+        return dict(self._storage_fs.written)
 
 
 class StorageReader(FileSystemReader):
@@ -137,5 +140,5 @@ class StorageReader(FileSystemReader):
 
     def __init__(self, storage: Storage, path: str, *, allowed: set[str] | None = None) -> None:
         super().__init__(path)
-        self.fs = _StorageFS(storage, path, allowed=allowed)
+        self.fs = _StorageFS(storage, path, allowed=allowed)  # type: ignore[assignment]  # as in StorageWriter
         self.path = path

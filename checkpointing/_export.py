@@ -20,13 +20,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import re
 import logging
 import os
 import pickle
+import re
 import time
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from checkpointing import manifest as mf
 from checkpointing.errors import CheckpointError, CorruptCheckpointError, StorageError
@@ -127,7 +128,7 @@ def _read_metadata(storage: Storage, info: mf.CommitInfo) -> tuple[Any, list[dic
     import torch.distributed.checkpoint  # noqa: F401 - the classes the pickle refers to
     try:
         return pickle.loads(raw), []
-    except Exception as e:  # noqa: BLE001 - a manifest-matching file that does not unpickle
+    except Exception as e:  # a manifest-matching file that does not unpickle
         raise CheckpointError(f"cannot read {info.path}/{name}: {type(e).__name__}: {e} (written by "
                               f"an incompatible torch version?)", url=storage.url) from e
 
@@ -383,7 +384,7 @@ def export(url: str, out: str | os.PathLike, *, step: int | None = None,
         try:
             # The promise of the file: plain torch reads it. mmap reads the header, not the data.
             torch.load(tmp, weights_only=True, mmap=True)
-        except Exception as e:  # noqa: BLE001 - torch raises UnpicklingError or RuntimeError
+        except Exception as e:  # torch raises UnpicklingError or RuntimeError
             raise CheckpointError(
                 f"the module state of step {sel.info.step} holds values plain "
                 f"torch.load(weights_only=True) refuses ({type(e).__name__}: {str(e).splitlines()[0]}); "

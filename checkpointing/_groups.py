@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # torch.distributed is imported in the methods: a manager that only lists or fences
 # checkpoints (the controller) creates a SideGroup but never uses it.
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +51,8 @@ class SideGroup:
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        self._pg = None
-        self._for_default = None
+        self._pg: ProcessGroup | None = None
+        self._for_default: ProcessGroup | None = None      # the default group self._pg was made over
 
     def view(self) -> GroupView:
         import torch.distributed as dist

@@ -95,6 +95,7 @@ def _reason(bad: list[dict]) -> str:
 def _verify_shared(storage: Storage, info: mf.CommitInfo, group: GroupView) -> list[dict]:
     names = sorted(info.files)
     mine = {n: info.files[n] for i, n in enumerate(names) if i % group.world_size == group.rank}
+    local: tuple[str, list[dict] | CheckpointError]    # ("ok", bad files) or ("error", why)
     try:
         local = ("ok", mf.verify_files(storage, info.step, mine))
     except CheckpointError as e:

@@ -168,13 +168,13 @@ def run_save(job: SaveJob) -> mf.CommitInfo:
         try:
             committed = _commit(job, records)
             outcome = ("ok", dataclasses.asdict(committed))
-        except Exception as e:  # broadcast it: the other ranks wait for the verdict
+        except Exception as e:  # noqa: BLE001 - broadcast it: the other ranks wait for the verdict
             outcome = ("error", _as_checkpoint_error(storage, job, e))
         else:
             if job.after_commit is not None:
                 try:
                     job.after_commit(committed)
-                except Exception as e:  # housekeeping: never fail a committed save
+                except Exception as e:  # noqa: BLE001 - housekeeping: never fail a committed save
                     log.warning("after commit of step %d under %s: %s", job.step, storage.url, e)
     outcome = group.broadcast(outcome)
     if outcome[0] == "error":

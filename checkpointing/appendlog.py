@@ -145,10 +145,11 @@ class AppendLog:
                 widest[seg.a] = seg
             else:
                 garbage.append(name)
-        chain, cur = [], through
+        chain: list[_Segment] = []
+        cur = through
         while widest:
-            seg = widest.pop(cur + 1, None)
-            if seg is None:
+            following = widest.pop(cur + 1) if cur + 1 in widest else None
+            if following is None:
                 later = [s for s in widest.values() if s.a > cur]
                 for s in [s for s in widest.values() if s.a <= cur]:  # inside a chosen one
                     garbage.append(s.name)
@@ -159,8 +160,8 @@ class AppendLog:
                 log.warning("%s: segments %d..%d are missing", self.path, cur + 1, nxt.a - 1)
                 cur = nxt.a - 1
                 continue
-            chain.append(seg)
-            cur = seg.b
+            chain.append(following)
+            cur = following.b
         return _View(base=base, through=through, chain=chain, garbage=garbage, max_seq=max_seq)
 
     # ---- writing -----------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import argparse
 import datetime
 import json
 import sys
+from typing import Any
 
 from checkpointing import manifest as mf
 from checkpointing import retention
@@ -62,7 +63,7 @@ def _when(ts: float) -> str:
 
 def cmd_list(storage: Storage, args) -> int:
     committed = {c.step: c for c in mf.list_committed(storage)}
-    rows = []
+    rows: list[dict[str, Any]] = []
     for step in mf.list_steps(storage):
         c = committed.get(step)
         rows.append({"step": step, "committed": c is not None,

@@ -20,7 +20,7 @@ class CheckpointError(Exception):
         return (_rebuild, (type(self), self.args[0] if self.args else "", self.url))
 
 
-def _rebuild(cls: type, message: str, url: str | None) -> "CheckpointError":
+def _rebuild(cls: type, message: str, url: str | None) -> CheckpointError:
     return cls(message, url=url)
 
 
@@ -50,7 +50,7 @@ class RunConflictError(FencedError):
         return (_rebuild_conflict, (type(self), self.args[0] if self.args else "", self.url, self.owner))
 
 
-def _rebuild_conflict(cls: type, message: str, url: str | None, owner: str | None) -> "RunConflictError":
+def _rebuild_conflict(cls: type, message: str, url: str | None, owner: str | None) -> RunConflictError:
     return cls(message, url=url, owner=owner)
 
 
@@ -70,7 +70,7 @@ class SaveFailureLimitError(CheckpointError):
         return (_rebuild_limit, (type(self), self.args[0] if self.args else "", self.url, self.last_cause))
 
 
-def _rebuild_limit(cls: type, message: str, url: str | None, last_cause: str | None) -> "SaveFailureLimitError":
+def _rebuild_limit(cls: type, message: str, url: str | None, last_cause: str | None) -> SaveFailureLimitError:
     return cls(message, url=url, last_cause=last_cause)
 
 

@@ -85,16 +85,15 @@ def _liveness(storage: Storage, fence: mf.Fence | None, run_id: str, stale_after
         # A status.json without a run id is the lease holder's (runtimes that predate run ids).
         writer = status.get("run_id") or owner
         updated = status.get("updated_at")
-        fresh = (isinstance(updated, (int, float)) and not isinstance(updated, bool)
-                 and now - updated <= stale_after_s)
-        if writer != run_id and fresh and status.get("state") not in FINAL_STATES:
+        age = now - updated if isinstance(updated, (int, float)) and not isinstance(updated, bool) else None
+        if writer != run_id and age is not None and age <= stale_after_s and status.get("state") not in FINAL_STATES:
             pids = [w.get("pid") for w in status.get("workers") or [] if isinstance(w, dict)]
             return (f"run {writer or '(no run id)'} (status.json: state {status.get('state')!r}, "
                     f"generation {status.get('generation')}, step {status.get('step')}, updated "
-                    f"{max(0.0, now - updated):.1f}s ago" + (f", worker pids {pids}" if pids else "") + ")")
+                    f"{max(0.0, age):.1f}s ago" + (f", worker pids {pids}" if pids else "") + ")")
         if writer == owner and status.get("state") in FINAL_STATES:
             return None  # the holder wrote its final state: it has ended
-    if owner is not None and owner != run_id and fence.lease_at is not None \
+    if fence is not None and owner is not None and owner != run_id and fence.lease_at is not None \
             and now - fence.lease_at <= stale_after_s:
         return f"run {owner} (took the lease {max(0.0, now - fence.lease_at):.1f}s ago)"
     return None
@@ -115,7 +114,7 @@ def acquire_run_lease(url: str, run_id: str, *, storage_options: dict | None = N
     storage = Storage(url, storage_options)
     previous: dict[str, Any] = {}
 
-    def change(cur: mf.Fence | None) -> mf.Fence | None:
+    def change(cur: mf.Fence | None) -> mf.Fence:
         now = clock()
         live = _liveness(storage, cur, run_id, stale_after_s, now)
         if live is not None and not takeover:

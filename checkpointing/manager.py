@@ -17,8 +17,9 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from checkpointing import manifest as mf
 from checkpointing import retention
@@ -226,7 +227,8 @@ class CheckpointManager:
             log.warning("abandoning in-flight save of step %d under %s", self._inflight[1], self.url)
             if self._cancel is not None:
                 self._cancel.set()  # the upload stops at its next write and never commits
-            self._abandoned.append(self._thread)
+            if self._thread is not None:
+                self._abandoned.append(self._thread)
         self._inflight = None
         self._cancel = None
         # Dropped, not reused: the abandoned thread may still be reading them. It releases its
@@ -234,7 +236,7 @@ class CheckpointManager:
         self._staged = None
         self._group.forget()
 
-    def __enter__(self) -> "CheckpointManager":
+    def __enter__(self) -> CheckpointManager:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -314,7 +316,7 @@ def _peer_failure(error: BaseException) -> bool:
     except ImportError:  # pragma: no cover
         dist_error = None
     seen: set[int] = set()
-    todo = [error]
+    todo: list[BaseException | None] = [error]
     while todo:
         e = todo.pop()
         if e is None or id(e) in seen:

@@ -32,8 +32,8 @@ import json
 import re
 import threading
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, overload
 
 from checkpointing.errors import CorruptCheckpointError, FencedError, RunConflictError, SaveCancelledError, StorageError
 from checkpointing.storage import PreconditionFailed, Storage
@@ -240,7 +240,7 @@ def list_steps(storage: Storage) -> list[int]:
 
 
 def iter_committed(storage: Storage, *, log=None, after: int | None = None,
-                   fence: "Fence | None | bool" = True) -> Iterator[CommitInfo]:
+                   fence: Fence | None | bool = True) -> Iterator[CommitInfo]:
     """Committed checkpoints, NEWEST FIRST, reading one manifest per step only as far as the
     caller iterates (`next(...)` reads the newest only). Stops below `after` (exclusive).
 
@@ -302,7 +302,7 @@ class Fence:
     run_id: str | None = None    # the run holding the storage (see checkpointing.lease)
     lease_at: float | None = None
     released: bool = False       # the holder ended cleanly and let go
-    history: tuple = ()          # FenceEntry, oldest first
+    history: tuple[FenceEntry, ...] = ()          # oldest first
     token: str | None = dataclasses.field(default=None, compare=False)
 
     def rejects(self, info: CommitInfo) -> str | None:
@@ -361,9 +361,16 @@ def read_fence(storage: Storage) -> int | None:
     return doc.generation if doc is not None else None
 
 
-def update_fence(storage: Storage, change) -> Fence:
+@overload
+def update_fence(storage: Storage, change: Callable[[Fence | None], Fence]) -> Fence: ...
+@overload
+def update_fence(storage: Storage, change: Callable[[Fence | None], Fence | None]) -> Fence | None: ...
+
+
+def update_fence(storage: Storage, change: Callable[[Fence | None], Fence | None]) -> Fence | None:
     """Compare-and-swap FENCE: `change(current Fence | None) -> Fence | None` (None: no write;
-    it may raise to refuse). Re-reads and re-applies `change` when another writer got there first."""
+    it may raise to refuse). Re-reads and re-applies `change` when another writer got there first.
+    Returns the FENCE written, or the current one when `change` wrote none (None: no FENCE)."""
     path = fence_path(storage)
     for _ in range(CAS_ATTEMPTS):
         current = read_fence_doc(storage)
@@ -428,6 +435,7 @@ def advance_fence(storage: Storage, generation: int, *, start_step: int | None =
                      history=history[-FENCE_HISTORY_MAX:])
 
     result = update_fence(storage, change)
+    assert result is not None, "change() writes whenever there is no FENCE yet"
     return result
 
 

@@ -22,6 +22,7 @@ manifests.
 from __future__ import annotations
 
 import logging
+from collections.abc import Set
 
 from checkpointing import manifest as mf
 from checkpointing.errors import CorruptCheckpointError
@@ -30,7 +31,7 @@ from checkpointing.storage import Storage
 log = logging.getLogger("checkpointing")
 
 
-def collect(storage: Storage, *, keep: int | None, protect: set[int] = frozenset(),
+def collect(storage: Storage, *, keep: int | None, protect: Set[int] = frozenset(),
             protect_newer_uncommitted: bool = False, dry_run: bool = False,
             verify: bool = False, writer_generation: int | None = None) -> dict:
     """Delete garbage under `<url>/checkpoints/`.
@@ -50,10 +51,10 @@ def collect(storage: Storage, *, keep: int | None, protect: set[int] = frozenset
     fence = mf.read_fence_doc(storage)
     current = fence.generation if fence is not None else None
     if writer_generation is not None and current is not None and current > writer_generation:
-        reason = (f"FENCE is at generation {current}, past this writer's {writer_generation}: "
-                  f"a newer generation owns the storage")
-        log.info("gc under %s skipped: %s", storage.url, reason)
-        return {"deleted": [], "kept": [], "skipped": reason}
+        skipped = (f"FENCE is at generation {current}, past this writer's {writer_generation}: "
+                   f"a newer generation owns the storage")
+        log.info("gc under %s skipped: %s", storage.url, skipped)
+        return {"deleted": [], "kept": [], "skipped": skipped}
     gc = _Pass(storage, spare_above=writer_generation if writer_generation is not None else current,
                dry_run=dry_run)
     kept: list[int] = []

@@ -18,7 +18,7 @@ import torch
 try:  # DTensor is in torch.distributed.tensor since 2.4
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - torch builds without distributed
-    DTensor = None  # type: ignore[assignment,misc]
+    DTensor = None  # type: ignore[assignment,misc]  # the class or None: _is_dtensor checks first
 
 
 def _is_dtensor(x: Any) -> bool:

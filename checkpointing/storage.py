@@ -26,6 +26,7 @@ import logging
 import os
 import threading
 import uuid
+from collections.abc import Iterator
 from typing import IO
 
 from fsspec.core import split_protocol, url_to_fs
@@ -48,18 +49,25 @@ class PreconditionFailed(Exception):
     """
 
 
+def _chain(e: BaseException) -> Iterator[BaseException]:
+    """The error, then its cause (or context), and so on, each once."""
+    seen: set[int] = set()
+    link: BaseException | None = e
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        yield link
+        link = link.__cause__ or link.__context__
+
+
 def _refuses_header(e: BaseException) -> bool:
     """An S3-compatible store that rejects a conditional header outright (501, 400)."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        response = getattr(e, "response", None)
+    for link in _chain(e):
+        response = getattr(link, "response", None)
         if isinstance(response, dict):
             code = str((response.get("Error") or {}).get("Code", ""))
             status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
             if code in ("NotImplemented", "InvalidArgument", "InvalidRequest") or status in (400, 501):
                 return True
-        e = e.__cause__ or e.__context__
     return False
 
 
@@ -70,16 +78,13 @@ def content_token(data: bytes) -> str:
 
 def _is_precondition_failure(e: BaseException) -> bool:
     """An S3 412 PreconditionFailed / 409 ConditionalRequestConflict, through s3fs's translation."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        response = getattr(e, "response", None)
+    for link in _chain(e):
+        response = getattr(link, "response", None)
         if isinstance(response, dict):
             code = str((response.get("Error") or {}).get("Code", ""))
             status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
             if code in ("PreconditionFailed", "ConditionalRequestConflict", "412") or status in (409, 412):
                 return True
-        e = e.__cause__ or e.__context__
     return False
 
 

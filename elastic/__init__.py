@@ -9,14 +9,23 @@ Everything not exported here is internal (modules prefixed with `_`).
 import importlib
 
 from checkpointing import CheckpointError, CorruptCheckpointError, FencedError, RunConflictError, StorageError
+from elastic.callbacks import Callback, TensorBoardCallback  # light: torch's writer is imported when one is made
 from elastic.config import CheckpointConfig, FailureConfig, LRScalingConfig, ScalingConfig
-from elastic.errors import (ConfigError, DatasetError, ElasticError, InsufficientWorkersError,
-                            NonFiniteLossError, RestoreRequiredError, StateError, StorageConfigError,
-                            TooManyFailuresError, UserCodeError, WorkerLostError)
+from elastic.errors import (
+    ConfigError,
+    DatasetError,
+    ElasticError,
+    InsufficientWorkersError,
+    NonFiniteLossError,
+    RestoreRequiredError,
+    StateError,
+    StorageConfigError,
+    TooManyFailuresError,
+    UserCodeError,
+    WorkerLostError,
+)
 from elastic.policies import Failure, FailureDecision, FailurePolicy, ResizeDecision, ScalingPolicy
 from elastic.trainer import ElasticTrainer, Result, RunMetrics
-# Light (TensorBoardCallback imports torch's writer only when one is made).
-from elastic.callbacks import Callback, TensorBoardCallback
 
 # Imported on first use: these pull in torch (and pyarrow), which the controller's process,
 # the CLI and a driver that only submits never need.

@@ -13,7 +13,8 @@ any W, only the order of the sums differs.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from elastic.errors import ConfigError, ElasticError
 
@@ -24,7 +25,7 @@ if TYPE_CHECKING:   # torch is imported where used: the trainer checks configs w
 CONSTANT_GLOBAL_BATCH = "constant_global_batch"
 
 
-def new_accumulation(rule: Any, world_size: int) -> "Accumulation | None":
+def new_accumulation(rule: Any, world_size: int) -> Accumulation | None:
     """The generation's accumulation state under `rule` (an LRScalingConfig), None unless it holds
     the global batch constant."""
     if rule is None or rule.mode != CONSTANT_GLOBAL_BATCH:
@@ -127,10 +128,11 @@ class Accumulation:
 
 def set_gradient_sync(model: nn.Module, sync: bool) -> None:
     """DDP's no_sync without a context manager (the sync decision is made per micro-batch)."""
-    if hasattr(model, "set_requires_gradient_sync"):          # FSDP2 fully_shard
-        model.set_requires_gradient_sync(sync)
-    elif hasattr(model, "require_backward_grad_sync"):        # DistributedDataParallel
-        model.require_backward_grad_sync = sync
+    wrapped: Any = model        # the switches are the wrappers', not nn.Module's: looked up by name
+    if hasattr(wrapped, "set_requires_gradient_sync"):          # FSDP2 fully_shard
+        wrapped.set_requires_gradient_sync(sync)
+    elif hasattr(wrapped, "require_backward_grad_sync"):        # DistributedDataParallel
+        wrapped.require_backward_grad_sync = sync
 
 
 def wrap_optimizer(optimizer: torch.optim.Optimizer, accumulation: Accumulation) -> None:
@@ -162,5 +164,6 @@ def wrap_optimizer(optimizer: torch.optim.Optimizer, accumulation: Accumulation)
             real_zero_grad(*args, **kwargs)
 
     optimizer.__dict__["_elastic_accumulation"] = holder
+    # Patched on the instance on purpose (see the docstring): mypy forbids assigning to a method.
     optimizer.step = step              # type: ignore[method-assign]
     optimizer.zero_grad = zero_grad    # type: ignore[method-assign]

@@ -11,7 +11,8 @@ profile) travel in `runtime_env`.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 MASK = "***"
 # A storage option whose key contains one of these (any case, any depth) is masked.

@@ -24,24 +24,27 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import importlib
 import os
 import random
 import signal
 import sys
 import weakref
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Protocol
+from collections.abc import Callable, Iterator, Mapping
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
-from torch.utils.data import DataLoader, Sampler, default_collate
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from elastic._accumulation import rank_positions
 from elastic._determinism import mix_seed
 from elastic.config import check_dataset_covers_global_batch
 from elastic.errors import ConfigError, ElasticError
 
+numpy: ModuleType | None
 try:
-    import numpy
+    numpy = importlib.import_module("numpy")
 except ImportError:   # numpy is optional for torch; without it there is no numpy RNG to seed
     numpy = None
 
@@ -53,17 +56,27 @@ if TYPE_CHECKING:
 
 class LoaderSide(Protocol):
     """What the loader reads of, and tells, its generation's step boundary
-    (elastic._worker.step_boundary.StepBoundary): the counters, and the opening of each step."""
+    (elastic._worker.step_boundary.StepBoundary): the counters, and the opening of each step.
+    The loader only reads the counters: read-only here."""
 
-    rank: int
-    world_size: int
-    total_steps: int
-    seed: int
-    step: int
-    samples_seen: int
-    device: torch.device
-    accumulation: Accumulation | None      # constant_global_batch: micro-batches per step
-    sync_model: nn.Module | None            # the model whose gradient sync accumulation toggles
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def total_steps(self) -> int: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def step(self) -> int: ...
+    @property
+    def samples_seen(self) -> int: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def accumulation(self) -> Accumulation | None: ...   # constant_global_batch: micro-batches per step
+    @property
+    def sync_model(self) -> nn.Module | None: ...        # the model whose gradient sync accumulation toggles
 
     def begin_step(self, global_batch: int, sample_ids: list[int]) -> None: ...
 
@@ -116,7 +129,7 @@ def seed_everything(seed: int) -> None:
         numpy.random.seed(seed % 2**32)
 
 
-class _SeededFetch:
+class _SeededFetch(Dataset):
     """The dataset as the DataLoader sees it: `__getitems__` takes a whole `_Key`, seeds the
     process's RNGs from it, then reads the samples (with the dataset's own `__getitems__` when it
     has one). Holds only the user's dataset: it is pickled to workers under spawn/forkserver."""
@@ -199,7 +212,7 @@ class _StepBatches(Sampler):
     """The DataLoader's batch sampler: the loader's keys from the context's current step on,
     planned when iteration starts."""
 
-    def __init__(self, loader: "ElasticLoader"):
+    def __init__(self, loader: ElasticLoader):
         self._loader = loader
 
     def __iter__(self) -> Iterator[_Key]:
@@ -213,7 +226,7 @@ class _StepBatches(Sampler):
 # newer generation) starts, the older ones are closed: their loop was unwound, but an iterator
 # kept alive by a reference (`it = iter(loader)` in the loop's frame, held by a traceback) would
 # keep its workers.
-_LIVE: "weakref.WeakSet[ElasticLoader]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[ElasticLoader] = weakref.WeakSet()
 
 
 def _to_device(data: Any, device: torch.device, non_blocking: bool) -> Any:
@@ -222,8 +235,9 @@ def _to_device(data: Any, device: torch.device, non_blocking: bool) -> Any:
         return data.to(device, non_blocking=non_blocking)
     if isinstance(data, Mapping):
         moved = {k: _to_device(v, device, non_blocking) for k, v in data.items()}
+        mapping_type: Any = type(data)      # a concrete mapping class: most are built from a dict
         try:
-            return type(data)(moved)
+            return mapping_type(moved)
         except TypeError:      # a mapping type that cannot be built from a dict
             return moved
     if isinstance(data, tuple) and hasattr(data, "_fields"):    # namedtuple
@@ -304,9 +318,11 @@ class ElasticLoader:
         # global RNG the step's randomness is seeded into.
         generator = torch.Generator().manual_seed(mix_seed(self._seed, "loader"))
         try:
-            self._loader = DataLoader(_SeededFetch(dataset), batch_sampler=_StepBatches(self),
-                                      collate_fn=_Collate(collate_fn or default_collate), generator=generator,
-                                      **options)
+            # _SeededFetch.__getitems__ hands the collate a whole step's _Fetched, not the list of
+            # samples DataLoader's types assume.
+            collate: Any = _Collate(collate_fn or default_collate)
+            self._loader: DataLoader[Any] = DataLoader(_SeededFetch(dataset), batch_sampler=_StepBatches(self),
+                                                       collate_fn=collate, generator=generator, **options)
         except (ValueError, TypeError) as e:
             raise ConfigError(f"prepare_data: invalid DataLoader options {loader_options}: {e}") from None
         self._iterators: list[Any] = []       # this loader's live DataLoader iterators
@@ -380,7 +396,9 @@ class ElasticLoader:
                     if accumulation is not None:
                         accumulation.begin_micro(micro, getattr(ctx, "sync_model", None))
                     yield batch
-                    done = ctx.step != step if micro == accum - 1 else accumulation.reported() == micro + 1
+                    # Before the last micro-batch, accum > 1: there is an accumulation.
+                    done = ctx.step != step if micro == accum - 1 else (
+                        accumulation is not None and accumulation.reported() == micro + 1)
                     if not done:
                         raise ElasticError("ctx.report() must be called once per batch of ctx.prepare_data's loader")
         except GeneratorExit:

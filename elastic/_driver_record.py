@@ -43,13 +43,14 @@ def record_lost_controller(url: str, storage_options: dict | None, *, error: Ela
     Returns (the summary, whether it is the controller's own: then nothing was written)."""
     from checkpointing.storage import Storage
     from elastic._controller.run_record import dumps, strict
-    error_doc = {"type": type(error).__name__, "message": str(error), "traceback": traceback, "ranks": []}
+    error_doc: dict[str, Any] = {"type": type(error).__name__, "message": str(error), "traceback": traceback,
+                                 "ranks": []}
     status: dict[str, Any] = {}
     storage = None
     try:
         storage = Storage(url, storage_options)
         status = json.loads(storage.read_bytes(storage.path("status.json")))
-    except Exception:   # noqa: BLE001 - what cannot be read is left out
+    except Exception:   # what cannot be read is left out
         log.debug("could not read the last status.json under %s", url, exc_info=True)
     if storage is not None and status.get("state") in ("finished", "failed") \
             and float(status.get("updated_at") or 0) >= started_at:
@@ -58,14 +59,14 @@ def record_lost_controller(url: str, storage_options: dict | None, *, error: Ela
             log.warning("the controller recorded the end of the run before it was lost: its summary.json "
                         "is kept (status %s)", own.get("status"))
             return own, True
-        except Exception:   # noqa: BLE001 - then the driver writes it
+        except Exception:   # then the driver writes it
             log.debug("could not read the controller's summary.json under %s", url, exc_info=True)
     checkpoints: list[int] = []
     try:
         from checkpointing import manifest
         if storage is not None:
             checkpoints = sorted(info.step for info in manifest.list_committed(storage))
-    except Exception:   # noqa: BLE001
+    except Exception:
         log.debug("could not list the committed checkpoints under %s", url, exc_info=True)
     step = status.get("step") if isinstance(status.get("step"), int) else 0
     summary = {
@@ -81,6 +82,6 @@ def record_lost_controller(url: str, storage_options: dict | None, *, error: Ela
             if storage is None:
                 raise ElasticError(f"storage {url!r} could not be opened")
             storage.write_atomic(storage.path(name), dumps(payload, indent=1).encode())
-        except Exception:   # noqa: BLE001 - the Result still says it all
+        except Exception:   # the Result still says it all
             log.exception("could not write %s under %s after the controller was lost", name, url)
     return strict(summary), False

@@ -12,6 +12,7 @@ accumulation keeps it, see elastic._accumulation), so the scale is 1: lr = base_
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +27,7 @@ def schedule_factor(step: int, *, total_steps: int, warmup_steps: int, schedule:
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def rule_lr(rule: Any, *, base_lr: float, ramp: "ScaleRamp", step: int, total_steps: int) -> float:
+def rule_lr(rule: Any, *, base_lr: float, ramp: ScaleRamp, step: int, total_steps: int) -> float:
     """The LR of `step` (0-based) under `rule` (an LRScalingConfig)."""
     scale = ramp.scale(step, rule.rescale_warmup_steps) if rule.mode == "linear" else 1.0
     return base_lr * scale * schedule_factor(step, total_steps=total_steps, warmup_steps=rule.warmup_steps,
@@ -48,7 +49,7 @@ class ScaleRamp:
         done = (step - self.since + 1) / ramp_steps
         return self.start + (self.target - self.start) * done
 
-    def rescaled(self, step: int, world_size: int, base_world_size: int, ramp_steps: int) -> "ScaleRamp":
+    def rescaled(self, step: int, world_size: int, base_world_size: int, ramp_steps: int) -> ScaleRamp:
         """The ramp after the world size becomes `world_size` at `step` (unchanged if it did not)."""
         if world_size == self.world_size:
             return self
@@ -62,11 +63,11 @@ class ScaleRamp:
         return {"lr_base": float(base_lr or 0.0), **{f"lr_{k}": v for k, v in self.to_dict().items()}}
 
     @classmethod
-    def from_state(cls, state: dict[str, Any]) -> "ScaleRamp":
+    def from_state(cls, state: Mapping[str, Any]) -> ScaleRamp:
         return cls(world_size=int(state["lr_world_size"]), target=float(state["lr_target"]),
                    start=float(state["lr_start"]), since=int(state["lr_since"]))
 
     @classmethod
-    def initial(cls, world_size: int, base_world_size: int) -> "ScaleRamp":
+    def initial(cls, world_size: int, base_world_size: int) -> ScaleRamp:
         scale = world_size / base_world_size
         return cls(world_size, scale, scale, 0)

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from elastic.config import LRScalingConfig, ScalingConfig
 
@@ -102,7 +103,7 @@ class GenerationPlan:
     node_rank: int = 0
 
 
-def placement(infos: list["WorkerInfo | None"]) -> list[dict[str, int]]:
+def placement(infos: list[WorkerInfo | None]) -> list[dict[str, int]]:
     """GenerationPlan's placement fields of each rank, from the members' nodes in rank order:
     nodes are numbered by their first rank, ranks within a node by rank. A member whose node is
     not known yet counts as a node of its own."""

@@ -47,14 +47,14 @@ def render(rows: list[dict], summary: dict | None, *, title: str = "") -> tuple[
     fig = Figure(figsize=(10, 7.5))
     FigureCanvasAgg(fig)
     ax_loss, ax_world, ax_lr = fig.subplots(3, 1, sharex=True, gridspec_kw={"height_ratios": [3, 1.2, 1.5]})
-    losses = [(x, r["loss"]) for x, r in zip(t, rows) if r.get("loss") is not None]
+    losses = [(x, r["loss"]) for x, r in zip(t, rows, strict=True) if r.get("loss") is not None]
     ax_loss.plot([x for x, _ in losses], [y for _, y in losses], lw=0.9, color="C0")
     ax_loss.set_ylabel("loss")
     # A step that completed at t ran over the interval before t: "pre".
     ax_world.step(t, [r.get("world_size") for r in rows], where="pre", color="C2")
     ax_world.set_ylabel("world size")
     ax_world.yaxis.get_major_locator().set_params(integer=True)
-    lrs = [(x, r["lr"]) for x, r in zip(t, rows) if r.get("lr") is not None]
+    lrs = [(x, r["lr"]) for x, r in zip(t, rows, strict=True) if r.get("lr") is not None]
     ax_lr.plot([x for x, _ in lrs], [y for _, y in lrs], lw=0.9, color="C1")
     ax_lr.set_ylabel("learning rate")
     ax_lr.set_xlabel("seconds since the first step")

@@ -57,7 +57,7 @@ class Callback:
     def on_checkpoint(self, commit: dict[str, Any]) -> None:
         """A checkpoint was committed: {"step", "url"}."""
 
-    def on_end(self, result: "Result") -> None:
+    def on_end(self, result: Result) -> None:
         """The run ended; `result` is what `fit()` returns."""
 
 
@@ -104,7 +104,7 @@ class CallbackRunner:
         while self.poll(fetch):
             pass
 
-    def end(self, result: "Result") -> None:
+    def end(self, result: Result) -> None:
         self._call("on_end", result)
         for index, errors in self._errors.items():
             if errors > 1:
@@ -118,7 +118,7 @@ class CallbackRunner:
                 continue
             try:
                 method(argument)
-            except Exception:   # noqa: BLE001 - a user's callback must not end the run
+            except Exception:   # a user's callback must not end the run
                 self._errors[index] = self._errors.get(index, 0) + 1
                 if self._errors[index] == 1:
                     log.exception("callback %r raised in %s; the run goes on (later errors of this "
@@ -171,7 +171,7 @@ class TensorBoardCallback(Callback):
             f"{recovery.get('to_world')}, {recovery.get('lost_steps')} steps lost, "
             f"recovered in {recovery.get('recover_s')} s"), step)
 
-    def on_end(self, result: "Result") -> None:
+    def on_end(self, result: Result) -> None:
         self.close()
 
     def close(self) -> None:

@@ -12,11 +12,15 @@ import functools
 import math
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from elastic._credentials import mask_secrets, mask_url
 from elastic.errors import ConfigError, StorageConfigError
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 STRATEGIES = ("ddp", "fsdp")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -91,14 +95,14 @@ _ARGUMENT_HINTS: dict[str, dict[str, str]] = {
 }
 
 
-_Config = TypeVar("_Config")
+_Config = TypeVar("_Config", bound="DataclassInstance")
 
 
 def _checked_arguments(cls: type[_Config]) -> type[_Config]:
     """Wrap the dataclass's generated __init__ so that a positional, unknown or missing argument
     is a ConfigError naming it (with the field it likely meant), not Python's TypeError."""
-    generated = cls.__init__  # type: ignore[misc]
-    params = [f for f in dataclasses.fields(cls) if f.init]  # type: ignore[arg-type]
+    generated = cls.__init__
+    params = [f for f in dataclasses.fields(cls) if f.init]
     names = [f.name for f in params]
     required = [f.name for f in params
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
@@ -121,7 +125,7 @@ def _checked_arguments(cls: type[_Config]) -> type[_Config]:
             raise ConfigError(f"{cls.__name__} needs {', '.join(n + '=...' for n in missing)}")
         generated(self, **kwargs)
 
-    cls.__init__ = __init__  # type: ignore[misc]
+    cls.__init__ = __init__  # type: ignore[method-assign]  # replacing the generated __init__ is the point
     return cls
 
 
@@ -380,9 +384,9 @@ class FailureConfig:
 
     def step_timeout(self, step_s: float) -> float | None:
         """The bound in force, given the smoothed step time (0 before any step)."""
-        if self.step_timeout_s == "auto":
+        if isinstance(self.step_timeout_s, str):      # "auto": __post_init__ refuses any other string
             return max(600.0, 100.0 * step_s)
-        return self.step_timeout_s   # type: ignore[return-value]
+        return self.step_timeout_s
 
     @property
     def poll_hold_s(self) -> float:

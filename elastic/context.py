@@ -13,21 +13,23 @@ user's face only; the work is done by the worker-side parts it holds:
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from elastic._worker import checkpoint_io as _checkpoint_io, wrap as _wrap
 from elastic._accumulation import wrap_optimizer
 from elastic._data import ElasticLoader
-from elastic._worker.precision import Precision
-from elastic._protocol import GenerationPlan, RunSpec
-from elastic._worker.restore import Restorer, named_objects
 from elastic._determinism import mix_seed, state_sha256
+from elastic._protocol import GenerationPlan, RunSpec
+from elastic._worker import checkpoint_io as _checkpoint_io
+from elastic._worker import wrap as _wrap
+from elastic._worker.precision import Precision
+from elastic._worker.restore import Restorer, named_objects
+from elastic._worker.state import WorkerState
 from elastic._worker.step_boundary import StepBoundary
 from elastic._worker.train_state import TrainState
-from elastic._worker.state import WorkerState
 from elastic.config import ScalingConfig
 from elastic.errors import ConfigError, RestoreRequiredError
 

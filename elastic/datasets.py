@@ -26,7 +26,8 @@ import io
 import json
 import os
 from collections import OrderedDict
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -78,7 +79,7 @@ class ParquetTokens(torch.utils.data.Dataset):
         self._groups: list[tuple[int, int]] = []
         self._starts: list[int] = []
         total = 0
-        for s, name in enumerate(self.shards):
+        for s in range(len(self.shards)):
             meta = self._metadata(s)
             for g in range(meta.num_row_groups):
                 self._groups.append((s, g))
@@ -248,7 +249,7 @@ class _StorageReads:
             return getattr(self._raw, name)(*args)
         except FileNotFoundError:
             raise                                   # the shard went away: _read_row_group says so
-        except Exception as e:   # noqa: BLE001 - whatever the backend raises is a storage failure
+        except Exception as e:   # whatever the backend raises is a storage failure
             raise StorageError(f"reading {self._storage.url_for(self._path)!r} failed: {type(e).__name__}: {e} "
                                f"(transient storage trouble: the run recovers; if it persists, check the "
                                f"endpoint and credentials)", url=self._storage.url) from e
@@ -277,7 +278,7 @@ class _StorageReads:
     def close(self) -> None:
         self._raw.close()
 
-    def __enter__(self) -> "_StorageReads":
+    def __enter__(self) -> _StorageReads:
         return self
 
     def __exit__(self, *exc) -> None:

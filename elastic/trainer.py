@@ -10,14 +10,15 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from elastic._accumulation import CONSTANT_GLOBAL_BATCH, check_divisible
 from elastic._credentials import mask_secrets, mask_url, split_storage_env
+from elastic._protocol import RunSpec
 from elastic.callbacks import CallbackRunner, check_callbacks
 from elastic.config import CheckpointConfig, FailureConfig, LRScalingConfig, ScalingConfig, to_jsonable
-from elastic._protocol import RunSpec
 from elastic.errors import ConfigError, StorageConfigError, UserCodeError
 from elastic.policies import FailurePolicy, ScalingPolicy
 
@@ -57,7 +58,7 @@ def _foreign_config(name: str, value: Any, cls: type) -> str:
                 f"{f', keep={keep}' if keep else ''}, every_n_steps=N): the storage URL (Ray's "
                 f"RunConfig.storage_path) and the checkpoint period belong to it")
     if cls is FailureConfig and hasattr(value, "max_failures"):
-        failures = getattr(value, "max_failures")
+        failures = value.max_failures
         failures = None if failures is None or failures < 0 else failures
         return (f"{message} (Ray Train's). Write elastic.FailureConfig(max_failures={failures!r}) "
                 f"(None is unlimited, not -1)")
@@ -225,7 +226,7 @@ class ElasticTrainer:
             if started_ray:
                 try:
                     ray.shutdown()
-                except Exception:   # noqa: BLE001 - the Result matters more
+                except Exception:   # the Result matters more
                     log.warning("could not shut down the Ray instance fit() started", exc_info=True)
 
     def _run(self, ray: Any) -> Result:
@@ -257,7 +258,7 @@ class ElasticTrainer:
         finally:
             try:
                 ray.kill(actor, no_restart=True)
-            except Exception:   # noqa: BLE001 - a dead actor, or a Ray going down
+            except Exception:   # a dead actor, or a Ray going down
                 log.debug("could not kill the controller actor", exc_info=True)
         result = Result(status=outcome["status"], final_step=outcome["final_step"], storage=self.checkpoint.storage,
                         summary=outcome["summary"], error=outcome["error"], error_traceback=outcome["traceback"],
@@ -298,18 +299,18 @@ class ElasticTrainer:
             if self._progress is not None:
                 try:
                     self._progress(ray.get(actor.snapshot.remote(), timeout=5))
-                except Exception:   # noqa: BLE001 - progress display is best effort
+                except Exception:   # progress display is best effort
                     log.debug("progress snapshot failed", exc_info=True)
             if runner is not None:
                 try:
                     runner.poll(events)
-                except Exception:   # noqa: BLE001 - asked again next time: nothing is lost
+                except Exception:   # asked again next time: nothing is lost
                     log.debug("fetching the callbacks' events failed", exc_info=True)
         outcome = ray.get(done)
         if runner is not None:
             try:
                 runner.drain(events)
-            except Exception:   # noqa: BLE001 - the run's outcome matters more
+            except Exception:   # the run's outcome matters more
                 log.warning("the callbacks missed the run's last events (after event %d)", runner.delivered,
                             exc_info=True)
         return outcome

@@ -30,7 +30,7 @@ class GPTConfig:
     vocab: int = 512
 
     @classmethod
-    def named(cls, size: str) -> "GPTConfig":
+    def named(cls, size: str) -> GPTConfig:
         d, layers, heads, seq, vocab = MODEL_SIZES[size]
         return cls(d_model=d, n_layers=layers, n_heads=heads, seq_len=seq, vocab=vocab)
 
@@ -175,7 +175,8 @@ def train_loop(ctx) -> None:
     model = ctx.prepare_model(GPT(model_cfg, activation_checkpointing=bool(cfg.get("activation_checkpointing"))))
     # "sgd" (momentum 0.9): an update proportional to the gradient, for tests that compare models.
     opt_class = {"adamw": torch.optim.AdamW, "sgd": lambda p, lr: torch.optim.SGD(p, lr=lr, momentum=0.9)}
-    optimizer = ctx.prepare_optimizer(opt_class[cfg.get("optimizer", "adamw")](model.parameters(), lr=cfg.get("lr", 3e-3)))
+    optimizer = ctx.prepare_optimizer(
+        opt_class[cfg.get("optimizer", "adamw")](model.parameters(), lr=cfg.get("lr", 3e-3)))
     data = make_dataset(cfg, model_cfg, ctx.seed)
     loader = ctx.prepare_data(data, batch_size=cfg.get("batch_size", 8), num_workers=cfg.get("loader_workers", 0))
     ctx.restore(model=model, optimizer=optimizer)

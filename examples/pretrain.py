@@ -4,9 +4,9 @@
 
 Starts a local Ray instance (or joins the cluster in RAY_ADDRESS), checkpoints to --storage and
 resumes from it when run again. Trains on the Parquet token corpus at --data URL, or on a
-synthetic one written under <storage>/corpus/ on the first run and reused afterwards. Kill a worker (its pid is in <storage>/status.json) and watch
-the run re-form and go on. With --gpu each worker trains on one GPU of its own (NCCL), which
---precision fp16 needs.
+synthetic one written under <storage>/corpus/ on the first run and reused afterwards. Kill a
+worker (its pid is in <storage>/status.json) and watch the run re-form and go on. With --gpu
+each worker trains on one GPU of its own (NCCL), which --precision fp16 needs.
 
 Exit codes: 0 finished; 1 failed; 2 bad flags or storage that cannot be written; 3 the loop
 stopped before --steps; 4 the storage is in use by another live run (see --takeover).
@@ -22,9 +22,18 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import gpt  # noqa: E402
-from elastic import (CheckpointConfig, ConfigError, DatasetError, ElasticTrainer, FailureConfig,  # noqa: E402
-                     LRScalingConfig, RunConflictError, ScalingConfig, StorageError)
+import gpt
+from elastic import (
+    CheckpointConfig,
+    ConfigError,
+    DatasetError,
+    ElasticTrainer,
+    FailureConfig,
+    LRScalingConfig,
+    RunConflictError,
+    ScalingConfig,
+    StorageError,
+)
 
 EXIT_STOPPED_EARLY = 3
 EXIT_STORAGE_IN_USE = 4
@@ -102,7 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rescale-warmup-steps", type=int, default=0,
                    help="linear mode: ramp a raised LR over this many steps after a rescale")
     p.add_argument("--schedule", choices=("constant", "cosine"), default="cosine", help="LR after the warmup")
-    p.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds before a silent worker is declared hung")
+    p.add_argument("--heartbeat-timeout", type=float, default=10.0,
+                   help="seconds before a silent worker is declared hung")
     p.add_argument("--cpus-per-worker", type=float, default=1.0)
     p.add_argument("--sync-checkpoints", action="store_true", help="block training while a checkpoint uploads")
     p.add_argument("--quiet", action="store_true", help="no live progress line")

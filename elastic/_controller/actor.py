@@ -7,12 +7,12 @@ from typing import Any
 
 from elastic._controller.controller import Controller
 from elastic._controller.feed import Event, RunFeed
-from elastic._controller.worker_group import RayWorkerGroup
 from elastic._controller.ray_metrics import RayMetricsListener
 from elastic._controller.run_record import RunRecorder
 from elastic._controller.states import RunState
-from elastic.config import CheckpointConfig, FailureConfig, ScalingConfig
+from elastic._controller.worker_group import RayWorkerGroup
 from elastic._protocol import RunSpec
+from elastic.config import CheckpointConfig, FailureConfig, ScalingConfig
 from elastic.errors import UserCodeError
 
 
@@ -77,12 +77,12 @@ class ControllerActor:
         controller = self._controller
         try:
             controller.run()
-        except BaseException as error:   # noqa: BLE001 - a controller bug must still end in a summary
+        except BaseException as crash:   # a controller bug must still end in a summary
             logging.getLogger("elastic.controller").exception("controller crashed")
-            controller.crashed(error)
+            controller.crashed(crash)
         try:
             controller.flush_logs()
-        except Exception:   # noqa: BLE001 - the summary matters more than a last log line
+        except Exception:   # the summary matters more than a last log line
             logging.getLogger("elastic.controller").exception("could not record the last ctx.log values")
         finished = controller.state.state == RunState.FINISHED
         error = controller.error
@@ -98,13 +98,13 @@ class ControllerActor:
             error=None if error is None else {k: error[k] for k in ("type", "message", "traceback", "ranks")})
         try:
             self._recorder.write_status(force=True, state=controller.state.state.value)
-        except Exception:   # noqa: BLE001 - the outcome must reach the driver: fit() returns, never raises
+        except Exception:   # the outcome must reach the driver: fit() returns, never raises
             logging.getLogger("elastic.controller").exception("could not write the final status.json")
         if self._run_id is not None:
             try:   # the next run on this storage needs no wait and no takeover
                 from checkpointing import release_run_lease
                 release_run_lease(self._url, self._run_id, storage_options=self._options)
-            except Exception:   # noqa: BLE001 - a final status.json already says the run ended
+            except Exception:   # a final status.json already says the run ended
                 logging.getLogger("elastic.controller").warning("could not release the storage lease", exc_info=True)
         exception = None
         if error is not None:

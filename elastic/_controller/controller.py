@@ -8,19 +8,23 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
-from elastic._controller.ledgers import RecoveryLedger, Rung, StepLedger
-from elastic._protocol import GenerationPlan, RestoreKind, RestorePlan, WorkerPhase, WorkerReport, placement
-from elastic._controller.worker_group import DEAD, READY, SLOW_TICK_S, STARTING, WorkerView
 from elastic._controller.intake import ReportIntake
-from elastic._controller.status import StatusReport
-from elastic._controller.stragglers import StragglerDetector
+from elastic._controller.ledgers import OpenRecovery, RecoveryLedger, Rung, StepLedger
 from elastic._controller.recurrence import ErrorSighting, RecurringErrors
 from elastic._controller.states import AnyState, Failed, Finished, Recovering, Running, RunState, Scheduling, Starting
+from elastic._controller.status import StatusReport
+from elastic._controller.stragglers import StragglerDetector
+from elastic._controller.worker_group import DEAD, READY, SLOW_TICK_S, STARTING, WorkerView
+from elastic._protocol import GenerationPlan, RestoreKind, RestorePlan, WorkerPhase, WorkerReport, placement
 from elastic.config import FailureConfig, ScalingConfig
 from elastic.errors import InsufficientWorkersError, TooManyFailuresError, WorkerLostError
 from elastic.policies import CAUSE_OF_ERROR_KIND, Cause, Failure, FailurePolicy, ScalingPolicy
+
+if TYPE_CHECKING:
+    from elastic._controller.run_record import RunRecord
 
 log = logging.getLogger("elastic.controller")
 
@@ -28,18 +32,25 @@ PROBE_GRACE_S = 2.0      # no maximum: start once the ready count held this long
 STUCK_GRACE_S = 2.0      # floor of how long a survivor may lag the first one out of a broken group
 
 
+# The controller's view of its collaborators. Each is met by the real class and by the unit
+# tests' fake; tests/unit/protocol_checks.py has the type checker (`make lint`) hold both to it.
+
 class WorkerGroup(Protocol):
+    """The workers (RayWorkerGroup; fakes.FakeGroup)."""
+
     poll_hold_s: float            # a worker may hold its answer this long when nothing happens
     def scale_to(self, n: int) -> None: ...
     def tick(self) -> dict[int, WorkerView]: ...
     def rendezvous_address(self, wid: int) -> tuple[str, int]: ...
     def start_generation(self, plans: dict[int, GenerationPlan]) -> None: ...
-    def request_stop(self, wids: list[int], generation: int) -> None: ...
+    def request_stop(self, wids: list[int], generation: int, cut_group: bool = False) -> None: ...
     def kill(self, wid: int, reason: str) -> None: ...
     def shutdown(self, graceful: bool = True) -> None: ...
 
 
 class CheckpointView(Protocol):
+    """The committed checkpoints and the fence (actor.CheckpointView; fakes.FakeCheckpoints)."""
+
     def latest_step(self) -> int | None: ...
     def committed_steps(self) -> list[int]: ...
     def fence(self, generation: int, start_step: int | None = None) -> None: ...
@@ -52,7 +63,7 @@ class Controller:
     intake (worker reports into the step and recovery ledgers and the run record), the status
     report (status.json), the policies (decisions); it alone decides and acts."""
 
-    def __init__(self, group: WorkerGroup, recorder: Any, checkpoints: CheckpointView, *,
+    def __init__(self, group: WorkerGroup, recorder: RunRecord, checkpoints: CheckpointView, *,
                  scaling: ScalingConfig, failure: FailureConfig, total_steps: int,
                  failure_policy: FailurePolicy | None = None, scaling_policy: ScalingPolicy | None = None,
                  clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
@@ -155,7 +166,8 @@ class Controller:
 
     # ---- states ------------------------------------------------------------------------
     def _on_scheduling(self) -> None:
-        st: Scheduling = self.state
+        st = self.state
+        assert isinstance(st, Scheduling)
         self.group.scale_to(self._slot_target())
         ready = self._ready_ids()
         pending = [w for w, v in self.views.items() if v.status not in (READY, DEAD)]
@@ -198,7 +210,8 @@ class Controller:
         return RestorePlan(RestoreKind.CHECKPOINT, step=latest)
 
     def _on_starting(self) -> None:
-        st: Starting = self.state
+        st = self.state
+        assert isinstance(st, Starting)
         ok, _ = self._storage("write the generation fence",
                               lambda: self.checkpoints.fence(self.generation + 1, start_step=st.restore.step))
         if not ok:
@@ -231,8 +244,14 @@ class Controller:
                                                                        f"start: {start_error}"), [], 0.0)
 
     def _on_running(self) -> None:
-        st: Running = self.state
-        lost, errored, comm_ranks, preempted, finished = [], [], [], [], 0
+        st = self.state
+        assert isinstance(st, Running)
+        lost: list[tuple[int, Cause, float]] = []
+        preempted: list[int] = []
+        # Reports of this generation by rank: failed, interrupted (a broken collective), finished.
+        errored: dict[int, WorkerReport] = {}
+        comm: dict[int, WorkerReport] = {}
+        finished: list[WorkerReport] = []
         for rank, wid in enumerate(st.members):
             view, report = self.views[wid], self.views[wid].report
             if view.status == DEAD:
@@ -243,17 +262,18 @@ class Controller:
                 preempted.append(wid)     # committed its last step and left the loop
             elif report is not None and report.generation == st.generation:
                 if report.phase == WorkerPhase.FAILED:
-                    errored.append(rank)
+                    errored[rank] = report
                 elif report.phase == WorkerPhase.INTERRUPTED:
-                    comm_ranks.append(rank)
+                    comm[rank] = report
                 elif report.phase == WorkerPhase.FINISHED:
-                    finished += 1
+                    finished.append(report)
         if errored:
-            report = self.views[st.members[errored[0]]].report
+            report = next(iter(errored.values()))
             cause = CAUSE_OF_ERROR_KIND.get(report.error_kind or "user", Cause.USER_ERROR)
             # A failed GPU stays failed: its worker is replaced, not taken into the next group.
-            broken = [st.members[r] for r in errored if self.views[st.members[r]].report.error_kind == "hardware"]
-            self._handle_failure(st.members, Failure(cause, tuple(errored), f"{report.error_type}: {report.error_message}",
+            broken = [st.members[r] for r, failed in errored.items() if failed.error_kind == "hardware"]
+            self._handle_failure(st.members, Failure(cause, tuple(errored),
+                                                     f"{report.error_type}: {report.error_message}",
                                                      **_error_of(report)),
                                  broken if cause == Cause.HARDWARE_ERROR else [], 0.0, report)
         elif lost:
@@ -264,39 +284,40 @@ class Controller:
             ranks = tuple(st.members.index(w) for w in preempted)
             self._handle_failure(st.members, Failure(Cause.PREEMPTED, ranks, f"preemption notice to {preempted}"),
                                  preempted, 0.0)
-        elif comm_ranks:
+        elif comm:
             # A broken collective with no lost peer yet: give the lost peer a heartbeat timeout to show.
             st.suspect_since = st.suspect_since or self.clock()
             if self.clock() - st.suspect_since > self.failure.heartbeat_timeout_s:
-                self._on_broken_group(st, comm_ranks)
+                self._on_broken_group(st, comm)
         elif self._generation_stalled(st):
             pass
-        elif finished == len(st.members):
-            self._record_final(self.views[st.members[0]].report)
-            self._transition(Finished(list(st.members)), f"all {finished} ranks finished at step {self.step}")
+        elif len(finished) == len(st.members):
+            self._record_final(finished[0])      # rank 0's
+            self._transition(Finished(list(st.members)), f"all {len(finished)} ranks finished at step {self.step}")
         else:
             self.group.scale_to(self._slot_target())
             if not self._maybe_evict(st):
                 self._maybe_grow(st)
 
-    def _on_broken_group(self, st: Running, ranks: list[int]) -> None:
-        """The group broke and no peer was lost: a fault, recovered; or, when the same error broke
-        it at the same step the time before too, the loop's own bug (elastic._controller.recurrence): the run
-        fails with that error as the user's."""
-        reports = {rank: self.views[st.members[rank]].report for rank in ranks}
+    def _on_broken_group(self, st: Running, reports: dict[int, WorkerReport]) -> None:
+        """The group broke and no peer was lost (`reports`: the interrupted ranks'): a fault,
+        recovered; or, when the same error broke it at the same step the time before too, the
+        loop's own bug (elastic._controller.recurrence): the run fails with that error as the user's."""
         recurring = self._recurring.observe([ErrorSighting(rank, r.step, r.error_type, r.error_message)
                                              for rank, r in reports.items()])
         if recurring is None:
-            first = reports[ranks[0]]
+            first = next(iter(reports.values()))
             self._handle_failure(st.members, Failure(
-                Cause.COLLECTIVE_ERROR, tuple(ranks), f"process group broke with no lost peer: "
-                                                  f"{first.error_type}: {first.error_message}", **_error_of(first)), [], 0.0)
+                Cause.COLLECTIVE_ERROR, tuple(reports), f"process group broke with no lost peer: "
+                                                    f"{first.error_type}: {first.error_message}",
+                **_error_of(first)), [], 0.0)
             return
         report = reports[recurring.rank]
         self._handle_failure(st.members, Failure(
-            Cause.USER_ERROR, (recurring.rank,), f"{report.error_type}: {report.error_message} broke the group at step "
-                                           f"{report.step + 1} in {self._recurring.attempts} attempts in a row with no "
-                                           f"lost peer: a bug in the loop's collectives, not a fault", **_error_of(report)),
+            Cause.USER_ERROR, (recurring.rank,), f"{report.error_type}: {report.error_message} broke the group at "
+                                                 f"step {report.step + 1} in {self._recurring.attempts} attempts in "
+                                                 f"a row with no lost peer: a bug in the loop's collectives, not a "
+                                                 f"fault", **_error_of(report)),
             [], 0.0, report)
 
     def _generation_stalled(self, st: Running) -> bool:
@@ -307,7 +328,7 @@ class Controller:
         if any(self.views[w].records for w in st.members):
             st.progress_at = now
         not_started = [rank for rank, w in enumerate(st.members)
-                       if self.views[w].report is None or self.views[w].report.generation != st.generation]
+                       if (report := self.views[w].report) is None or report.generation != st.generation]
         if not_started and now - st.started_at > self.failure.rendezvous_timeout_s:
             self._handle_failure(st.members, Failure(Cause.HANG, tuple(not_started), (
                 f"generation {st.generation} did not start on ranks {not_started} within "
@@ -425,7 +446,7 @@ class Controller:
         # survivors cut theirs, so none waits out the collective timeout on it.
         self.group.request_stop(survivors, self.generation, cut_group=bool(lost))
         self.group.scale_to(self._slot_target())
-        max_step = max([self.step] + [self.views[w].report.step for w in members if self.views[w].report])
+        max_step = max([self.step] + [report.step for w in members if (report := self.views[w].report) is not None])
         self.recoveries.begin(failure.cause, len(members), max_step, detect_s, list(failure.ranks))
         self._transition(Recovering(self.generation, survivors, self._recovery_deadline()),
                          f"{failure.cause} on ranks {list(failure.ranks)}; {decision.reason}")
@@ -434,8 +455,10 @@ class Controller:
         return self.clock() + self.failure.collective_timeout_s + self.failure.heartbeat_timeout_s
 
     def _on_recovering(self) -> None:
-        st: Recovering = self.state
-        settled, running = [], []
+        st = self.state
+        assert isinstance(st, Recovering)
+        settled: dict[int, WorkerReport] = {}      # out of the broken group, by worker
+        running: list[int] = []
         for wid in st.survivors:
             view, report = self.views[wid], self.views[wid].report
             if view.status == DEAD or view.silent_s > self.failure.heartbeat_timeout_s:
@@ -447,7 +470,7 @@ class Controller:
                 self._record_final(report)
                 return self._transition(Finished(list(st.survivors)), "finished while recovering")
             else:
-                settled.append(wid)
+                settled[wid] = report
         if settled and st.first_settled_at is None:
             st.first_settled_at = self.clock()
         if running:
@@ -469,12 +492,12 @@ class Controller:
             self._open_recovery().rung = Rung.COLD
         for wid in st.evict:
             if wid in settled:
-                settled.remove(wid)
+                del settled[wid]
                 st.lost.add(wid)
                 self.group.kill(wid, "straggler evicted")
         self._reform(st, settled)
 
-    def _open_recovery(self):
+    def _open_recovery(self) -> OpenRecovery:
         """The recovery being carried out (Recovering always has one)."""
         recovery = self.recoveries.open
         assert recovery is not None, "recovering without an open recovery"
@@ -503,8 +526,11 @@ class Controller:
         answered_at = self.clock() - self.views[wid].silent_s
         return answered_at - st.first_settled_at >= grace_s
 
-    def _reform(self, st: Recovering, survivors: list[int]) -> None:
-        survivors.sort(key=lambda w: (-self.views[w].report.step, st.survivors.index(w)))
+    def _reform(self, st: Recovering, settled: dict[int, WorkerReport]) -> None:
+        """Re-form with the survivors out of the broken group (`settled`, with their reports) and
+        the ready spares: warm from the survivor furthest ahead that holds its state, else from the
+        newest checkpoint."""
+        survivors = sorted(settled, key=lambda w: (-settled[w].step, st.survivors.index(w)))
         spares = [w for w in self._ready_ids() if w not in survivors and w not in st.survivors]
         members = self._capped(survivors + spares)
         if len(members) < self.scaling.min_workers:
@@ -517,11 +543,10 @@ class Controller:
                     f"FailureConfig.rendezvous_timeout_s={self.failure.rendezvous_timeout_s:.0f}s"))
             return
         recovery = self._open_recovery()
-        recovery.max_step = max([recovery.max_step] + [self.views[w].report.step for w in survivors])
-        warm = [w for w in survivors if self.views[w].report.has_state]
+        recovery.max_step = max([recovery.max_step] + [settled[w].step for w in survivors])
+        warm = [w for w in survivors if settled[w].has_state]
         if warm:
-            plan = RestorePlan(RestoreKind.BROADCAST, source_rank=members.index(warm[0]),
-                               step=self.views[warm[0]].report.step)
+            plan = RestorePlan(RestoreKind.BROADCAST, source_rank=members.index(warm[0]), step=settled[warm[0]].step)
         else:
             ok, latest = self._storage("list the committed checkpoints", self.checkpoints.latest_step)
             if not ok:
@@ -563,7 +588,8 @@ class Controller:
     def _fail(self, error: Exception, failure: Failure | None = None) -> None:
         # The traceback is the worker's, when a worker's error led here: the controller's own says nothing.
         self._transition(Failed(str(error), failure, {
-            "type": type(error).__name__, "message": str(error), "traceback": failure.error_traceback if failure else None,
+            "type": type(error).__name__, "message": str(error),
+            "traceback": failure.error_traceback if failure else None,
             "exception": error, "ranks": list(failure.ranks) if failure else []}), str(error))
 
 

@@ -7,15 +7,19 @@ It records; it decides nothing and acts on no worker (the controller does both).
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from elastic._controller.ledgers import RecoveryLedger, StepLedger
 from elastic._controller.log_records import LogRecordPicker
-from elastic._protocol import StepRecord, WorkerPhase
-from elastic._controller.worker_group import DEAD, WorkerView
 from elastic._controller.states import Running
 from elastic._controller.stragglers import StragglerDetector
+from elastic._controller.worker_group import DEAD, WorkerView
+from elastic._protocol import StepRecord, WorkerPhase
 from elastic.config import FailureConfig
+
+if TYPE_CHECKING:
+    from elastic._controller.run_record import RunRecord
 
 log = logging.getLogger("elastic.controller")
 
@@ -23,7 +27,7 @@ log = logging.getLogger("elastic.controller")
 class ReportIntake:
     """Turns worker reports into the run's record. `step` is the newest step the run keeps."""
 
-    def __init__(self, recorder: Any, steps: StepLedger, recoveries: RecoveryLedger,
+    def __init__(self, recorder: RunRecord, steps: StepLedger, recoveries: RecoveryLedger,
                  stragglers: StragglerDetector, failure: Callable[[], FailureConfig]):
         self.recorder, self.steps, self.recoveries, self.stragglers = recorder, steps, recoveries, stragglers
         self._failure = failure              # the controller's FailureConfig (read when used)

@@ -9,8 +9,9 @@ first step that closes it into a summary.json entry.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from elastic._protocol import StepRecord
 from elastic.policies import Cause
@@ -60,7 +61,8 @@ class RecoveryLedger:
     def note(self, cause: Cause, ranks: list[int]) -> None:
         """A further failure while the recovery is open (a survivor lost meanwhile)."""
         if self.open is not None:
-            self.open.failures.append({"cause": cause, "ranks": ranks, "detected_at": round(self.wall(self._clock()), 3)})
+            self.open.failures.append({"cause": cause, "ranks": ranks,
+                                       "detected_at": round(self.wall(self._clock()), 3)})
 
     def close(self, generation: int) -> dict[str, Any] | None:
         """The re-formed group completed its first step (or finished): the summary.json entry."""

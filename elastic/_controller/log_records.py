@@ -10,7 +10,7 @@ logs) and goes at once; a record only a higher rank sent waits about one step.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from elastic._protocol import StepRecord
 

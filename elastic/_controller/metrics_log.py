@@ -86,7 +86,7 @@ class MetricHistory:
 
     def history(self) -> dict[str, list[list]]:
         """name -> [[step, value], ...] in step order (a log line may arrive after a later step)."""
-        return {name: sorted(([s, v] for s, v in zip(steps, vals)), key=lambda sv: sv[0])
+        return {name: sorted(([s, v] for s, v in zip(steps, vals, strict=True)), key=lambda sv: sv[0])
                 for name, (steps, vals) in self._series.items()}
 
     def last(self) -> dict[str, float]:
@@ -230,10 +230,10 @@ class MetricsLog:
         # In step order within the batch (stable: a step's line stays before its log lines), since
         # the controller records a tick's log lines after its step lines.
         new = "".join(dumps(line) + "\n" for line in sorted(lines, key=lambda line: line["step"]))
-        through = None
+        through = 0          # with lines to drop (keep): the newest step the rewritten file keeps
         try:
             if keep is not None:
-                kept, through = [], 0
+                kept: list[str] = []
                 for line in self._read().splitlines():
                     try:
                         step = int(json.loads(line)["step"])

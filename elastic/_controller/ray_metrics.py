@@ -19,7 +19,7 @@ RECOVERY_BUCKETS_S = [0.5, 1, 2, 5, 10, 30, 60, 120, 300]
 CHECKPOINT_BUCKETS_S = [0.1, 0.5, 1, 2, 5, 10, 30, 60, 300]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _metrics() -> dict[str, Any]:
     """Created once per process (Ray registers metrics by name)."""
     from ray.util.metrics import Counter, Gauge, Histogram

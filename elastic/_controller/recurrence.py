@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import re
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 # Numbers differ between two identical failures: ports, addresses, pids, timings, line numbers.
 _NUMBERS = re.compile(r"0x[0-9a-fA-F]+|\d+")

@@ -19,16 +19,37 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable, Iterable, Protocol
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 from checkpointing.storage import Storage
 from elastic._controller.feed import FeedKind, RunFeed
 from elastic._controller.metrics_log import MetricsLog, dumps, strict
-from elastic._protocol import StepRecord
 from elastic._controller.run_summary import RunSummary
 from elastic._controller.status_writer import StatusWriter
+from elastic._protocol import StepRecord
 
 log = logging.getLogger("elastic.record")
+
+
+class RunRecord(Protocol):
+    """What the controller, its report intake and its status report tell the run's record
+    (`RunRecorder`; in the unit tests, fakes.FakeRecorder). All on the controller's thread."""
+
+    resumed_from: int | None        # the step the run resumed from (summary.json)
+
+    def load_previous_metrics(self, up_to_step: int) -> None: ...
+    def on_generation_start(self, step: int, world_size: int) -> None: ...
+    def correct_generation_start(self, step: int) -> None: ...
+    def on_step(self, record: StepRecord) -> None: ...
+    def on_log(self, record: StepRecord) -> None: ...
+    def rollback_to(self, step: int) -> None: ...
+    def on_final_data(self, samples_consumed: int, data_order: str | None) -> None: ...
+    def on_recovery(self, recovery: dict[str, Any]) -> None: ...
+    def on_commits(self, steps: list[int]) -> None: ...
+    def on_straggler(self, flag: dict[str, Any]) -> None: ...
+    def on_checkpoint_fallback(self, fallback: dict[str, Any]) -> None: ...
+    def write_status(self, *, force: bool = False, **status: Any) -> None: ...
 
 
 class RunListener(Protocol):
@@ -167,7 +188,7 @@ class RunRecorder:
             self.close()
             self.flush_metrics()
             self.metrics_log.compact()
-        except Exception:   # noqa: BLE001
+        except Exception:
             log.exception("could not write the last metrics.jsonl lines under %s; summary.json is written anyway",
                           self._url)
         self._write_json("summary.json", summary)
@@ -179,14 +200,14 @@ class RunRecorder:
     def _write_json(self, name: str, payload: dict[str, Any]) -> None:
         try:
             self._storage.write_atomic(self._storage.path(name), dumps(payload, indent=1).encode())
-        except Exception:   # noqa: BLE001 - a status write must not kill the run; the next one retries
+        except Exception:   # a status write must not kill the run; the next one retries
             log.exception("could not write %s under %s", name, self._url)
 
 
 def _tell(listener: RunListener, event: Callable[[Any], None], payload: Any) -> None:
     try:
         event(payload)
-    except Exception:   # noqa: BLE001 - a listener (metrics export) must not break the record
+    except Exception:   # a listener (metrics export) must not break the record
         log.exception("run listener %s failed in %s", type(listener).__name__, event.__name__)
 
 

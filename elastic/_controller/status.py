@@ -5,9 +5,14 @@ the run record's writer thread, at most every 2 s, so a stalled listing never st
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from elastic._controller.worker_group import READY, WorkerView
+
+if TYPE_CHECKING:
+    from elastic._controller.controller import CheckpointView
+    from elastic._controller.run_record import RunRecord
 
 log = logging.getLogger("elastic.controller")
 
@@ -15,7 +20,7 @@ LIST_EVERY_S = 2.0
 
 
 class StatusReport:
-    def __init__(self, recorder: Any, checkpoints: Any, clock: Callable[[], float]):
+    def __init__(self, recorder: RunRecord, checkpoints: CheckpointView, clock: Callable[[], float]):
         self._recorder, self._checkpoints, self._clock = recorder, checkpoints, clock
         self.last_committed: int | None = None
         self._announced: int | None = None   # newest commit handed to the recorder
@@ -48,6 +53,6 @@ class StatusReport:
                 if new:
                     self._announced = new[-1]
                     self._recorder.on_commits(new)          # the callbacks' on_checkpoint
-            except Exception:   # noqa: BLE001 - status is best effort; storage errors surface in saves
+            except Exception:   # status is best effort; storage errors surface in saves
                 log.debug("could not read the latest checkpoint", exc_info=True)
         return self.last_committed

@@ -17,7 +17,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger("elastic.record")
 
@@ -86,5 +87,5 @@ class StatusWriter:
                 return
             try:
                 self.write_now()
-            except Exception:   # noqa: BLE001 - the next write retries; the run goes on
+            except Exception:   # the next write retries; the run goes on
                 log.exception("could not write the run record under %s", self._name)

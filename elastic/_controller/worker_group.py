@@ -11,10 +11,12 @@ import enum
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import ray
+from ray import ObjectRef
 from ray.exceptions import GetTimeoutError, RayError, RayTaskError
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from elastic._protocol import GenerationPlan, RunSpec, WorkerInfo, WorkerReport
@@ -56,14 +58,14 @@ class WorkerView:
 @dataclass
 class _Slot:
     wid: int
-    pg: object
-    pg_ready: object
+    pg: PlacementGroup
+    pg_ready: ObjectRef
     created_at: float
     status: str = PENDING
-    actor: object = None
-    info_ref: object = None
+    actor: Any = None                  # the TrainWorker actor's handle: Ray resolves its methods by name
+    info_ref: ObjectRef | None = None
     info: WorkerInfo | None = None
-    poll_ref: object = None
+    poll_ref: ObjectRef | None = None
     last_answer_at: float = 0.0
     report: WorkerReport | None = None
     death: str | None = None
@@ -134,17 +136,17 @@ class RayWorkerGroup:
     def _advance_placements(self, now: float) -> None:
         pending = [s for s in self._slots.values() if s.status == PENDING]
         if pending:
-            ready, _ = ray.wait([s.pg_ready for s in pending], num_returns=len(pending), timeout=0)
-            ready = set(ready)
+            placed, _ = ray.wait([s.pg_ready for s in pending], num_returns=len(pending), timeout=0)
+            placed_refs = set(placed)
             for slot in pending:
-                if slot.pg_ready in ready:
+                if slot.pg_ready in placed_refs:
                     self._launch(slot)
         starting = [s for s in self._slots.values() if s.status == STARTING]
         if starting:
-            ready, _ = ray.wait([s.info_ref for s in starting], num_returns=len(starting), timeout=0)
-            ready = set(ready)
+            started, _ = ray.wait([s.info_ref for s in starting], num_returns=len(starting), timeout=0)
+            started_refs = set(started)
             for slot in starting:
-                if slot.info_ref in ready:
+                if slot.info_ref in started_refs:
                     try:
                         slot.info = ray.get(slot.info_ref)
                         slot.status = READY
@@ -160,10 +162,10 @@ class RayWorkerGroup:
         waiting = [s for s in self._slots.values() if s.status == READY and s.poll_ref is not None]
         if not waiting:
             return
-        ready, _ = ray.wait([s.poll_ref for s in waiting], num_returns=len(waiting), timeout=0)
-        ready = set(ready)
+        answered, _ = ray.wait([s.poll_ref for s in waiting], num_returns=len(waiting), timeout=0)
+        answered_refs = set(answered)
         for slot in waiting:
-            if slot.poll_ref not in ready:
+            if slot.poll_ref not in answered_refs:
                 continue
             try:
                 report = ray.get(slot.poll_ref)
@@ -196,7 +198,7 @@ class RayWorkerGroup:
         (log.info if reason == "run ended" else log.warning)("worker %d is dead: %s", slot.wid, reason)
         try:
             remove_placement_group(slot.pg)
-        except Exception:   # noqa: BLE001 - the placement group may be gone with its node
+        except Exception:   # the placement group may be gone with its node
             log.debug("removing placement group of worker %d failed", slot.wid, exc_info=True)
 
     # ---- actions -----------------------------------------------------------------------
@@ -214,13 +216,14 @@ class RayWorkerGroup:
         if failures:
             raise WorkerLostError("; ".join(failures))
 
-    def _await(self, refs: dict[int, object], what: str) -> tuple[list, list[str]]:
+    def _await(self, refs: dict[int, ObjectRef], what: str) -> tuple[list[Any], list[str]]:
         """The answers of calls to workers, waited for heartbeat_timeout_s in all, and the failures
         as messages. A worker whose method raised (RayTaskError: e.g. start_generation refused
         because its previous generation's thread is stuck) is in a state nobody planned: it is
         killed here, so the controller replaces it. A dead or silent one is left to the polls."""
         deadline = time.monotonic() + self._failure.heartbeat_timeout_s
-        answers, failures = [], []
+        answers: list[Any] = []
+        failures: list[str] = []
         for wid, ref in refs.items():
             try:
                 answers.append(ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))

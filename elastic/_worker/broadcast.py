@@ -72,7 +72,7 @@ def broadcast_state(state: Any | None, src: int, device: torch.device) -> Any:
         group = [s for s in slots if s.dtype == dtype]
         numel = sum(_numel(s.shape) for s in group)
         if is_src:
-            flat = torch.cat([by_index[s.index].reshape(-1).to(device) for s in group]) if group else None
+            flat = torch.cat([by_index[s.index].reshape(-1).to(device) for s in group])   # never empty
         else:
             flat = torch.empty(numel, dtype=dtype, device=device)
         dist.broadcast(flat, src=src)

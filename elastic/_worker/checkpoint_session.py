@@ -90,7 +90,7 @@ class CheckpointSession:
         try:
             from elastic._controller.ray_metrics import checkpoint_committed
             checkpoint_committed(url, commit.committed_at - started, commit.total_bytes)
-        except Exception:   # noqa: BLE001 - metrics are best effort; never fail a step for them
+        except Exception:   # metrics are best effort; never fail a step for them
             log.debug("exporting checkpoint metrics failed", exc_info=True)
 
     def settle(self, *, peers_alive: bool) -> None:

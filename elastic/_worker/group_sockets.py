@@ -40,7 +40,8 @@ import os
 import socket
 import struct
 import threading
-from typing import Any, Iterable, NamedTuple
+from collections.abc import Iterable
+from typing import Any, NamedTuple
 
 log = logging.getLogger("elastic.worker")
 
@@ -61,7 +62,7 @@ class _Tcp(NamedTuple):
 
 def _sockets() -> dict[int, str]:
     """fd -> 'socket:[inode]' for every socket this process has open."""
-    found = {}
+    found: dict[int, str] = {}
     try:
         fds = os.listdir(_FD_DIR)
     except OSError:
@@ -114,7 +115,8 @@ def _resolve(address: Endpoint | None) -> set[Endpoint]:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError:
         return {(host, port)}
-    return {(_normalized(info[4][0]), port) for info in infos} | {(host, port)}
+    # sockaddr[0] is the address string (typeshed types the whole sockaddr loosely).
+    return {(_normalized(str(info[4][0])), port) for info in infos} | {(host, port)}
 
 
 def _normalized(ip: str) -> str:

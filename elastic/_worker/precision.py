@@ -52,8 +52,8 @@ class Precision:
         optimizer stays the same object for state dicts, checkpoints and LR groups)."""
         if self.scaler is None:
             return
-        original = getattr(optimizer, "_elastic_unscaled_step", None) or optimizer.step
-        optimizer._elastic_unscaled_step = original
+        original = optimizer.__dict__.get("_elastic_unscaled_step") or optimizer.step
+        optimizer.__dict__["_elastic_unscaled_step"] = original
         scaler = self.scaler
 
         def step(*args, **kwargs):
@@ -70,7 +70,7 @@ class Precision:
                 self._in_scaler = self._scaled_backward = False
             return result
 
-        optimizer.step = step
+        optimizer.step = step      # type: ignore[method-assign]  # an instance attribute on purpose (see above)
 
     def state(self) -> dict[str, Any]:
         """Plain values (warm broadcasts and checkpoint extras)."""

@@ -13,12 +13,12 @@ import torch
 from torch import nn
 
 from checkpointing import CheckpointError
-from elastic._worker import wrap as _wrap
 from elastic._lr import ScaleRamp
 from elastic._protocol import GenerationPlan, RestorePlan, RunSpec
+from elastic._worker import wrap as _wrap
 from elastic._worker.broadcast import broadcast_state
-from elastic._worker.train_state import EXTRA, TrainState
 from elastic._worker.state import WorkerState
+from elastic._worker.train_state import EXTRA, TrainState
 from elastic.errors import ElasticError, StateError
 
 log = logging.getLogger("elastic.context")
@@ -62,6 +62,7 @@ class Restorer:
         plan, worker = self._plan.restore, self._worker
         self._ensure_lr_ramp()
         if plan.kind == "broadcast":
+            assert plan.source_rank is not None, "a broadcast restore names its source rank"
             self._warm(state, plan.source_rank)
         elif plan.kind == "checkpoint":
             self._checkpoint(state, compression)
@@ -79,7 +80,7 @@ class Restorer:
                  self._plan.rank, self._plan.generation, sorted(state.objects), plan.kind, step)
         return plan
 
-    def _warm(self, state: TrainState, src: int | None) -> None:
+    def _warm(self, state: TrainState, src: int) -> None:
         payload = None
         if self._plan.rank == src:
             source = self._worker.warm

@@ -13,8 +13,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from elastic._worker.checkpoint_session import CheckpointSession
 from elastic._protocol import StepRecord
+from elastic._worker.checkpoint_session import CheckpointSession
 from elastic._worker.train_state import Progress
 
 if TYPE_CHECKING:

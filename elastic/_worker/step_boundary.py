@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 
 from elastic._accumulation import Accumulation, as_float, new_accumulation
+from elastic._determinism import chain_sample_ids, mix_seed
 from elastic._lr import ScaleRamp, rule_lr
 from elastic._protocol import GenerationPlan, RunSpec, StepRecord
-from elastic._determinism import chain_sample_ids, mix_seed
-from elastic._worker.step_timer import StepTimer
 from elastic._worker.state import WorkerState
+from elastic._worker.step_timer import StepTimer
 from elastic.errors import NonFiniteLossError, StateError
 
 if TYPE_CHECKING:
@@ -105,7 +105,8 @@ class StepBoundary:
         ramp = progress.lr_ramp or ScaleRamp.initial(self.world_size, rule.base_world_size)
         progress.lr_ramp = ramp.rescaled(step, self.world_size, rule.base_world_size, rule.rescale_warmup_steps)
         lr = rule_lr(rule, base_lr=progress.base_lr, ramp=progress.lr_ramp, step=step, total_steps=self.total_steps)
-        for group, ratio in zip(self.lr_optimizer.param_groups, self.group_ratios):
+        # A group added after prepare_optimizer() has no ratio: it keeps the LR it was given.
+        for group, ratio in zip(self.lr_optimizer.param_groups, self.group_ratios, strict=False):
             group["lr"] = lr * ratio
 
     # ---- what report() and log() do --------------------------------------------------
@@ -146,7 +147,7 @@ class StepBoundary:
         except BaseException:
             # The update is applied: this state may be the one the group restores (warm), so the
             # step keeps a record, with this rank's own values (the others' never arrived).
-            self._keep_record(dict(zip(names, values)), lr, loss_value if loss is not None else None, ())
+            self._keep_record(dict(zip(names, values, strict=True)), lr, loss_value if loss is not None else None, ())
             raise
         shared = torch.stack(gathered).cpu()
         if bool((shared[:, 4] != shared[0, 4]).any()):
@@ -157,7 +158,8 @@ class StepBoundary:
         # Every rank keeps the record (same all-gathered values): if rank 0 dies before the
         # controller polls it, a survivor still has the step.
         mean_loss = float(shared[:, 0].sum()) / self.world_size if loss is not None else None
-        self._keep_record(dict(zip(names, means)), lr, mean_loss, tuple(round(float(c), 6) for c in shared[:, 3]))
+        self._keep_record(dict(zip(names, means, strict=True)), lr, mean_loss,
+                          tuple(round(float(c), 6) for c in shared[:, 3]))
         if mean_loss is not None and not math.isfinite(mean_loss):
             self._worker.checkpoints.nonfinite_step = progress.step
             if self._spec.on_nonfinite_loss == "fail":
@@ -174,8 +176,8 @@ class StepBoundary:
         progress = self._worker.progress
         self._worker.outbox.put(StepRecord(
             step=progress.step, loss=None, world_size=self.world_size, time=time.time(),
-            samples_seen=progress.samples_seen, global_batch=self._global_batch, metrics=dict(zip(names, values)),
-            generation=self._plan.generation, kind="log"))
+            samples_seen=progress.samples_seen, global_batch=self._global_batch,
+            metrics=dict(zip(names, values, strict=True)), generation=self._plan.generation, kind="log"))
 
     def _keep_record(self, metrics: dict[str, float], lr: float | None, loss: float | None,
                      compute_s: tuple[float, ...]) -> None:

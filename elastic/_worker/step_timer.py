@@ -17,7 +17,8 @@ evens the ranks out: a slow FSDP rank goes unflagged rather than a healthy one f
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 

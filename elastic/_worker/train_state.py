@@ -22,11 +22,12 @@ import contextlib
 import enum
 import json
 import keyword
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
-from elastic._lr import ScaleRamp
 from elastic._determinism import DATA_ORDER_START
+from elastic._lr import ScaleRamp
 from elastic.errors import StateError
 
 if TYPE_CHECKING:

@@ -10,6 +10,7 @@ the controller imports this module only to launch the actor class, and stays fre
 from __future__ import annotations
 
 import datetime
+import importlib
 import inspect
 import logging
 import os
@@ -92,9 +93,10 @@ def classify_error(error: BaseException) -> str:
 def _cause_chain(error: BaseException) -> list[BaseException]:
     """The error and its explicit causes (`raise ... from`), outermost first."""
     chain: list[BaseException] = []
-    while error is not None and error not in chain:
-        chain.append(error)
-        error = error.__cause__
+    link: BaseException | None = error
+    while link is not None and link not in chain:
+        chain.append(link)
+        link = link.__cause__
     return chain
 
 
@@ -136,11 +138,10 @@ def _set_torchrun_environment(plan: GenerationPlan) -> None:
 def _preload() -> None:
     """Import what the first step of a generation needs while the worker is still a spare, so a
     replacement joining a running group does not stall everyone on imports."""
-    import torch.distributed.checkpoint.state_dict  # noqa: F401
-    import torch.nn.parallel  # noqa: F401
-    import torch.distributed.fsdp  # noqa: F401  (heavy; paid while the worker is still a spare)
-    import torch.distributed.tensor  # noqa: F401
-    import checkpointing  # noqa: F401
+    for module in ("torch.distributed.checkpoint.state_dict", "torch.nn.parallel",
+                   "torch.distributed.fsdp",   # heavy; paid while the worker is still a spare
+                   "torch.distributed.tensor", "checkpointing"):
+        importlib.import_module(module)
 
 
 class TrainWorker:
@@ -148,6 +149,7 @@ class TrainWorker:
 
     def __init__(self, spec: RunSpec):
         import torch
+
         from elastic._worker.state import WorkerState
         self._spec = spec
         self._loop, self._loop_config = spec.load_user_code()
@@ -193,7 +195,9 @@ class TrainWorker:
     def info(self) -> WorkerInfo:
         import ray
         context = ray.get_runtime_context()
-        return WorkerInfo(pid=os.getpid(), node_id=context.get_node_id(), actor_id=context.get_actor_id(),
+        actor_id = context.get_actor_id()
+        assert actor_id is not None, "info() is a method of the worker's actor"
+        return WorkerInfo(pid=os.getpid(), node_id=context.get_node_id(), actor_id=actor_id,
                           ip=ray.util.get_node_ip_address())
 
     def rendezvous_address(self) -> tuple[str, int]:
@@ -270,12 +274,13 @@ class TrainWorker:
     def shutdown(self) -> None:
         try:
             self._state.checkpoints.close()
-        except Exception:   # noqa: BLE001 - shutting down; the controller already has the outcome
+        except Exception:   # shutting down; the controller already has the outcome
             log.exception("checkpoint manager close failed")
 
     # ---- the training thread -----------------------------------------------------------
     def _run_generation(self, plan: GenerationPlan) -> None:
         import torch
+
         from elastic._determinism import mix_seed
         from elastic.context import RescaleInterrupt, TrainContext
         try:
@@ -319,10 +324,10 @@ class TrainWorker:
             self._cut_group(self._group_sockets)
         try:
             dist.destroy_process_group()
-        except Exception:   # noqa: BLE001 - the old group may already be broken; it is discarded either way
+        except Exception:   # the old group may already be broken; it is discarded either way
             log.debug("destroying the previous process group failed", exc_info=True)
 
-    def _cut_group(self, sockets: "GroupSockets | None") -> None:
+    def _cut_group(self, sockets: GroupSockets | None) -> None:
         """Fail every collective of the current group, on this rank and on the peers blocked on
         it: abort the NCCL communicators, shut down the gloo connections. Best effort."""
         try:
@@ -331,11 +336,12 @@ class TrainWorker:
                 _abort_process_group()
             if sockets is not None:
                 sockets.shutdown()
-        except Exception:   # noqa: BLE001 - best effort; the collective timeout still applies
+        except Exception:   # best effort; the collective timeout still applies
             log.debug("aborting the process group failed", exc_info=True)
 
     def _join_group(self, plan: GenerationPlan) -> None:
         import torch.distributed as dist
+
         from elastic._worker.group_sockets import GroupSockets
         self._leave_group()
         _set_torchrun_environment(plan)

@@ -61,7 +61,8 @@ class PowerSGDCompression:
             # wrap_model), so restored per-bucket residuals fit only from the second step on;
             # this step is plain all-reduce.
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-            return allreduce_hook(None, bucket)
+            # None: the default group, as torch's hook takes it (its annotation leaves None out).
+            return allreduce_hook(None, bucket)  # type: ignore[arg-type]
         error = self.state.error_dict.get(bucket.index())
         if error is not None and error.numel() != bucket.buffer().numel():
             log.warning("PowerSGD state does not fit bucket %d (%d vs %d elements); resetting it",
@@ -148,13 +149,14 @@ def _fully_shard(model: nn.Module, *, device: torch.device, world_size: int, sca
     mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
     # Pinned host memory needs CUDA; on a CPU run the offload only changes where the optimizer runs.
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if scaling.fsdp_cpu_offload else OffloadPolicy()
-    options = dict(mesh=mesh, mp_policy=mp, offload_policy=offload,
-                   reshard_after_forward=scaling.fsdp_reshard_after_forward)
+    options: dict[str, Any] = dict(mesh=mesh, mp_policy=mp, offload_policy=offload,
+                                   reshard_after_forward=scaling.fsdp_reshard_after_forward)
     units = shard_modules if shard_modules is not None else [
         child for m in model.modules() if isinstance(m, nn.ModuleList) for child in m]
     for unit in units:
         fully_shard(unit, **options)
-    return fully_shard(model, **options)
+    fully_shard(model, **options)      # in place: the same module, its class now an FSDPModule subclass
+    return model
 
 
 def _key(rank: int) -> str:
@@ -188,6 +190,6 @@ def load_with_compression_state(manager, compression: PowerSGDCompression | None
         wanted, state = {}, build({})
         loaded = manager.load_latest(state)
     raw = state["extra"].get(_key(rank)) if wanted else None
-    if loaded is not None and raw and loaded.world_size == world_size:
+    if compression is not None and loaded is not None and raw and loaded.world_size == world_size:
         compression.load_bytes(raw, device)
     return state, loaded

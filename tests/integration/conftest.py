@@ -72,9 +72,9 @@ def moto_endpoint(tmp_path_factory):
             try:
                 urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).close()
                 break
-            except OSError:
+            except OSError as error:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"moto server did not start: {log_path.read_text()[-2000:]}")
+                    raise RuntimeError(f"moto server did not start: {log_path.read_text()[-2000:]}") from error
                 time.sleep(0.1)  # polling interval of the readiness loop
         yield endpoint
     finally:

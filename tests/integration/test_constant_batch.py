@@ -88,7 +88,7 @@ def test_constant_batch_through_a_rescale_matches_the_fault_free_run(ray_session
     print(f"max abs parameter difference, fault-free vs 3 -> 2: {diff:.3g}")
     assert clean.summary["loss_last"] < clean.summary["loss_first"]
     assert diff <= PARAM_TOLERANCE
-    for x, y in zip(clean_metrics, metrics):
+    for x, y in zip(clean_metrics, metrics, strict=True):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-4, abs=1e-5)
 
 

@@ -29,9 +29,10 @@ STEPS = 200
 # The job's driver, run inside the head's namespace. The cut worker is declared lost after the
 # heartbeat timeout; the survivors, told to cut their own connections of the group, leave the
 # collective with it at once and come back warm. collective_timeout_s is beyond this test's
-# timeout, so that waiting it out cannot pass. Every checkpoint is kept, so the old generation's files stay to be inspected. Straggler
-# eviction is off: tiny-model compute times on loaded shared cores score up to 1.5 and a
-# three-worker group evicts above 3/2, a recovery this test is not about.
+# timeout, so that waiting it out cannot pass. Every checkpoint is kept, so the old generation's
+# files stay to be inspected. Straggler eviction is off: tiny-model compute times on loaded
+# shared cores score up to 1.5 and a three-worker group evicts above 3/2, a recovery this test
+# is not about.
 DRIVER = """
 import sys
 import gpt

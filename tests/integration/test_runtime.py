@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import time
+from itertools import pairwise
 
 import pytest
 import torch
@@ -188,7 +189,7 @@ def test_a_peer_lost_inside_the_final_save_is_recovered_not_a_fatal_checkpoint_e
 def _steps_at(summary, world_size):
     """Kept steps run at `world_size`, from the world-size history."""
     history = summary["world_size_history"] + [[summary["final_step"], None]]
-    return sum(b[0] - a[0] for a, b in zip(history, history[1:]) if a[1] == world_size)
+    return sum(b[0] - a[0] for a, b in pairwise(history) if a[1] == world_size)
 
 
 @pytest.mark.timeout(300)

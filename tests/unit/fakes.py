@@ -1,10 +1,15 @@
-"""Fakes for driving the controller without Ray: a worker group, a recorder, checkpoints, a clock."""
+"""Fakes for driving the controller without Ray: a worker group, a recorder, checkpoints, a clock.
+
+Each stands in for a Protocol of the controller's (WorkerGroup, RunRecord, CheckpointView);
+protocol_checks.py has the type checker hold them to it (`make lint`).
+"""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
-from elastic._protocol import StepRecord, WorkerInfo, WorkerPhase, WorkerReport
 from elastic._controller.worker_group import DEAD, READY, WorkerView
+from elastic._protocol import GenerationPlan, StepRecord, WorkerInfo, WorkerPhase, WorkerReport
 from elastic.policies import Cause
 
 
@@ -24,9 +29,10 @@ class FakeGroup:
 
     def __init__(self, capacity: int):
         self.capacity = capacity
+        self.poll_hold_s = 0.0                  # set by the controller each tick
         self.views: dict[int, WorkerView] = {}
         self.killed: list[tuple[int, str]] = []
-        self.generations: list[dict] = []
+        self.generations: list[dict[int, GenerationPlan]] = []
         self.stops: list[tuple[list[int], int]] = []
         self.cuts: list[bool] = []              # request_stop's cut_group, per call
         self.shut_down = False
@@ -46,35 +52,38 @@ class FakeGroup:
             v.records = []
         return out
 
-    def rendezvous_address(self, wid):
+    def rendezvous_address(self, wid: int) -> tuple[str, int]:
         return "127.0.0.1", 29500
 
-    def start_generation(self, plans):
+    def start_generation(self, plans: dict[int, GenerationPlan]) -> None:
         self.generations.append(plans)
         for wid, plan in plans.items():
             self.set_report(wid, WorkerPhase.RUNNING, generation=plan.generation, rank=plan.rank,
                             step=plan.restore.step, has_state=True)
 
-    def request_stop(self, wids, generation, cut_group=False):
+    def request_stop(self, wids: list[int], generation: int, cut_group: bool = False) -> None:
         self.stops.append((list(wids), generation))
         self.cuts.append(cut_group)
 
-    def kill(self, wid, reason):
+    def kill(self, wid: int, reason: str) -> None:
         self.killed.append((wid, reason))
         self.views[wid].status = DEAD
         self.views[wid].death = reason
         self.views[wid].death_cause = Cause.WORKER_DIED
 
-    def shutdown(self, graceful=True):
+    def shutdown(self, graceful: bool = True) -> None:
         self.shut_down = True
 
     # ---- scripting --------------------------------------------------------------------
-    def set_report(self, wid, phase, *, generation, rank=0, step=0, has_state=True, **error):
+    def set_report(self, wid: int, phase: WorkerPhase, *, generation: int, rank: int = 0, step: int = 0,
+                   has_state: bool = True, **error: Any) -> None:
         self.views[wid].report = WorkerReport(phase=phase, generation=generation, rank=rank, step=step,
                                               has_state=has_state, records=[], **error)
 
-    def complete_steps(self, wid, first, last, world_size, compute_s=(), generation=None):
+    def complete_steps(self, wid: int, first: int, last: int, world_size: int, compute_s: tuple[float, ...] = (),
+                       generation: int | None = None) -> None:
         report = self.views[wid].report
+        assert report is not None, f"worker {wid} has not reported yet: set_report first"
         generation = report.generation if generation is None else generation
         self.views[wid].records = [StepRecord(step=s, loss=1.0 / s, world_size=world_size, time=float(s),
                                               samples_seen=s * world_size, global_batch=world_size,
@@ -82,67 +91,86 @@ class FakeGroup:
                                    for s in range(first, last + 1)]
         self.views[wid].report = replace(report, step=last)
 
-    def die(self, wid, reason="actor died: killed", silent_s=0.3, cause=None):
+    def die(self, wid: int, reason: str = "actor died: killed", silent_s: float = 0.3,
+            cause: Cause | None = None) -> None:
         self.views[wid].status = DEAD
         self.views[wid].death = reason
-        self.views[wid].death_cause = cause or (Cause.NODE_LOST if reason.startswith("node lost") else Cause.WORKER_DIED)
+        self.views[wid].death_cause = cause or (
+            Cause.NODE_LOST if reason.startswith("node lost") else Cause.WORKER_DIED)
         self.views[wid].silent_s = silent_s
 
 
 class FakeRecorder:
-    def __init__(self):
-        self.steps, self.recoveries, self.generations, self.statuses = [], [], [], []
-        self.resumed_from = None
+    """Keeps what it is told, in lists the tests read."""
 
-    def on_step(self, record):
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.logs: list[StepRecord] = []
+        self.rollbacks: list[int] = []
+        self.recoveries: list[dict[str, Any]] = []
+        self.generations: list[tuple[int, int]] = []
+        self.statuses: list[dict[str, Any]] = []
+        self.commits: list[list[int]] = []
+        self.stragglers: list[dict[str, Any]] = []
+        self.fallbacks: list[dict[str, Any]] = []
+        self.final_data: tuple[int, str | None] | None = None
+        self.resumed_from: int | None = None
+
+    def on_step(self, record: StepRecord) -> None:
         self.steps.append(record.step)
 
-    def rollback_to(self, step):
-        self.steps = [s for s in self.steps if s <= step]
-        self.rollbacks = getattr(self, "rollbacks", []) + [step]
+    def on_log(self, record: StepRecord) -> None:
+        self.logs.append(record)
 
-    def on_recovery(self, recovery):
+    def rollback_to(self, step: int) -> None:
+        self.steps = [s for s in self.steps if s <= step]
+        self.rollbacks.append(step)
+
+    def on_recovery(self, recovery: dict[str, Any]) -> None:
         self.recoveries.append(recovery)
 
-    def on_final_data(self, samples_consumed, data_order):
+    def on_final_data(self, samples_consumed: int, data_order: str | None) -> None:
         self.final_data = (samples_consumed, data_order)
 
-    def on_straggler(self, flag):
-        self.stragglers = getattr(self, "stragglers", []) + [flag]
+    def on_commits(self, steps: list[int]) -> None:
+        self.commits.append(list(steps))
 
-    def on_checkpoint_fallback(self, fallback):
-        self.fallbacks = getattr(self, "fallbacks", []) + [fallback]
+    def on_straggler(self, flag: dict[str, Any]) -> None:
+        self.stragglers.append(flag)
 
-    def on_generation_start(self, step, world_size):
+    def on_checkpoint_fallback(self, fallback: dict[str, Any]) -> None:
+        self.fallbacks.append(fallback)
+
+    def on_generation_start(self, step: int, world_size: int) -> None:
         self.generations.append((step, world_size))
 
-    def load_previous_metrics(self, up_to_step):
+    def load_previous_metrics(self, up_to_step: int) -> None:
         pass
 
-    def correct_generation_start(self, step):
+    def correct_generation_start(self, step: int) -> None:
         self.generations[-1] = (step, self.generations[-1][1])
 
-    def write_status(self, force=False, **status):
+    def write_status(self, *, force: bool = False, **status: Any) -> None:
         self.statuses.append(status)
 
 
 class FakeCheckpoints:
-    def __init__(self, latest=None, fence=None):
+    def __init__(self, latest: int | None = None, fence: int | None = None):
         self.latest = latest
-        self.fences = [] if fence is None else [fence]
+        self.fences: list[int] = [] if fence is None else [fence]
 
-    def latest_step(self):
+    def latest_step(self) -> int | None:
         return self.latest
 
-    def committed_steps(self):
+    def committed_steps(self) -> list[int]:
         return [] if self.latest is None else [self.latest]
 
-    def committed_since(self, step):
+    def committed_since(self, step: int | None) -> list[int]:
         return [s for s in self.committed_steps() if step is None or s > step]
 
-    def fence(self, generation, start_step=None):
+    def fence(self, generation: int, start_step: int | None = None) -> None:
         assert not self.fences or generation >= self.fences[-1], "generations must never go back"
         self.fences.append(generation)
 
-    def current_fence(self):
+    def current_fence(self) -> int | None:
         return self.fences[-1] if self.fences else None

@@ -5,8 +5,7 @@ import torch
 from torch import nn
 
 from elastic import CheckpointConfig, ElasticTrainer, ScalingConfig
-from elastic._accumulation import (Accumulation, accumulation_steps, check_divisible, rank_positions,
-                                   wrap_optimizer)
+from elastic._accumulation import Accumulation, accumulation_steps, check_divisible, rank_positions, wrap_optimizer
 from elastic._data import ElasticLoader
 from elastic.config import ConfigError, LRScalingConfig
 
@@ -130,7 +129,7 @@ def train(accum, zero_first, steps=3):
             before = [p.detach().clone() for p in model.parameters()]
             opt.step()
             if not acc.final:
-                assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+                assert all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
             if not zero_first:
                 opt.zero_grad()
             acc.defer_report(loss.item())
@@ -142,7 +141,7 @@ def test_accumulated_micro_steps_match_one_full_batch_step(zero_first):
     full = train(1, zero_first)
     for accum in (2, 3, 6):
         # Equal up to float summation order (the mean of means vs one mean).
-        for a, b in zip(train(accum, zero_first), full):
+        for a, b in zip(train(accum, zero_first), full, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
@@ -198,11 +197,11 @@ def test_ddp_syncs_gradients_only_on_the_final_micro_step(one_rank_group):
 
 
 def test_fsdp2_reduce_scatters_only_on_the_final_micro_step(one_rank_group, monkeypatch):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     # FSDP2 has no public hook on its reduce-scatter; count calls of the private function that
     # issues it (an AttributeError here means torch moved it: update the name, do not skip).
     import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
     calls = []
     real = param_group.foreach_reduce
     monkeypatch.setattr(param_group, "foreach_reduce", lambda *a, **k: calls.append(1) or real(*a, **k))

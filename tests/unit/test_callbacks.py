@@ -7,9 +7,9 @@ import pytest
 from elastic import Callback, CheckpointConfig, ElasticTrainer, ScalingConfig, TensorBoardCallback
 from elastic._controller.controller import Controller
 from elastic._controller.feed import FeedKind, RunFeed
-from elastic._protocol import StepRecord
 from elastic._controller.run_record import RunRecorder
 from elastic._controller.states import RunState
+from elastic._protocol import StepRecord
 from elastic.callbacks import CallbackRunner
 from elastic.config import FailureConfig
 from elastic.errors import ConfigError

@@ -3,8 +3,17 @@ import pickle
 
 import pytest
 
-from elastic import (CheckpointConfig, ConfigError, ElasticError, ElasticTrainer, FailureConfig, ScalingConfig,
-                     StorageConfigError, TooManyFailuresError, UserCodeError)
+from elastic import (
+    CheckpointConfig,
+    ConfigError,
+    ElasticError,
+    ElasticTrainer,
+    FailureConfig,
+    ScalingConfig,
+    StorageConfigError,
+    TooManyFailuresError,
+    UserCodeError,
+)
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -7,8 +7,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from elastic import (CheckpointConfig, ConfigError, ElasticTrainer, FailureConfig, LRScalingConfig, ScalingConfig,
-                     StorageConfigError)
+from elastic import (
+    CheckpointConfig,
+    ConfigError,
+    ElasticTrainer,
+    FailureConfig,
+    LRScalingConfig,
+    ScalingConfig,
+    StorageConfigError,
+)
 from elastic.policies import FailureDecision, ResizeDecision
 
 pytestmark = pytest.mark.timeout(30)

@@ -2,12 +2,12 @@
 import pytest
 
 from elastic._controller.controller import Controller
-from elastic._protocol import WorkerPhase
 from elastic._controller.states import RunState
+from elastic._controller.worker_group import READY, STARTING
+from elastic._protocol import WorkerPhase
 from elastic.config import FailureConfig, ScalingConfig
 from elastic.errors import InsufficientWorkersError, TooManyFailuresError
 from elastic.policies import FailureDecision, FailurePolicy, ScalingPolicy
-from elastic._controller.worker_group import READY, STARTING
 from fakes import FakeCheckpoints, FakeClock, FakeGroup, FakeRecorder
 
 pytestmark = pytest.mark.timeout(30)

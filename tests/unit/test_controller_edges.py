@@ -4,8 +4,8 @@ which no step completes."""
 import pytest
 
 from checkpointing import StorageError
-from elastic._protocol import WorkerPhase
 from elastic._controller.states import RunState
+from elastic._protocol import WorkerPhase
 from elastic.errors import TooManyFailuresError, WorkerLostError
 from test_controller import interrupt, make, start
 

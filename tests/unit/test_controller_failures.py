@@ -4,20 +4,21 @@ worker's own error; a failed GPU's worker is replaced; a run that fails on too m
 still says what the last one was."""
 import pytest
 
-from elastic._protocol import WorkerPhase
 from elastic._controller.states import RunState
+from elastic._protocol import WorkerPhase
 from elastic.errors import TooManyFailuresError
 from test_controller import make, start
 
 pytestmark = pytest.mark.timeout(30)
 
 MISMATCH = "ProcessGroupGloo::allgather: invalid tensor size at index 0 (expected (2), got ({n}))"
+OWN = MISMATCH.format(n=3)      # rank 0's own error in broken_group
 OTHER = "ProcessGroupGloo::broadcast: invalid root rank: 5"
 CLOSED = ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
           "[10.0.0.{n}]:{port}")
 
 
-def broken_group(group, members, generation, step, *, own=MISMATCH.format(n=3), port=41537):
+def broken_group(group, members, generation, step, *, own=OWN, port=41537):
     """Rank 0 made the wrong call (its own error); the others only saw it leave."""
     errors = {}
     for rank, wid in enumerate(members):

@@ -64,7 +64,7 @@ def test_the_package_still_exports_what_it_imports_lazily():
     assert elastic.ParquetTokens.__module__ == "elastic.datasets"
     assert {"TrainContext", "ParquetTokens"} <= set(dir(elastic)) and set(elastic.__all__) <= set(dir(elastic))
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
-        elastic.Nope
+        _ = elastic.Nope
 
 
 def test_no_module_of_the_controller_folder_imports_torch():

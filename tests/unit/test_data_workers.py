@@ -28,12 +28,15 @@ pytestmark = pytest.mark.timeout(60)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+CPU = torch.device("cpu")
+
+
 class Ctx:
     """What the loader reads of a TrainContext. report() counts the step's samples, as
     TrainContext does, and raises RescaleInterrupt after step `rescale_at`."""
 
     def __init__(self, *, total_steps=12, step=0, samples_seen=0, world_size=1, rank=0, seed=0,
-                 device=torch.device("cpu"), accum=None, rescale_at=None):
+                 device=CPU, accum=None, rescale_at=None):
         self.total_steps, self.step, self.samples_seen = total_steps, step, samples_seen
         self.world_size, self.rank, self.seed, self.device = world_size, rank, seed, device
         self.accumulation = Accumulation(accum) if accum else None
@@ -206,7 +209,7 @@ def test_batches_are_moved_to_the_context_device_through_nested_containers():
     assert not loader._loader.pin_memory                    # pinned only for CUDA
     for batch in loader:
         assert batch["x"].device.type == "meta" and [t.device.type for t in batch["pair"]] == ["meta", "meta"]
-        assert batch["name"] == ["s%d" % i for i in ctx._pending[1]]
+        assert batch["name"] == [f"s{i}" for i in ctx._pending[1]]
         ctx.report()
 
 

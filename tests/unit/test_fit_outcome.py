@@ -13,9 +13,9 @@ from ray.exceptions import ActorDiedError, RayTaskError
 
 from elastic import CheckpointConfig, ElasticTrainer, ScalingConfig, WorkerLostError
 from elastic._controller.actor import ControllerActor
-from elastic._protocol import StepRecord
 from elastic._controller.run_record import RunRecorder
 from elastic._controller.states import RunState
+from elastic._protocol import StepRecord
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -156,6 +156,7 @@ def test_a_complete_record_of_the_controller_is_kept_when_its_outcome_is_lost(tm
     """The controller wrote summary.json, then its final status.json, then died (or its outcome
     could not be unpickled in the driver): its record stands, the driver overwrites nothing."""
     import time
+
     from ray.exceptions import RaySystemError
     error = {"type": "ValueError", "message": "bad batch", "traceback": "Traceback ...", "ranks": [0]}
     summary = {"status": status, "final_step": 10, "checkpoints": [10], "error": None if status == "finished"

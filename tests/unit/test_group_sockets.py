@@ -59,7 +59,7 @@ RANK = textwrap.dedent("""
         print("user connection", "ok" if accepted.recv(4) == b"ping" else "broken", flush=True)
     except OSError as error:
         print("user connection broken:", error, flush=True)
-""" % COLLECTIVE_TIMEOUT_S)
+""" % COLLECTIVE_TIMEOUT_S)  # noqa: UP031 - the program's own f-strings use braces
 
 
 def free_port() -> int:

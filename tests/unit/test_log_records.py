@@ -2,25 +2,15 @@
 keys), the lowest rank's; none of a step a restore discarded (fake worker group, no Ray)."""
 import pytest
 
-from elastic._protocol import StepRecord, WorkerPhase
 from elastic._controller.states import RunState
-from fakes import FakeRecorder
+from elastic._protocol import StepRecord, WorkerPhase
 from test_controller import interrupt, make, start
 
 pytestmark = pytest.mark.timeout(30)
 
 
-class LogRecorder(FakeRecorder):
-    def __init__(self):
-        super().__init__()
-        self.logs = []
-
-    def on_log(self, record):
-        self.logs.append(record)
-
-
 def make_with_logs(**kwargs):
-    controller, group, clock, transitions = make(recorder=LogRecorder(), **kwargs)
+    controller, group, clock, transitions = make(**kwargs)     # FakeRecorder keeps the log records
     return controller, group, clock
 
 

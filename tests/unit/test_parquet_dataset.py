@@ -56,7 +56,8 @@ def test_sequential_access_reads_each_row_group_once(corpus):
     ds = ParquetTokens(corpus, SEQ, cache_bytes=0)       # keeps only the newest row group
     assert [int(ds[i][0]) for i in range(30)] == list(range(30))
     # 10 rows in groups of 4 -> 3 groups, 7 -> 2, 13 -> 4: nine row groups in all.
-    assert ds.cache_info() == {"reads": 9, "cached": 1, "bytes": (SEQ + 1) * 4}   # the newest group: 1 row (13 = 4+4+4+1)
+    # The newest group is cached: 1 row (13 = 4+4+4+1).
+    assert ds.cache_info() == {"reads": 9, "cached": 1, "bytes": (SEQ + 1) * 4}
 
 
 def test_the_cache_is_lru_and_bounded(corpus):

@@ -6,8 +6,8 @@ import pytest
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayTaskError
 
 import elastic._controller.worker_group as ray_group
-from elastic._protocol import WorkerReport
 from elastic._controller.worker_group import DEAD, READY, RayWorkerGroup, _Slot
+from elastic._protocol import WorkerReport
 from elastic.config import FailureConfig, ScalingConfig
 from elastic.errors import WorkerLostError
 

@@ -3,9 +3,9 @@ import logging
 
 import pytest
 
-from elastic._protocol import StepRecord
 from elastic._controller.ray_metrics import RayMetricsListener
 from elastic._controller.run_record import RunRecorder
+from elastic._protocol import StepRecord
 
 pytestmark = pytest.mark.timeout(30)
 

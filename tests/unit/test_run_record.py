@@ -4,8 +4,8 @@ import threading
 
 import pytest
 
-from elastic._protocol import StepRecord
 from elastic._controller.run_record import RunRecorder
+from elastic._protocol import StepRecord
 
 pytestmark = pytest.mark.timeout(30)
 

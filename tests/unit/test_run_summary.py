@@ -1,8 +1,8 @@
 """RunSummary on its own: summary.json's fields built from the run's events (pure: a fake clock)."""
 import pytest
 
-from elastic._protocol import StepRecord
 from elastic._controller.run_summary import RunSummary
+from elastic._protocol import StepRecord
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -2,8 +2,8 @@
 failures that happen while a recovery is open are listed in it (fake worker group, no Ray)."""
 import pytest
 
-from elastic._protocol import WorkerPhase
 from elastic._controller.states import RunState
+from elastic._protocol import WorkerPhase
 from test_controller import interrupt, make, start
 
 pytestmark = pytest.mark.timeout(30)

@@ -84,7 +84,7 @@ def assert_same(a, b, path="state"):
             assert_same(a[k], b[k], f"{path}.{k}")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_same(x, y, f"{path}[{i}]")
     else:
         assert a == b, (path, a, b)
@@ -242,8 +242,8 @@ def loop_with_dist_and_config(ctx):
 
 def test_a_loop_using_dist_and_ctx_config_pickles_for_the_workers(tmp_path):
     import ray.cloudpickle
-
     import torch.distributed.config  # noqa: F401  (the stand-in module that broke the pickling)
+
     from elastic import CheckpointConfig, ElasticTrainer, ScalingConfig
     from elastic.trainer import _ship_user_module_by_value
     _ship_user_module_by_value(loop_with_dist_and_config)    # as fit() does: this file is not installed

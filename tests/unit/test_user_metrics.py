@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from elastic._protocol import StepRecord
 from elastic._controller.run_record import RunRecorder
+from elastic._protocol import StepRecord
 from elastic.trainer import RunMetrics, newest_checkpoint
 
 pytestmark = pytest.mark.timeout(30)

@@ -5,9 +5,8 @@ import sys
 import threading
 from pathlib import Path
 
-from ckpt_conformance import make_state
-
 from checkpointing import CheckpointManager
+from ckpt_conformance import make_state
 
 
 def main() -> None:

@@ -8,6 +8,9 @@ The unit regressions of tests/unit/ckpt run here unchanged with `url` pointing a
 from __future__ import annotations
 
 import pytest
+
+from checkpointing.appendlog import PARTS_SUFFIX, AppendLog, read_log
+from checkpointing.storage import PreconditionFailed, Storage
 from test_ckpt_lease import (  # noqa: F401 - collected here with the S3 `url`
     test_a_dead_runs_storage_is_taken_over_once_stale_and_the_old_run_is_then_fenced_out,
     test_a_second_run_on_a_live_runs_storage_is_refused_with_a_typed_error_naming_it,
@@ -24,9 +27,6 @@ from test_ckpt_reliability import (  # noqa: F401 - collected here with the S3 `
     test_f3_a_manifest_naming_paths_outside_its_step_is_corrupt_and_never_read,
     test_f16_files_collected_during_a_load_because_a_newer_commit_appeared_is_retryable,
 )
-
-from checkpointing.appendlog import PARTS_SUFFIX, AppendLog, read_log
-from checkpointing.storage import PreconditionFailed, Storage
 
 pytestmark = pytest.mark.integration
 

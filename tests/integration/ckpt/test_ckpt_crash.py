@@ -8,11 +8,11 @@ import sys
 import time
 
 import pytest
-from ckpt_conformance import assert_state, blank_state
-from ckpt_ranks import HERE, REPO, SUITE
 
 from checkpointing import CheckpointManager, latest_committed
 from checkpointing import manifest as mf
+from ckpt_conformance import assert_state, blank_state
+from ckpt_ranks import HERE, REPO, SUITE
 
 pytestmark = pytest.mark.integration
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ckpt_ranks import run_ranks
-from test_export import Net, loss_of, new_layout, save, trained
 
 from checkpointing import export_model_state
+from ckpt_ranks import run_ranks
 from elastic.__main__ import main
+from test_export import Net, loss_of, new_layout, save, trained
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 

@@ -79,9 +79,9 @@ def test_a_storage_error_at_any_write_leaves_exactly_the_appends_that_returned(m
         writes = {"n": 0}
         real = st.write_atomic
 
-        def flaky_write(p, data, _real=real, _fail=fail_at):
-            writes["n"] += 1
-            if writes["n"] == _fail:
+        def flaky_write(p, data, _real=real, _fail=fail_at, _writes=writes):
+            _writes["n"] += 1
+            if _writes["n"] == _fail:
                 raise OSError(5, "injected: 503 after retries")
             return _real(p, data)
 
@@ -124,9 +124,9 @@ def test_a_crash_at_any_write_never_loses_or_duplicates_a_line(memory_url):
         writes = {"n": 0}
         real = st.write_atomic
 
-        def dying_write(p, data, _real=real, _crash=crash_at):
-            writes["n"] += 1
-            if writes["n"] == _crash:
+        def dying_write(p, data, _real=real, _crash=crash_at, _writes=writes):
+            _writes["n"] += 1
+            if _writes["n"] == _crash:
                 raise KeyboardInterrupt("writer killed")
             return _real(p, data)
 

@@ -7,10 +7,10 @@ import subprocess
 import sys
 
 import pytest
-from ckpt_conformance import flip_byte, make_state
 
 from checkpointing import CheckpointManager
 from checkpointing.cli import main
+from ckpt_conformance import flip_byte, make_state
 
 
 @pytest.fixture

@@ -17,7 +17,6 @@ import weakref
 
 import pytest
 import torch
-from ckpt_conformance import assert_state, blank_state, flaky, make_state
 
 from checkpointing import (
     CheckpointError,
@@ -27,10 +26,11 @@ from checkpointing import (
     StorageError,
     latest_committed,
     read_fence,
+    retention,
 )
 from checkpointing import manifest as mf
-from checkpointing import retention
 from checkpointing.storage import Storage
+from ckpt_conformance import assert_state, blank_state, flaky, make_state
 
 
 def _dummy_files(storage: Storage, step: int, generation: int) -> dict:
@@ -330,9 +330,8 @@ def test_f3_meta_is_stored_as_strict_json_in_the_manifest_and_returned_by_load(u
 @pytest.mark.timeout(30)
 def test_f7_the_failure_limit_stops_the_run_and_is_classified_fatal(memory_url, monkeypatch):
     """The review's repro: a save that fails with StorageError 3 times, then would succeed."""
-    from elastic._worker.worker import classify_error
-
     import checkpointing._save as save_module
+    from elastic._worker.worker import classify_error
     real = save_module.run_save
     calls = []
 

@@ -9,11 +9,11 @@ import sys
 
 import pytest
 import torch
-from ckpt_conformance import flip_byte
 from torch import nn
 
 from checkpointing import CheckpointManager, CorruptCheckpointError, export, export_model_state
 from checkpointing import manifest as mf
+from ckpt_conformance import flip_byte
 from elastic.__main__ import main
 
 pytestmark = pytest.mark.timeout(60)
