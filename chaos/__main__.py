@@ -3,7 +3,8 @@
     python -m chaos list                                 the named scenarios
     python -m chaos schedule mixed --seed 3              the faults a seed gives, as JSON
     python -m chaos run smoke --seed 1 --storage s3://chaos/smoke --moto
-    python -m chaos heal                                 remove network namespaces a killed runner left
+    python -m chaos heal --id ID                         remove what a killed runner's namespaced cluster left
+                                                         (ID: in its history.jsonl; `heal` alone lists them)
 
 `run` exits 0 when every invariant holds, 1 when one is violated, 2 on a usage or setup error,
 130 when interrupted (Ctrl-C, SIGTERM) after the final heal.
@@ -40,12 +41,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="fault-free reference: auto (train or reuse STORAGE-reference), none, or a run's URL")
     r.add_argument("--reference-after", action="store_true",
                    help="train the reference after the campaign, not alongside it at nice 19")
-    r.add_argument("--overwrite", action="store_true", help="delete what is in --storage first")
+    r.add_argument("--overwrite", action="store_true",
+                   help="delete what is in --storage first, and in STORAGE-reference unless it holds a reusable "
+                        "reference of this job")
     r.add_argument("--job", help="script that follows the main job's contract (default examples/pretrain.py)")
     r.add_argument("--job-arg", action="append", default=[], help="extra argument for the job (repeatable)")
     r.add_argument("--timeout", type=float, help="seconds before an attempt of the job is stopped")
     r.add_argument("-v", "--verbose", action="store_true")
-    sub.add_parser("heal", help="remove network namespaces, links and bridges left by a killed runner")
+    h = sub.add_parser("heal", help="remove the network namespaces, links and bridges a killed runner left")
+    h.add_argument("--id", help="the campaign's five-digit cluster id (its history.jsonl's `cluster` event; "
+                                "`heal` without --id lists those on this machine), or 'all' for every campaign's, "
+                                "running ones included")
     return p
 
 
@@ -54,20 +60,33 @@ def _terminate(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def _heal(campaign: str | None) -> int:
+    from chaos.netns import ID_RE, cleanup_leftovers, leftover_ids
+    if campaign is None:
+        ids = leftover_ids()
+        print(json.dumps({"campaigns": ids}))
+        print("chaos heal: pass --id ID for one campaign's cluster"
+              + (f" (found: {', '.join(ids)})" if ids else " (none found here)") + ", or --id all", file=sys.stderr)
+        return 2
+    if campaign != "all" and not ID_RE.match(campaign):
+        print(f"chaos heal: --id {campaign!r}: a five-digit campaign id, or 'all'", file=sys.stderr)
+        return 2
+    print(json.dumps(cleanup_leftovers(campaign)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "list":
         for sc in SCENARIOS.values():
             print(f"{sc.name:<12} {sc.description}  (steps {sc.steps}, workers {sc.workers}"
-                  f"{', nodes %d' % sc.nodes if sc.nodes else ''})")
+                  f"{f', nodes {sc.nodes}' if sc.nodes else ''})")
         return 0
     if args.command == "schedule":
         print(json.dumps(SCENARIOS[args.scenario].schedule(args.seed).to_dict(), indent=1))
         return 0
     if args.command == "heal":
-        from chaos.netns import cleanup_leftovers
-        print(json.dumps(cleanup_leftovers()))
-        return 0
+        return _heal(args.id)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from chaos.report import summarize

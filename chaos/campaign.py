@@ -17,8 +17,10 @@ import json
 import logging
 import os
 import time
+from typing import Any
 
 from chaos.cluster import LocalCluster
+from chaos.faults import UserError
 from chaos.history import History
 from chaos.injectors import Env, build_injectors
 from chaos.job import JobProcess, JobSpec
@@ -43,9 +45,14 @@ class Campaign:
         self.sc, self.spec, self.schedule, self.view, self.history = sc, spec, schedule, view, history
         self.out_dir, self.upstream, self.timeout_s = out_dir, upstream, timeout_s or sc.job_timeout_s
         self.attempts: list[dict] = []
-        self.info = {"unsupported": {}, "proxy_counts": None, "cluster": "embedded Ray (started by the job)"}
+        self.info: dict[str, Any] = {"unsupported": {}, "proxy_counts": None,
+                                     "cluster": "embedded Ray (started by the job)"}
         self.env = Env(view=view)
-        self.cluster = self.proxy = self.job = self.watcher = self.nemesis = None
+        self.cluster: Any = None          # LocalCluster / NetnsCluster, when the scenario has nodes
+        self.proxy: FaultProxy | None = None
+        self.job: JobProcess | None = None
+        self.watcher: CommitWatcher | None = None
+        self.nemesis: Nemesis | None = None
         self.job_env: dict[str, str] = {}
         self.deadline = 0.0
         self.t0: float | None = None            # when training first ran: schedule times count from it
@@ -62,23 +69,27 @@ class Campaign:
     # ---- environment ---------------------------------------------------------------------------
     def _setup(self) -> None:
         self.cluster, self.info["cluster"] = start_cluster(self.sc, self.out_dir)
+        if getattr(self.cluster, "heal_command", None):
+            # Recorded as it starts: a runner killed later leaves this for the operator's heal.
+            self.history.record("cluster", id=self.cluster.id, description=self.info["cluster"],
+                                heal=self.cluster.heal_command)
         self.job_env = dict(os.environ, PYTHONUNBUFFERED="1")
         if self.cluster is not None:
             self.job_env.update(self.cluster.env())
         if self.upstream and self.upstream.startswith("http://"):
-            self.proxy = FaultProxy(self.upstream, host=getattr(self.cluster, "host_ip", "127.0.0.1"))
-            self.job_env["AWS_ENDPOINT_URL"] = self.proxy.endpoint
+            self.proxy = proxy = FaultProxy(self.upstream, host=getattr(self.cluster, "host_ip", "127.0.0.1"))
+            self.job_env["AWS_ENDPOINT_URL"] = proxy.endpoint
             self.job_env.pop("AWS_ENDPOINT_URL_S3", None)
         self.env.cluster, self.env.proxy = self.cluster, self.proxy
         self.env.job_spec, self.env.job_env, self.env.out_dir = self.spec, self.job_env, self.out_dir
         self.env.exec_prefix = self.cluster.exec_prefix() if self.cluster is not None else []
-        self.watcher = CommitWatcher(self.view, self.history)
-        self.watcher.start()
-        self.nemesis = Nemesis(self.schedule, build_injectors(self.env), self.view, self.history,
-                               total_steps=self.spec.steps, heartbeat_timeout_s=self.sc.heartbeat_timeout_s,
-                               job_alive=self._job_alive, commits=self.watcher, cluster=self.cluster)
-        self.nemesis.setup()
-        self.info["unsupported"] = dict(self.nemesis.unsupported)
+        self.watcher = watcher = CommitWatcher(self.view, self.history)
+        watcher.start()
+        self.nemesis = nemesis = Nemesis(self.schedule, build_injectors(self.env), self.view, self.history,
+                                         total_steps=self.spec.steps, heartbeat_timeout_s=self.sc.heartbeat_timeout_s,
+                                         job_alive=self._job_alive, commits=watcher, cluster=self.cluster)
+        nemesis.setup()
+        self.info["unsupported"] = dict(nemesis.unsupported)
 
     def _teardown(self) -> None:
         """Every step runs even when one before it fails, or a Ctrl-C/SIGTERM lands meanwhile:
@@ -88,7 +99,7 @@ class Campaign:
                      self._close_proxy, self._stop_cluster, self._kill_leftovers):
             try:
                 step()
-            except BaseException as e:   # noqa: BLE001 - re-raised below, after the other steps
+            except BaseException as e:   # re-raised below, after the other steps
                 log.exception("teardown step %s failed", step.__name__)
                 errors.append(e)
         if errors:
@@ -124,18 +135,25 @@ class Campaign:
         if left:
             self.history.record("cleanup", killed_leftover_workers=left)
 
+    def _running(self) -> tuple[Nemesis, JobProcess]:
+        """The nemesis and the attempt's job, once set up and started."""
+        if self.nemesis is None or self.job is None:
+            raise RuntimeError("the campaign is not set up, or no attempt has started")
+        return self.nemesis, self.job
+
     def _job_alive(self) -> bool:
-        return self.job.poll() is None and time.time() < self.deadline
+        return self.job is not None and self.job.poll() is None and time.time() < self.deadline
 
     # ---- attempts ------------------------------------------------------------------------------
     def _attempts(self) -> JobSpec:
-        armed = next(iter(self.schedule.launch_faults), None)
+        armed = next((f for f in self.schedule.launch_faults if isinstance(f, UserError)), None)
         spec, restarts_left, extensions_left = self.spec, self.sc.restarts, MAX_EXTENSIONS
         while True:
             attempt = self._attempt(spec.replace(fail_at=(armed.rank, armed.step) if armed else None), armed)
+            nemesis, _ = self._running()
             summary = attempt["summary"] or {}
             error = (summary.get("error") or {}).get("type")
-            pending = self.nemesis.next_index < len(self.schedule.entries)
+            pending = nemesis.next_index < len(self.schedule.entries)
             if attempt["timed_out"]:
                 break
             if summary.get("status") == "failed":
@@ -151,17 +169,18 @@ class Campaign:
             else:
                 break
             armed = None
-            self.nemesis.heal_all(self.env.touched)
-        self.nemesis.skip_rest("the run had ended")
+            nemesis.heal_all(self.env.touched)
+        self._running()[0].skip_rest("the run had ended")
         return spec
 
-    def _attempt(self, spec: JobSpec, armed) -> dict:
+    def _attempt(self, spec: JobSpec, armed: UserError | None) -> dict:
         n = len(self.attempts)
         self.deadline = time.time() + self.timeout_s
-        self.nemesis.total_steps = spec.steps
         self.env.job_spec = spec.replace(fail_at=None)
         self.job = JobProcess(spec, self.job_env, os.path.join(self.out_dir, f"job-{n}.log"),
                               prefix=self.cluster.exec_prefix() if self.cluster is not None else []).start()
+        nemesis, job = self._running()
+        nemesis.total_steps = spec.steps
         self.history.record("job_start", attempt=n, argv=spec.argv())
         if armed is not None:
             self.history.record("invoke", index=len(self.schedule.entries), fault=armed.to_dict(),
@@ -174,30 +193,32 @@ class Campaign:
             # which the user error is armed.
             if armed is None:
                 self.t0 = now if self.t0 is None else self.t0 + (now - (self.down_since or now))
-                self.nemesis.run(self.t0)
-        self.nemesis.wait_heals(lambda: self.job.poll() is not None or time.time() > self.deadline)
-        timed_out = self.job.poll() is None
-        code = self.job.stop()
+                nemesis.run(self.t0)
+        nemesis.wait_heals(lambda: job.poll() is not None or time.time() > self.deadline)
+        timed_out = job.poll() is None
+        code = job.stop()
         self.down_since = time.time()
         summary = self.view.summary()
         if self.attempts and summary == self.attempts[-1]["summary"]:
             summary = None              # the previous attempt's: this one wrote none
         attempt = {"summary": summary, "exit_code": code, "timed_out": timed_out,
                    "fail_at": list(spec.fail_at) if spec.fail_at else None, "steps": spec.steps,
-                   "started_at": self.job.started_at, "ended_at": self.job.ended_at or self.down_since}
+                   "started_at": job.started_at, "ended_at": job.ended_at or self.down_since}
         self.attempts.append(attempt)
         self._keep_copy(n)
         self.history.record("job_exit", attempt=n, exit_code=code, timed_out=timed_out, steps=spec.steps,
-                            status=(summary or {}).get("status"), error=((summary or {}).get("error") or {}).get("type"))
+                            status=(summary or {}).get("status"),
+                            error=((summary or {}).get("error") or {}).get("type"))
         return attempt
 
     def _wait_running(self) -> bool:
+        _, job = self._running()
         try:
-            wait_until(lambda: self.job.poll() is not None or (self.view.status() or {}).get("state") == "running",
+            wait_until(lambda: job.poll() is not None or (self.view.status() or {}).get("state") == "running",
                        STARTUP_TIMEOUT_S, "the run to start training")
         except TimeoutError:
             return False
-        return self.job.poll() is None
+        return job.poll() is None
 
     def _extended_steps(self, spec: JobSpec, summary: dict) -> int:
         """More steps for the rest of the schedule, at the pace the last attempt trained."""
@@ -206,7 +227,7 @@ class Campaign:
         remaining_s = self.schedule.entries[-1].at_s - (time.time() - (self.t0 or time.time()))
         # Each pending fault waits for a commit by the generation it hits (Nemesis._gate): up to
         # checkpoint_every steps of every new generation, however late the schedule already is.
-        pending = len(self.schedule.entries) - self.nemesis.next_index
+        pending = len(self.schedule.entries) - self._running()[0].next_index
         # A little more than the rest of the schedule; if recoveries eat it, one more extension.
         extra = int((max(0.0, remaining_s) * 1.2 + 10.0) * rate) + (pending + 1) * spec.checkpoint_every
         log.info("the job finished before the schedule: running it again with %d more steps", extra)
@@ -223,7 +244,7 @@ class Campaign:
             f.writelines(json.dumps(row) + "\n" for row in self.view.metrics())
 
 
-def start_cluster(sc: Scenario, out_dir: str):
+def start_cluster(sc: Scenario, out_dir: str) -> tuple[Any, str]:
     """The Ray cluster a scenario needs (None: the job starts its own), and how to describe it."""
     if not sc.nodes:
         return None, "embedded Ray (started by the job)"
@@ -233,14 +254,16 @@ def start_cluster(sc: Scenario, out_dir: str):
         if reason is None:
             cluster = NetnsCluster(sc.nodes, log_dir=os.path.join(out_dir, "ray-nodes"))
             try:
-                return cluster.start(), f"{sc.nodes} Ray nodes in network namespaces"
+                cluster.start()
+                return cluster, (f"{sc.nodes} Ray nodes in network namespaces (id {cluster.id}, "
+                                 f"{cluster.cidr}, token auth)")
             except BaseException:
                 cluster.shutdown()
                 raise
         log.warning("network namespaces unavailable (%s): plain local cluster, partitions skipped", reason)
-    cluster = LocalCluster(sc.nodes)
+    local = LocalCluster(sc.nodes)
     try:
-        return cluster.start(), f"ray.cluster_utils.Cluster with {sc.nodes} one-CPU nodes"
+        return local.start(), f"ray.cluster_utils.Cluster with {sc.nodes} one-CPU nodes"
     except BaseException:
-        cluster.shutdown()
+        local.shutdown()
         raise

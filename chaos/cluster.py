@@ -13,6 +13,7 @@ RAY_TMPDIR to a private directory first, so this cluster's address file (which a
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 log = logging.getLogger("chaos.cluster")
 
@@ -24,10 +25,10 @@ class LocalCluster:
 
     def __init__(self, nodes: int, cpus_per_node: float = 1.0):
         self.n_nodes, self.cpus_per_node = nodes, cpus_per_node
-        self._cluster = None
+        self._cluster: Any = None                # ray.cluster_utils.Cluster, once started
         self._nodes: dict[str, object] = {}     # node_id (hex) -> ray._private.node.Node
 
-    def start(self) -> "LocalCluster":
+    def start(self) -> LocalCluster:
         from ray.cluster_utils import Cluster
         self._cluster = Cluster(initialize_head=True, shutdown_at_exit=True,
                                 head_node_args={"num_cpus": 0, "include_dashboard": False,

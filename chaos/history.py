@@ -11,6 +11,8 @@ Event types:
   skip                    a scheduled fault was not injected (`reason`: run ended, unsupported...)
   commits                 the committed checkpoints changed (`steps`, `generations`, `newest`, and
                           `rejected`: [step, generation] of manifests the fence history rejects)
+  cluster                 a namespaced cluster started (`id`, `description`, `heal`: the command
+                          that removes what it leaves if the runner is killed)
   fence                   FENCE changed (`generation`, `run_id`, `history`: [generation, start
                           step, run id] per generation)
 """
@@ -19,7 +21,8 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 
 class History:
@@ -48,6 +51,6 @@ class History:
             self._file = None
 
     @classmethod
-    def load(cls, path: str) -> "History":
+    def load(cls, path: str) -> History:
         with open(path) as f:
             return cls(None, [json.loads(line) for line in f if line.strip()])

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import IO
 
 DEFAULT_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "pretrain.py")
 
@@ -44,7 +45,7 @@ class JobSpec:
             argv += ["--fail-at", f"{self.fail_at[0]}:{self.fail_at[1]}"]
         return argv + list(self.extra_args)
 
-    def replace(self, **changes) -> "JobSpec":
+    def replace(self, **changes) -> JobSpec:
         return dataclasses.replace(self, **changes)
 
     def identity(self) -> dict:
@@ -64,18 +65,24 @@ class JobProcess:
     proc: subprocess.Popen | None = None
     started_at: float = 0.0
     ended_at: float | None = None
-    _log: object = field(default=None, repr=False)
+    _log: IO[bytes] | None = field(default=None, repr=False)
     _code: int | None = field(default=None, repr=False)
 
-    def start(self) -> "JobProcess":
+    def start(self) -> JobProcess:
         self._log = open(self.log_path, "ab")
         self.started_at = time.time()
-        self.proc = subprocess.Popen(self.prefix + self.spec.argv(), env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(self.prefix + self.spec.argv(), env=self.env, stdout=self._log,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         return self
 
+    @property
+    def process(self) -> subprocess.Popen:
+        if self.proc is None:
+            raise RuntimeError(f"the job {self.spec.script} was not started (JobProcess.start())")
+        return self.proc
+
     def poll(self) -> int | None:
-        code = self.proc.poll()
+        code = self.process.poll()
         if code is not None and self.ended_at is None:
             self.ended_at = time.time()
         return code
@@ -87,12 +94,12 @@ class JobProcess:
         if self.poll() is None:
             self._signal_group(signal.SIGTERM)
             try:
-                self.proc.wait(timeout=grace_s)
+                self.process.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 pass
         # Whatever it started in its session (an embedded Ray) goes with it.
         self._signal_group(signal.SIGKILL)
-        code = self._code = self.proc.wait(timeout=30)
+        code = self._code = self.process.wait(timeout=30)
         self.poll()
         if self._log is not None:
             self._log.close()
@@ -101,6 +108,6 @@ class JobProcess:
 
     def _signal_group(self, sig: int) -> None:
         try:
-            os.killpg(self.proc.pid, sig)
+            os.killpg(self.process.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass

@@ -13,7 +13,7 @@ pairing by one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from chaos.faults import fault_from_dict
 
@@ -46,11 +46,12 @@ class _Window:
             return False
         if detected is not None and self.latest is not None and detected >= self.latest:
             return False
-        failed = {rank for f in recovery.get("failures") or [] if f.get("cause") in causes for rank in f.get("ranks") or []}
+        failed = {rank for f in recovery.get("failures") or [] if f.get("cause") in causes
+                  for rank in f.get("ranks") or []}
         return not (self.ranks and failed) or bool(self.ranks & failed)
 
 
-def match_recoveries(ev: "Evidence") -> list[dict]:
+def match_recoveries(ev: Evidence) -> list[dict]:
     """Pair each injected fault with the recovery it caused. Faults that require a recovery
     are matched first, in order, each to the earliest recovery in its window; optional ones (a
     short hang, an outage) then take what is left, so they never steal a required one's.
@@ -65,10 +66,11 @@ def match_recoveries(ev: "Evidence") -> list[dict]:
     spans = [(a.get("started_at") or 0, a.get("ended_at") or float("inf")) for a in ev.attempts]
     invokes = ev.events("invoke")
     windows = [_window(invokes, n, spans, gated) for n in range(len(invokes))]
-    entries = [{"invoke": i, "outcome": "not required", "recovery": None, "why": ""} for i in invokes]
+    entries: list[dict[str, Any]] = [{"invoke": i, "outcome": "not required", "recovery": None, "why": ""}
+                                     for i in invokes]
     used: list[dict] = []
-    previous = None               # (generation, recovery) of the last required fault matched
-    for n, (invoke, entry, window) in enumerate(zip(invokes, entries, windows)):
+    previous: tuple[int, dict] | None = None     # (generation, recovery) of the last required fault matched
+    for n, (invoke, entry, window) in enumerate(zip(invokes, entries, windows, strict=True)):
         fault = fault_from_dict(invoke["fault"])
         expect = fault.expectation(ev.heartbeat_timeout_s)
         if expect.fails_run:
@@ -82,7 +84,7 @@ def match_recoveries(ev: "Evidence") -> list[dict]:
         overlapped = previous is not None and previous[1].get("cause") in expect.causes and (
             (invoke.get("run") or {}).get("state") in ("recovering", "starting", "scheduling")
             or previous[0] == generation)
-        if overlapped:
+        if overlapped and previous is not None:
             entry.update(outcome="shared", recovery=previous[1])
         elif fresh:
             entry.update(outcome="recovered", recovery=fresh[0])
@@ -90,7 +92,7 @@ def match_recoveries(ev: "Evidence") -> list[dict]:
         elif candidates and not gated:
             entry.update(outcome="shared", recovery=candidates[0])
         else:
-            attempt = _attempt_at(spans, invoke["t"])
+            attempt = _attempt_at(spans, acted_at(invoke))
             ended = attempt is not None and _ended_by_policy(ev.attempts[attempt]) and not any(
                 _attempt_at(spans, later["t"]) == attempt for later in invokes[n + 1:])
             if ended:
@@ -99,7 +101,7 @@ def match_recoveries(ev: "Evidence") -> list[dict]:
                 entry.update(outcome="missing", why=_why_missing(expect.causes, window))
         if entry["recovery"] is not None:
             previous = (generation, entry["recovery"])
-    for invoke, entry, window in zip(invokes, entries, windows):
+    for invoke, entry, window in zip(invokes, entries, windows, strict=True):
         expect = fault_from_dict(invoke["fault"]).expectation(ev.heartbeat_timeout_s)
         if expect.required or expect.fails_run:
             continue
@@ -112,18 +114,25 @@ def match_recoveries(ev: "Evidence") -> list[dict]:
 
 def _window(invokes: list[dict], n: int, spans: list[tuple[float, float]], gated: bool) -> _Window:
     invoke = invokes[n]
-    t = invoke.get("t")
+    t = acted_at(invoke)
     attempt = _attempt_at(spans, t) if t is not None else None
     latest = None
     if gated and t is not None:
         # The next fault waited until the run trained again in a new generation: by then this
         # fault's recovery had been detected. (Faults armed at a job's start are not scheduled.)
-        later = [i["t"] for i in invokes[n + 1:] if i.get("t", t) > t and not (i.get("detail") or {}).get("armed")
-                 and _attempt_at(spans, i["t"]) == attempt]
+        later = [acted_at(i) for i in invokes[n + 1:] if acted_at(i) > t and not (i.get("detail") or {}).get("armed")
+                 and _attempt_at(spans, acted_at(i)) == attempt]
         latest = min(later) + EARLY_S if later else None
     ranks = frozenset((invoke.get("detail") or {}).get("ranks") or ())
     return _Window(attempt=attempt, after_generation=_generation(invoke), ranks=ranks,
                    earliest=None if t is None else t - EARLY_S, latest=latest)
+
+
+def acted_at(invoke: dict) -> float:
+    """When the fault hit the run. An injector that waits for the fault's outcome before it
+    returns (late_commit, second_run) records in its detail the moment it acted on the run; the
+    invoke is recorded after, and a recovery detected in between is still this fault's."""
+    return (invoke.get("detail") or {}).get("acted_at") or invoke["t"]
 
 
 def _why_missing(causes: tuple[str, ...], window: _Window) -> str:
@@ -142,7 +151,7 @@ def _generation(invoke: dict) -> int:
     return -1 if generation is None else generation
 
 
-def _match_user_error(ev: "Evidence", invoke: dict, fault) -> dict:
+def _match_user_error(ev: Evidence, invoke: dict, fault) -> dict:
     for a in ev.attempts:
         if a.get("fail_at") and list(a["fail_at"]) == [fault.rank, fault.step]:
             s = a.get("summary") or {}

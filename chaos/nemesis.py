@@ -15,7 +15,7 @@ import logging
 import signal
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from chaos.faults import Fault
 from chaos.history import History
@@ -32,7 +32,7 @@ END_MARGIN = 0.97         # this close to its last step, the next fault waits fo
 class Nemesis:
     def __init__(self, schedule: Schedule, injectors: dict[str, Injector], view: RunView, history: History, *,
                  total_steps: int, heartbeat_timeout_s: float, job_alive: Callable[[], bool],
-                 gate_timeout_s: float = 240.0, commits: "CommitWatcher | None" = None, cluster=None):
+                 gate_timeout_s: float = 240.0, commits: CommitWatcher | None = None, cluster=None):
         self.schedule, self.injectors, self.view, self.history = schedule, injectors, view, history
         self.total_steps, self.heartbeat_timeout_s = total_steps, heartbeat_timeout_s
         self.job_alive, self.gate_timeout_s, self.commits = job_alive, gate_timeout_s, commits
@@ -59,7 +59,7 @@ class Nemesis:
             if kind in self.injectors and kind not in self.unsupported:
                 try:
                     self.injectors[kind].teardown()
-                except Exception:   # noqa: BLE001 - teardown of one must not stop the others
+                except Exception:   # teardown of one must not stop the others
                     log.exception("teardown of %s failed", kind)
 
     # ---- the schedule ------------------------------------------------------------------------
@@ -103,7 +103,7 @@ class Nemesis:
             active = self.injectors[fault.kind].invoke(fault, self.schedule.target_rng(index))
         except Skip as e:
             return self._skip(index, fault, str(e))
-        except Exception as e:   # noqa: BLE001 - an injector bug is recorded, the campaign goes on
+        except Exception as e:   # an injector bug is recorded, the campaign goes on
             log.exception("invoking %s failed", fault.describe())
             return self._skip(index, fault, f"injector error: {type(e).__name__}: {e}")
         self.history.record("invoke", index=index, fault=fault.to_dict(), detail=active.detail,
@@ -176,7 +176,7 @@ class Nemesis:
         try:
             detail = self.injectors[active.fault.kind].heal(active)
             error = None
-        except Exception as e:   # noqa: BLE001 - recorded; the final heal retries what it can
+        except Exception as e:   # recorded; the final heal retries what it can
             log.exception("healing %s failed", active.fault.describe())
             detail, error = {}, f"{type(e).__name__}: {e}"
         active.healed = error is None
@@ -215,13 +215,13 @@ class CommitWatcher(threading.Thread):
             try:
                 fence, steps, rejected = self.view.manifests()
             except Exception:   # noqa: BLE001 - a listing that fails is retried next interval
-                fence = steps = rejected = None
-            if fence is not None:
-                facts = fence_facts(fence)
-                if facts != last_fence:
-                    self.history.record("fence", **facts)
-                    last_fence = facts
-            if steps is not None and (steps, rejected) != last:
+                self._halt.wait(self.interval_s)
+                continue
+            facts = fence_facts(fence)
+            if facts is not None and facts != last_fence:
+                self.history.record("fence", **facts)
+                last_fence = facts
+            if (steps, rejected) != last:
                 fields = {"rejected": [[s, rejected[s]] for s in sorted(rejected)]} if rejected else {}
                 event = self.history.record("commits", steps=sorted(steps),
                                             generations=[steps[s] for s in sorted(steps)],

@@ -10,13 +10,24 @@ Killing a node kills every process in its namespace. Node processes share the ma
 namespace, so the pids in status.json are signalled as usual.
 
 Needs root, iproute2, veth and bridge support; `netns_unsupported_reason()` says what is
-missing. Every name starts with "chx", so `python -m chaos heal` can remove what a killed
-runner left behind.
+missing. Every name starts with "chx<id>" (the cluster's five-digit id), so
+`python -m chaos heal --id ID` removes what a killed runner left behind, and only that;
+`--id all` removes every campaign's (concurrent ones included).
+
+Run as root, a cluster must not be a door into root: the GCS listens on the bridge, which
+every local user can reach. So every cluster runs with Ray's token authentication
+(RAY_AUTH_MODE=token), with a fresh random token of its own (256 bits, as `ray get-auth-token
+--generate` makes) handed to its nodes and its job in RAY_AUTH_TOKEN: an environment only root
+can read. And its /24 is one no route of the machine covers (`ip route`): a subnet that shadowed
+a real network would cut the machine off from it for the campaign's length.
 """
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
+import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -27,6 +38,11 @@ from chaos.services import wait_until
 log = logging.getLogger("chaos.netns")
 
 PREFIX = "chx"
+ID_RE = re.compile(r"^\d{5}$")
+NAME_ID_RE = re.compile(r"^chx(\d{5})(?!\d)")   # the campaign id in a namespace, link or bridge name
+SUBNET_BASE = "10.213"                            # campaigns use 10.213.N.0/24, N in 1..250
+ROUTE_TYPES = {"unicast", "local", "broadcast", "multicast", "anycast", "blackhole", "unreachable", "prohibit",
+               "throw", "nat"}
 RAY_PORT = 6379
 ETC_NETNS = "/etc/netns"     # per-namespace files that `ip netns exec` mounts over /etc
 OBJECT_STORE_BYTES = 128 * 1024 * 1024
@@ -56,14 +72,46 @@ def netns_unsupported_reason() -> str | None:
         _ip("netns", "del", probe, check=False)
 
 
-def _auth_mode() -> str:
-    """One auth mode for every node and the driver: a worker node started without it would not
-    send the head's token. Token auth when a token exists (as a local `ray.init()` creates),
-    else none: the cluster is only reachable on this machine's private bridge."""
-    if os.environ.get("RAY_AUTH_MODE"):
-        return os.environ["RAY_AUTH_MODE"]
-    token = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
-    return "token" if os.environ.get("RAY_AUTH_TOKEN") or os.path.exists(token) else "disabled"
+def auth_token() -> str:
+    """A fresh cluster token: 256 random bits in hex, as Ray's own generator makes them."""
+    return secrets.token_hex(32)
+
+
+def route_overlaps(routes: str, subnet: ipaddress.IPv4Network) -> list[str]:
+    """The lines of `ip -4 route show table all` whose destination overlaps `subnet` (a default
+    route does not count: it is what any more specific route is meant to override)."""
+    found = []
+    for line in routes.splitlines():
+        tokens = line.split()
+        if tokens and tokens[0] in ROUTE_TYPES:
+            tokens = tokens[1:]
+        if not tokens or tokens[0] == "default":
+            continue
+        try:
+            destination = ipaddress.ip_network(tokens[0], strict=False)
+        except ValueError:
+            continue
+        if destination.version == 4 and destination.overlaps(subnet):
+            found.append(line.strip())
+    return found
+
+
+def free_subnet(routes: str, preferred: int) -> int:
+    """N of the first 10.213.N.0/24 (from `preferred`, round 1..250) that no route overlaps;
+    RuntimeError naming what is in the way when there is none."""
+    blocking: list[str] = []
+    for k in range(250):
+        n = 1 + (preferred - 1 + k) % 250
+        found = route_overlaps(routes, ipaddress.IPv4Network(f"{SUBNET_BASE}.{n}.0/24"))
+        if not found:
+            return n
+        blocking.extend(line for line in found if line not in blocking)
+    raise RuntimeError(f"every {SUBNET_BASE}.N.0/24 has a route on this machine ({'; '.join(blocking[:3])}): a "
+                       f"namespaced cluster there would shadow it; remove the route(s) or run without namespaces")
+
+
+def _routes() -> str:
+    return _ip("-4", "route", "show", "table", "all").stdout
 
 
 def _ray_bin() -> str:
@@ -77,20 +125,38 @@ class NetnsCluster:
     def __init__(self, nodes: int, log_dir: str | None = None):
         self.n_nodes = nodes
         self.id = f"{os.getpid() % 100000:05d}"
-        self.subnet = 1 + os.getpid() % 250
-        self.host_ip = f"10.213.{self.subnet}.1"
-        self.head_ip = f"10.213.{self.subnet}.2"
+        self.subnet: int | None = None          # N of 10.213.N.0/24, claimed by start()
         self.bridge = f"{PREFIX}{self.id}b"
         self.head_ns = f"{PREFIX}{self.id}h"
         self._procs: dict[str, subprocess.Popen] = {}     # namespace -> its `ray start --block`
         self._removed: set[str] = set()
         self._next = 0
         self.log_dir = log_dir or f"/tmp/{PREFIX}{self.id}-logs"      # `ray start` output per node
-        self.auth_mode = _auth_mode()
+        self.token = auth_token()
+        if os.environ.get("RAY_AUTH_MODE", "token") != "token":
+            log.warning("RAY_AUTH_MODE=%s ignored: a namespaced cluster always uses token authentication",
+                        os.environ["RAY_AUTH_MODE"])
+
+    @property
+    def host_ip(self) -> str:
+        return f"{SUBNET_BASE}.{self.subnet}.1"
+
+    @property
+    def head_ip(self) -> str:
+        return f"{SUBNET_BASE}.{self.subnet}.2"
+
+    @property
+    def cidr(self) -> str:
+        return f"{SUBNET_BASE}.{self.subnet}.0/24"
+
+    @property
+    def heal_command(self) -> str:
+        return f"python -m chaos heal --id {self.id}"
 
     # ---- life cycle ------------------------------------------------------------------------
-    def start(self) -> "NetnsCluster":
+    def start(self) -> NetnsCluster:
         os.makedirs(self.log_dir, exist_ok=True)
+        self.subnet = free_subnet(_routes(), preferred=1 + os.getpid() % 250)
         _ip("link", "add", self.bridge, "type", "bridge")
         _ip("addr", "add", f"{self.host_ip}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
@@ -115,8 +181,14 @@ class NetnsCluster:
     def address(self) -> str:
         return f"{self.head_ip}:{RAY_PORT}"
 
+    def auth_env(self) -> dict[str, str]:
+        """Token authentication with this cluster's token, for every process that joins it.
+        RAY_AUTH_TOKEN comes first in Ray's token lookup, before RAY_AUTH_TOKEN_PATH and
+        ~/.ray/auth_token, so a token the operator has elsewhere cannot get in the way."""
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token}
+
     def env(self) -> dict[str, str]:
-        return {"RAY_ADDRESS": self.address, "RAY_AUTH_MODE": self.auth_mode}
+        return {"RAY_ADDRESS": self.address, **self.auth_env()}
 
     def exec_prefix(self) -> list[str]:
         """The job's driver runs in the head's namespace, next to the GCS it joins."""
@@ -139,7 +211,7 @@ class NetnsCluster:
         k = self._next
         self._next += 1
         ns = f"{PREFIX}{self.id}n{k}"
-        ip = f"10.213.{self.subnet}.{10 + k}"
+        ip = f"{SUBNET_BASE}.{self.subnet}.{10 + k}"
         self._make_ns(ns, ip, f"n{k}")
         self._ray(ns, [f"--address={self.address}", f"--node-ip-address={ip}", "--num-cpus=1",
                        f"--temp-dir=/tmp/{ns}"])
@@ -186,7 +258,7 @@ class NetnsCluster:
             shutil.rmtree(os.path.join(ETC_NETNS, ns), ignore_errors=True)
         self._procs.clear()
         # What a start that failed half-way made before its `ray start` was recorded.
-        cleanup_leftovers(f"{PREFIX}{self.id}")
+        cleanup_leftovers(self.id)
 
     # ---- helpers -----------------------------------------------------------------------------
     def _veth(self, ns: str) -> str:
@@ -232,7 +304,7 @@ class NetnsCluster:
     def _node_env(self) -> dict[str, str]:
         # gloo picks its interface from the hostname, which resolves to 127.0.0.1: unreachable
         # from another namespace. Workers inherit this from their raylet.
-        return dict(os.environ, RAY_AUTH_MODE=self.auth_mode, GLOO_SOCKET_IFNAME="eth0")
+        return dict(os.environ, **self.auth_env(), GLOO_SOCKET_IFNAME="eth0")
 
     def _kill_ns(self, ns: str) -> None:
         result = _ip("netns", "pids", ns, check=False)
@@ -249,12 +321,40 @@ class NetnsCluster:
                 log.warning("`ray start` of %s did not exit", ns)
 
 
-def cleanup_leftovers(prefix: str = PREFIX) -> dict:
-    """Remove every namespace (killing its processes), link and bridge named `prefix`*."""
-    removed = {"namespaces": [], "links": []}
-    for line in _ip("netns", "list", check=False).stdout.splitlines():
-        ns = line.split()[0] if line.strip() else ""
-        if ns.startswith(prefix):
+def _names() -> tuple[list[str], list[str]]:
+    """Names of the machine's network namespaces and links."""
+    namespaces = [line.split()[0] for line in _ip("netns", "list", check=False).stdout.splitlines() if line.strip()]
+    links = []
+    for line in _ip("-o", "link", "show", check=False).stdout.splitlines():
+        if ":" in line:
+            links.append(line.split(":")[1].strip().split("@")[0])
+    return namespaces, links
+
+
+def leftover_ids() -> list[str]:
+    """Ids of the campaigns whose namespaces or links are on this machine (running or left by
+    a killed runner)."""
+    namespaces, links = _names()
+    etc = os.listdir(ETC_NETNS) if os.path.isdir(ETC_NETNS) else []
+    return sorted({m.group(1) for name in namespaces + links + etc if (m := NAME_ID_RE.match(name))})
+
+
+def _owned(name: str, campaign: str) -> bool:
+    if campaign == "all":
+        return name.startswith(PREFIX)
+    m = NAME_ID_RE.match(name)
+    return m is not None and m.group(1) == campaign
+
+
+def cleanup_leftovers(campaign: str) -> dict:
+    """Remove the namespaces (killing their processes), links and bridges of one campaign, by
+    its five-digit id, or of every campaign with "all" (concurrent ones included: opt-in)."""
+    if campaign != "all" and not ID_RE.match(campaign):
+        raise ValueError(f"campaign id {campaign!r}: five digits (see `python -m chaos heal`), or 'all'")
+    removed: dict[str, list[str]] = {"namespaces": [], "links": []}
+    namespaces, _ = _names()
+    for ns in namespaces:
+        if _owned(ns, campaign):
             for pid in _ip("netns", "pids", ns, check=False).stdout.split():
                 try:
                     os.kill(int(pid), signal.SIGKILL)
@@ -263,16 +363,15 @@ def cleanup_leftovers(prefix: str = PREFIX) -> dict:
             _ip("netns", "del", ns, check=False)
             removed["namespaces"].append(ns)
     for name in os.listdir(ETC_NETNS) if os.path.isdir(ETC_NETNS) else []:
-        if name.startswith(prefix):
+        if _owned(name, campaign):
             shutil.rmtree(os.path.join(ETC_NETNS, name), ignore_errors=True)
     try:
         os.rmdir(ETC_NETNS)        # only when empty: other users of `ip netns` keep theirs
     except OSError:
         pass
-    for line in _ip("-o", "link", "show", check=False).stdout.splitlines():
-        name = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
-        if name.startswith(prefix):
+    _, links = _names()
+    for name in links:
+        if _owned(name, campaign):
             _ip("link", "del", name, check=False)
             removed["links"].append(name)
     return removed
-

@@ -49,7 +49,7 @@ class Proc:
     started: int | None
 
     @classmethod
-    def of_worker(cls, pid: int) -> "Proc | None":
+    def of_worker(cls, pid: int) -> Proc | None:
         """The worker process `pid`, or None if no Ray worker runs under that pid now."""
         started = start_time(pid)
         if started is None or not is_worker(pid):

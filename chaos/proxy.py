@@ -164,7 +164,7 @@ class _QuietServer(ThreadingHTTPServer):
 
 def _read_body(req: BaseHTTPRequestHandler) -> bytes:
     if req.headers.get("Transfer-Encoding", "").lower() == "chunked":
-        chunks = []
+        chunks: list[bytes] = []
         while True:
             size = int(req.rfile.readline().split(b";")[0].strip() or b"0", 16)
             if size == 0:

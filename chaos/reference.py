@@ -8,6 +8,10 @@ By default it trains alongside the campaign at the lowest CPU priority (nice 19)
 keeps the machine and the reference gets what the campaign leaves idle (detection timeouts,
 restarts), so the two take little more wall time than the campaign alone. If the campaign ran
 the job longer than planned, that reference is discarded and the right one trained after.
+
+Like the run's own storage, `<storage>-reference` is only ever cleared with `--overwrite`: before
+anything runs, `check_reference_storage` refuses one that is neither empty nor a reusable
+reference of this job (it may be somebody's run that happens to sit there).
 """
 from __future__ import annotations
 
@@ -50,6 +54,21 @@ def reference_url(storage: str) -> str:
     return storage.rstrip("/") + "-reference"
 
 
+def check_reference_storage(spec: JobSpec, choice: str, storage_options: dict | None, overwrite: bool) -> None:
+    """Before the campaign: an "auto" reference storage must be empty, hold a finished
+    reference of this very job (it is reused), or be cleared with `overwrite`. SystemExit
+    (a usage error) otherwise."""
+    if choice != "auto":
+        return
+    url = reference_url(spec.storage)
+    view = RunView(url, storage_options)
+    if view.is_empty() or overwrite or _cached(url, view, _identity(spec), History()) is not None:
+        return
+    what = "an older chaos reference (other job or code)" if view.read_json(MARKER) is not None else "something"
+    raise SystemExit(f"reference storage {url} holds {what}, not a reusable reference of this job: pass "
+                     f"--overwrite to delete it, or --reference none / --reference URL-of-a-finished-run")
+
+
 def _cached(url: str, view: RunView, identity: dict, history: History) -> dict | None:
     summary = view.summary()
     if summary is not None and summary.get("status") == "finished" and view.read_json(MARKER) == identity:
@@ -73,6 +92,8 @@ class ReferenceJob:
         self.view = RunView(self.url, storage_options)
         self.identity = _identity(spec)
         if not self.view.is_empty():
+            # Cleared only after check_reference_storage allowed it (empty, --overwrite, or a
+            # reference of this job that a longer campaign made useless).
             self.view.storage.rm(self.view.storage.root, recursive=True)
         # Its own embedded Ray, in a fresh temp dir: the chaos run's cluster may have left its
         # address there, and a bare ray.init() would try to join it.
@@ -87,7 +108,7 @@ class ReferenceJob:
         """The campaign is over: the reference (the job's process group, its Ray included)
         goes back to normal priority. Raising a priority needs root; without it, it stays low."""
         try:
-            os.setpriority(os.PRIO_PGRP, self.job.proc.pid, 0)
+            os.setpriority(os.PRIO_PGRP, self.job.process.pid, 0)
         except OSError as e:
             log.info("the reference keeps its low CPU priority: %s", e)
 

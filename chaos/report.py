@@ -118,10 +118,11 @@ def summarize(report: dict) -> str:
 def _with_gaps(rows: list[dict], t0: float) -> tuple[list, list, list]:
     """Times, losses and world sizes, broken (NaN) where no step completed for a while, so a
     recovery shows as a gap rather than a straight line across it."""
-    gaps = sorted(b["time"] - a["time"] for a, b in zip(rows, rows[1:]))
+    gaps = sorted(b["time"] - a["time"] for a, b in zip(rows, rows[1:], strict=False))
     threshold = max(2.0, 10 * gaps[len(gaps) // 2]) if gaps else float("inf")
     ts, losses, worlds = [], [], []
-    for prev, m in zip([None] + rows[:-1], rows):
+    previous: list[dict | None] = [None, *rows[:-1]]
+    for prev, m in zip(previous, rows, strict=True):
         if prev is not None and m["time"] - prev["time"] > threshold:
             ts.append(prev["time"] - t0 + 1e-3)
             losses.append(float("nan"))

@@ -9,11 +9,23 @@ that, and the comparison is then skipped whenever the world sizes differ.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
-from chaos.faults import (CorruptCheckpoint, CrashBeforeCommit, Hang, KillNode, KillWorker, Partition, Preempt,
-                          Slow, StorageOutage, UserError)
+from chaos.faults import (
+    CorruptCheckpoint,
+    CrashBeforeCommit,
+    Hang,
+    KillNode,
+    KillWorker,
+    LateCommit,
+    Partition,
+    Preempt,
+    SecondRun,
+    Slow,
+    StorageOutage,
+    UserError,
+)
 from chaos.schedule import Schedule, fixed, randomized
 
 
@@ -21,7 +33,7 @@ from chaos.schedule import Schedule, fixed, randomized
 class Scenario:
     name: str
     description: str
-    build: Callable[["Scenario", int], Schedule]
+    build: Callable[[Scenario, int], Schedule]
     steps: int                                # default --steps: long enough for the schedule
     workers: str = "3:3"
     checkpoint_every: int = 25
@@ -88,16 +100,31 @@ def _partition(sc: Scenario, seed: int) -> Schedule:
     return randomized(seed, menu, count=3, mean_interval_s=20.0, jitter=0.3, start_s=5.0)
 
 
+def _commit(sc: Scenario, seed: int) -> Schedule:
+    # The second run first (the run's lease is held by then), then a zombie stalled before its
+    # final fence check, then one stalled with its PUT past that check; the order of the two
+    # zombies is the seed's. The PUT one comes with every worker killed: the new generation
+    # restores a checkpoint from storage while the zombie's stale step is there, and then
+    # commits that step itself before the zombie's PUT goes out.
+    rng = random.Random(seed)
+    zombies = [LateCommit(target="one", phase="check"), LateCommit(target="all", phase="put")]
+    rng.shuffle(zombies)
+    return fixed(_spread(rng, [SecondRun(), *zombies], gap_s=5.0), seed=seed)
+
+
 MIXED_MENU = [
     (3.0, lambda r: KillWorker(target=r.choice(["one", "one", "minority"]))),
     (1.5, lambda r: KillNode(target="one")),
     (1.5, lambda r: Hang(target="one", duration_s=round(r.uniform(16, 24), 1))),
-    (1.5, lambda r: Slow(target="one", duration_s=round(r.uniform(8, 15), 1), stopped_share=round(r.uniform(0.5, 0.85), 2))),
+    (1.5, lambda r: Slow(target="one", duration_s=round(r.uniform(8, 15), 1),
+                         stopped_share=round(r.uniform(0.5, 0.85), 2))),
     (1.5, lambda r: Preempt(target="one")),
     (1.5, lambda r: StorageOutage(duration_s=round(r.uniform(4, 12), 1))),
     (1.0, lambda r: CrashBeforeCommit()),
     (1.0, lambda r: CorruptCheckpoint()),
     (1.0, lambda r: Partition(target="one", duration_s=round(r.uniform(16, 24), 1))),
+    (1.0, lambda r: LateCommit(target="one", phase=r.choice(["check", "put"]))),
+    (0.5, lambda r: SecondRun()),
 ]
 
 
@@ -125,7 +152,13 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              build=_storage, steps=3500),
     Scenario(name="partition", description="3 link cuts of one node's network namespace, 15-25 s each",
              build=_partition, steps=3000, heartbeat_timeout_s=6.0, nodes=4, namespaced=True),
-    Scenario(name="mixed", description="a user error, then 50 faults of 9 kinds, one every 20-30 s",
+    Scenario(name="commit", description="attacks on the commit protocol: a second run on the storage, a fenced "
+                                        "writer's late commit before and after its fence check",
+             # Steps for minutes of training: the second run must find the first still live when
+             # it reaches its lease check (after its imports and Ray start, tens of seconds here).
+             build=_commit, steps=3000, workers="2:2", checkpoint_every=20, heartbeat_timeout_s=6.0,
+             job_timeout_s=900),
+    Scenario(name="mixed", description="a user error, then 50 faults of 11 kinds, one every 20-30 s",
              # Every 20 steps (a few seconds): each fault waits for a commit since the previous
              # one (the gate), so the interval bounds how close faults can come.
              build=_mixed, steps=2000, model_size="small", checkpoint_every=20, nodes=4, namespaced=True,

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 from chaos.faults import Fault, fault_from_dict
 
@@ -51,7 +51,7 @@ class Schedule:
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Schedule":
+    def from_dict(cls, data: dict) -> Schedule:
         return cls(entries=tuple(ScheduledFault(e["at_s"], fault_from_dict(e["fault"])) for e in data["entries"]),
                    seed=data.get("seed", 0), wait_for_recovery=data.get("wait_for_recovery", True),
                    launch_faults=tuple(fault_from_dict(f) for f in data.get("launch_faults", ())))

@@ -41,7 +41,7 @@ class MotoServer:
         self.endpoint = f"http://{host}:{self.port}"
         self.proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> "MotoServer":
+    def __enter__(self) -> MotoServer:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(self.port)],
                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -53,6 +53,7 @@ class MotoServer:
         return self
 
     def _ready(self) -> bool:
+        assert self.proc is not None, "started in __enter__"
         if self.proc.poll() is not None:
             raise RuntimeError(f"moto server exited with {self.proc.returncode}; see {self.log_path}")
         try:

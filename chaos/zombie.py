@@ -8,9 +8,10 @@ a one-rank gloo group, with the manager's retention pass after a commit. What is
 therefore the commit protocol exactly as workers run it (fence check, shards under g<G>/,
 final fence check, conditional PUT of COMMITTED, retention), not a copy of it.
 
-The zombie settles on the generation G that FENCE and status.json agree on, picks a step S
-`--ahead` checkpoint intervals past the run's current step (a step the run has not committed
-and that a re-formed generation restarting near the current step will not start past), writes
+The zombie settles on the generation G that FENCE and status.json agree on, picks a step S past
+the run's current step by `--ahead` checkpoint intervals or LEAD_S seconds at the run's measured
+pace, whichever is more (a step the run has not committed, and that a generation re-formed
+after the kill, restarting near the step the run had then, will not start past), writes
 a small state of its own as step S, and then stalls at its commit until FENCE has moved past G
 (with the new generation's start step recorded):
 
@@ -40,12 +41,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
 
-POLL_S = 0.1                # polling interval of FENCE and of step S's manifest
+POLL_S = 0.1                # polling interval of FENCE, status.json and step S's manifest
+PACE_S = 2.0                # the run's pace is measured over this long
+LEAD_S = 15.0               # the zombie's step is at least this far ahead at the run's pace
 START_STEP_GRACE_S = 15.0   # after FENCE moved, how long to wait for the new generation's start step
+
+
+def zombie_step(run_step: int, every: int, ahead: int, pace: float) -> int:
+    """The checkpoint step the zombie writes: the first multiple of `every` at least `ahead`
+    intervals, and LEAD_S seconds at `pace` steps a second, past `run_step`."""
+    lead = max(ahead * every, math.ceil(pace * LEAD_S))
+    return -(-(run_step + lead) // every) * every
 
 
 class _GiveUp(Exception):
@@ -61,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--storage", required=True)
     p.add_argument("--endpoint", help="S3 endpoint URL (storage option endpoint_url)")
     p.add_argument("--every", type=int, required=True, help="the run's checkpoint interval in steps")
-    p.add_argument("--ahead", type=int, default=3, help="checkpoint intervals past the run's step")
+    p.add_argument("--ahead", type=int, default=5, help="checkpoint intervals past the run's step")
     p.add_argument("--phase", choices=("check", "put"), required=True)
     p.add_argument("--within", type=float, default=90.0, help="seconds for FENCE to move (and, put, the newer commit)")
     p.add_argument("--keep", type=int, default=3, help="retention of the zombie's manager (as the run's)")
@@ -74,8 +85,8 @@ class Zombie:
         self.args = args
         self.deadline = time.monotonic() + args.within
         self.options = {"endpoint_url": args.endpoint} if args.endpoint else None
-        self.generation: int | None = None
-        self.step: int | None = None
+        self.generation = -1       # the generation impersonated and the step written, once settled
+        self.step = -1
         self.report: dict = {"deleted": [], "phase": args.phase}
         self.gave_up: _GiveUp | None = None
 
@@ -121,24 +132,49 @@ class Zombie:
         self._aftermath()
         return self.report
 
-    def _settle(self) -> bool:
-        """The generation to impersonate (FENCE's, running per status.json) and the step."""
-        fence = self.mf.read_fence_doc(self.storage)
+    def _status(self) -> dict:
         try:
             status = json.loads(self.storage.read_bytes(self.storage.path("status.json")))
         except (FileNotFoundError, ValueError):
-            status = {}
+            return {}
+        return status if isinstance(status, dict) else {}
+
+    def _pace(self, first: dict) -> float:
+        """The run's steps per second, from two status.json versions PACE_S apart (their own
+        `updated_at`); 0.0 when it cannot tell."""
+        deadline = time.monotonic() + 3 * PACE_S
+        while time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            second = self._status()
+            t0, t1 = first.get("updated_at"), second.get("updated_at")
+            if isinstance(t0, (int, float)) and isinstance(t1, (int, float)) and t1 - t0 >= PACE_S:
+                return max(0.0, ((second.get("step") or 0) - (first.get("step") or 0)) / (t1 - t0))
+        return 0.0
+
+    def _settle(self) -> bool:
+        """The generation to impersonate (FENCE's, running per status.json) and the step: at
+        least `--ahead` intervals, and LEAD_S of the run's pace, past its step, so that the
+        generation the kill makes restarts before it."""
+        fence = self.mf.read_fence_doc(self.storage)
+        status = self._status()
         if fence is None or fence.generation is None or status.get("state") != "running" \
                 or status.get("generation") != fence.generation:
-            self.report.update(outcome="not_settled", fence=None if fence is None else fence.generation,
-                               status={k: status.get(k) for k in ("state", "generation", "step")})
+            self.report.update(outcome="not_settled", error=(
+                f"FENCE at generation {None if fence is None else fence.generation}, status.json "
+                f"{status.get('state')!r} at generation {status.get('generation')}: no running generation"))
             return False
-        every = self.args.every
+        pace = self._pace(status)
+        status = self._status() or status
         self.generation = fence.generation
-        self.step = (int(status.get("step") or 0) // every + self.args.ahead) * every
+        self.step = zombie_step(int(status.get("step") or 0), self.args.every, self.args.ahead, pace)
         self.report.update(generation=self.generation, step=self.step, run_step=status.get("step"),
-                           run_id=fence.run_id)
-        return True
+                           run_pace=round(pace, 2), run_id=fence.run_id)
+        return status.get("generation") == fence.generation or self._not_settled(status)
+
+    def _not_settled(self, status: dict) -> bool:
+        self.report.update(outcome="not_settled", error=f"the run moved to generation {status.get('generation')} "
+                                                        f"while the zombie measured its pace")
+        return False
 
     def _watch_deletions(self, storage) -> None:
         """Record every deletion the manager makes (its retention pass after a commit)."""

@@ -58,7 +58,7 @@ def _options(pairs: list[str]) -> dict:
 
 
 def _when(ts: float) -> str:
-    return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
+    return datetime.datetime.fromtimestamp(ts, datetime.UTC).strftime("%Y-%m-%d %H:%M:%SZ")
 
 
 def cmd_list(storage: Storage, args) -> int:

@@ -9,7 +9,7 @@ from typing import Any
 from elastic.config import LRScalingConfig, ScalingConfig
 
 
-class WorkerPhase(str, enum.Enum):
+class WorkerPhase(enum.StrEnum):
     IDLE = "idle"                # process up, in no group
     RUNNING = "running"          # train_loop runs in generation `generation`
     INTERRUPTED = "interrupted"  # left the loop (rescale request or broken group); state kept in memory

@@ -187,9 +187,15 @@ class ElasticTrainer:
                               f"{type(error).__name__}: {error}; pass picklable values (open files, "
                               f"locks and live connections belong inside the loop)") from error
 
-    def _check_storage(self) -> None:
+    def claim_storage(self) -> None:
         """Take the storage for this run (one run per URL: RunConflictError names a live one),
-        then write its first status.json: both prove the storage writable before anything starts."""
+        then write its first status.json: both prove the storage writable before anything
+        starts. `fit()` does it first; call it yourself to be refused before starting Ray (a
+        second `claim_storage()` or the `fit()` after it reuses the claim)."""
+        if self._run_id is None:
+            self._check_storage()
+
+    def _check_storage(self) -> None:
         from checkpointing import RunConflictError, acquire_run_lease
         from checkpointing.storage import Storage
         self._run_id = uuid.uuid4().hex
@@ -215,7 +221,7 @@ class ElasticTrainer:
         started is left running."""
         import ray
 
-        self._check_storage()
+        self.claim_storage()
         # The controller unpickles the policies: a user's policy class travels like the loop.
         for user_code in (self._train_loop, type(self.failure_policy), type(self.scaling_policy)):
             _ship_user_module_by_value(user_code)
@@ -223,6 +229,7 @@ class ElasticTrainer:
         try:
             return self._run(ray)
         finally:
+            self._run_id = None          # a later fit() is a run of its own: it claims the storage again
             if started_ray:
                 try:
                     ray.shutdown()

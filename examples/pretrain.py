@@ -262,6 +262,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"configuration error: {error}", file=sys.stderr)
         return 2
+    try:
+        trainer.claim_storage()      # refused in seconds, before a local Ray is started for nothing
+    except RunConflictError as error:
+        print(f"storage in use: {error}", file=sys.stderr)
+        return EXIT_STORAGE_IN_USE
+    except ConfigError as error:     # StorageConfigError: the storage cannot be written
+        print(f"configuration error: {error}", file=sys.stderr)
+        return 2
     if not os.environ.get("RAY_ADDRESS"):
         import ray
         gpus = None     # Ray counts them itself

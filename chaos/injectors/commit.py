@@ -30,8 +30,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
-from chaos.faults import Fault
+from chaos.faults import Fault, LateCommit, SecondRun
 from chaos.injectors import Active, Injector, Skip, Unsupported
 from chaos.injectors.process import _detail
 from chaos.job import JobProcess
@@ -40,11 +41,16 @@ from chaos.observe import fence_facts
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _POLL_S = 0.1               # polling interval of the zombie's events and of the run's status
 ZOMBIE_KEEP = 3             # the zombie manager's retention, CheckpointConfig's default
+# How many checkpoint intervals past the run's step the zombie writes: the run re-forms after
+# the kill at about the step it was at, and must restart before the zombie's step (else that
+# step is legitimately on its timeline), from a fast run (tens of steps a second) too.
+ZOMBIE_AHEAD = 5
 DONE_GRACE_S = 30.0         # past within_s, for the zombie to finish its commit and report
+EXIT_GRACE_S = 15.0         # after its report, for the zombie to exit
 FIRST_RUN_PROGRESS_S = 60.0  # after the second run exits, for the first to show a new step
 
 
-def _status_facts(status: dict | None) -> dict:
+def _status_facts(status: dict | None) -> dict[str, Any]:
     status = status or {}
     return {"state": status.get("state"), "generation": status.get("generation"), "step": status.get("step"),
             "run_id": status.get("run_id"), "updated_at": status.get("updated_at"),
@@ -71,15 +77,18 @@ class LateCommitInjector(Injector):
         return (self.env.view.storage_options or {}).get("endpoint_url")
 
     def invoke(self, fault: Fault, rng: random.Random) -> Active:
+        assert isinstance(fault, LateCommit)
         status = self.env.view.status() or {}
         if status.get("state") != "running" or not self.env.view.workers():
             raise Skip(f"the run is not running (state {status.get('state')!r}): no generation to impersonate")
         events = _scratch(self.env, f"zombie-{time.time_ns()}.jsonl")
         argv = [sys.executable, "-m", "chaos.zombie", "--storage", self.env.view.url,
-                "--every", str(self.env.job_spec.checkpoint_every), "--phase", fault.phase,
-                "--within", str(fault.within_s), "--keep", str(ZOMBIE_KEEP), "--events", events]
-        if self._endpoint():
-            argv += ["--endpoint", self._endpoint()]
+                "--every", str(self.env.job_spec.checkpoint_every), "--ahead", str(ZOMBIE_AHEAD),
+                "--phase", fault.phase, "--within", str(fault.within_s), "--keep", str(ZOMBIE_KEEP),
+                "--events", events]
+        endpoint = self._endpoint()
+        if endpoint:
+            argv += ["--endpoint", endpoint]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
         with open(events + ".log", "ab") as log:
             zombie = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -90,7 +99,7 @@ class LateCommitInjector(Injector):
             _kill(zombie)
             raise
 
-    def _attack(self, fault: Fault, rng: random.Random, zombie: subprocess.Popen, events: str) -> Active:
+    def _attack(self, fault: LateCommit, rng: random.Random, zombie: subprocess.Popen, events: str) -> Active:
         deadline = time.monotonic() + fault.within_s
         seen = _wait_event(events, ("written", "done"), zombie, deadline)
         if seen is None or seen["event"] == "done":
@@ -106,6 +115,10 @@ class LateCommitInjector(Injector):
             _kill(zombie)
             done = {"outcome": "timeout", "error": f"no outcome {fault.within_s + DONE_GRACE_S:.0f}s after the "
                                                    f"zombie started; killed. Its log: {_tail(events)}"}
+        try:
+            zombie.wait(timeout=EXIT_GRACE_S)     # it exits right after reporting
+        except subprocess.TimeoutExpired:
+            _kill(zombie)
         report = {k: v for k, v in done.items() if k not in ("event", "t")}
         detail = _detail(workers, procs, sent)
         detail.update(acted_at=acted_at, zombie=report, written_at=seen.get("t"),
@@ -125,12 +138,13 @@ class SecondRunInjector(Injector):
             raise Unsupported("second_run needs the job as the campaign runs it (its job spec)")
 
     def invoke(self, fault: Fault, rng: random.Random) -> Active:
+        assert isinstance(fault, SecondRun)
         view = self.env.view
         status = view.status() or {}
         if status.get("state") != "running":
             raise Skip(f"the run is not running (state {status.get('state')!r}): no live run to conflict with")
-        before = {"fence": fence_facts(view.fence()), "status": _status_facts(status),
-                  "summary": view.read_json("summary.json")}
+        fence_before, status_before = fence_facts(view.fence()), _status_facts(status)
+        summary_before = view.read_json("summary.json")
         spec = self.env.job_spec.replace(fail_at=None)
         log_path = _scratch(self.env, f"second-run-{time.time_ns()}.log")
         job = JobProcess(spec, dict(self.env.job_env or os.environ), log_path,
@@ -146,20 +160,23 @@ class SecondRunInjector(Injector):
             job.stop(grace_s=0.0)
             raise
         elapsed = round((job.ended_at or time.time()) - job.started_at, 2)
-        at_exit = {"fence": fence_facts(view.fence()), "status": _status_facts(view.status()),
-                   "summary": view.read_json("summary.json")}
-        went_on = self._first_run_goes_on(at_exit["status"])
+        fence_after, status_after = fence_facts(view.fence()), _status_facts(view.status())
+        summary_after = view.read_json("summary.json")
+        went_on = self._first_run_goes_on(status_after)
         with open(log_path, errors="replace") as f:
             output = f.read()
         conflict_lines = [line for line in output.splitlines() if "in use by" in line or "RunConflictError" in line]
         detail = {"acted_at": acted_at, "argv": spec.argv(), "exit_code": code, "timed_out": timed_out,
                   "elapsed_s": elapsed, "within_s": fault.within_s, "log": log_path,
-                  "live_run": (before["fence"] or {}).get("run_id") or before["status"]["run_id"],
+                  "live_run": (fence_before or {}).get("run_id") or status_before["run_id"],
                   "conflict_message": conflict_lines[-1][-1000:] if conflict_lines else None,
                   "output_tail": output[-1500:],
-                  "fence_before": before["fence"], "fence_after": at_exit["fence"],
-                  "status_before": before["status"], "status_after": at_exit["status"],
-                  "summary_written": at_exit["summary"] is not None and at_exit["summary"] != before["summary"],
+                  "fence_before": fence_before, "fence_after": fence_after,
+                  "status_before": status_before, "status_after": status_after,
+                  "summary_written": summary_after is not None and summary_after != summary_before,
+                  # The first run completed its steps before the second was judged: the second may
+                  # then rightly take the storage over, and nothing is proven either way.
+                  "first_run_finished": status_after["state"] == "finished",
                   "first_run_went_on": went_on}
         return Active(fault, detail, state=job)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from chaos.faults import Fault
+from chaos.faults import Fault, KillNode
 from chaos.injectors import Active, Injector, Skip, Unsupported
 
 
@@ -16,6 +16,7 @@ class KillNodeInjector(Injector):
             raise Unsupported("kill_node needs a runner-owned Ray cluster; the scenario must set `nodes`")
 
     def invoke(self, fault: Fault, rng: random.Random) -> Active:
+        assert isinstance(fault, KillNode)
         workers = self.targets(fault.target, rng)
         hosts = {w["rank"]: self.env.cluster.node_of(w) for w in workers}
         removed = sorted({n for n in hosts.values() if n is not None})

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 
-from chaos.faults import Fault
+from chaos.faults import Fault, Partition
 from chaos.injectors import Active, Injector, Skip, Unsupported
 
 
@@ -25,6 +25,7 @@ class PartitionInjector(Injector):
             raise Unsupported(reason)
 
     def invoke(self, fault: Fault, rng: random.Random) -> Active:
+        assert isinstance(fault, Partition)
         workers = self.targets(fault.target, rng)
         hosts = {w["rank"]: self.env.cluster.node_of(w) for w in workers}
         nodes = sorted({n for n in hosts.values() if n is not None})

@@ -6,7 +6,7 @@ import random
 import signal
 import threading
 
-from chaos.faults import Fault
+from chaos.faults import Fault, Hang, KillWorker, Preempt, Slow
 from chaos.injectors import Active, Injector
 from chaos.procs import Proc
 
@@ -21,6 +21,7 @@ class _OneSignal(Injector):
     sig = signal.SIGKILL
 
     def invoke(self, fault: Fault, rng: random.Random) -> Active:
+        assert isinstance(fault, (KillWorker, Preempt))
         workers = self.targets(fault.target, rng)
         procs = self.procs(workers)
         sent = [p.signal(self.sig) for p in procs]
@@ -45,6 +46,7 @@ class HangInjector(Injector):
     kind = "hang"
 
     def invoke(self, fault: Fault, rng: random.Random) -> Active:
+        assert isinstance(fault, Hang)
         workers = self.targets(fault.target, rng)
         procs = self.procs(workers)
         sent = [p.signal(signal.SIGSTOP) for p in procs]
@@ -63,6 +65,7 @@ class SlowInjector(Injector):
     kind = "slow"
 
     def invoke(self, fault: Fault, rng: random.Random) -> Active:
+        assert isinstance(fault, Slow)
         workers = self.targets(fault.target, rng)
         procs = self.procs(workers)
         stop = threading.Event()

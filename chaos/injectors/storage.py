@@ -6,7 +6,7 @@ import random
 import signal
 import time
 
-from chaos.faults import Fault
+from chaos.faults import CorruptCheckpoint, CrashBeforeCommit, Fault
 from chaos.injectors import Active, Injector, Skip, Unsupported
 from chaos.procs import Proc
 
@@ -43,6 +43,7 @@ class CrashBeforeCommitInjector(Injector):
     kind = "crash_before_commit"
 
     def invoke(self, fault: Fault, rng: random.Random) -> Active:
+        assert isinstance(fault, CrashBeforeCommit)
         if self.env.proxy is not None:
             return self._via_proxy(fault)
         return self._via_watch(fault)
@@ -58,7 +59,7 @@ class CrashBeforeCommitInjector(Injector):
         files = self.env.view.step_files(steps[-1])
         return (steps[-1], files) if files else None
 
-    def _via_proxy(self, fault: Fault) -> Active:
+    def _via_proxy(self, fault: CrashBeforeCommit) -> Active:
         proxy = self.env.proxy
         proxy.hold("/COMMITTED")
         killed = False
@@ -81,7 +82,7 @@ class CrashBeforeCommitInjector(Injector):
         return Active(fault, {"ranks": [0], "pids": [proc.pid], "step": step, "files_written": len(files),
                               "method": "proxy held the COMMITTED PUT"})
 
-    def _via_watch(self, fault: Fault) -> Active:
+    def _via_watch(self, fault: CrashBeforeCommit) -> Active:
         deadline = time.monotonic() + fault.within_s
         while time.monotonic() < deadline:
             pending = self._pending_step()
@@ -109,6 +110,7 @@ class CorruptCheckpointInjector(Injector):
     kind = "corrupt_checkpoint"
 
     def invoke(self, fault: Fault, rng: random.Random) -> Active:
+        assert isinstance(fault, CorruptCheckpoint)
         # An older intact checkpoint must exist to fall back to; a run that just recovered
         # may not have committed twice yet.
         deadline = time.monotonic() + fault.within_s

@@ -13,7 +13,7 @@ import threading
 from typing import Any
 
 
-class FeedKind(str, enum.Enum):
+class FeedKind(enum.StrEnum):
     STEP = "step"               # a step's metrics.jsonl line
     LOG = "log"                 # a `ctx.log(...)` line of metrics.jsonl
     RECOVERY = "recovery"       # a closed recovery, as summary.json lists it

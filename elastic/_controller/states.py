@@ -11,7 +11,7 @@ from elastic._protocol import RestorePlan
 from elastic.policies import Failure
 
 
-class RunState(str, enum.Enum):
+class RunState(enum.StrEnum):
     SCHEDULING = "scheduling"   # placing workers until min_workers are ready
     STARTING = "starting"       # forming a generation's process group
     RUNNING = "running"

@@ -37,7 +37,7 @@ EXTRA = "extra"                    # the framework's own key in every state dict
 STATE_KINDS = "state_kinds"        # extra[STATE_KINDS]: JSON {name: kind}, read by `elastic export`
 
 
-class StateKind(str, enum.Enum):
+class StateKind(enum.StrEnum):
     MODULE = "module"
     OPTIMIZER = "optimizer"
     STATEFUL = "stateful"

@@ -4,10 +4,15 @@ summary.json) in a few seconds, without Ray or torch. Its one "worker" is a chil
 titled "ray::FakeWorker" that the injectors can signal; when it dies, the job records a
 recovery and restarts it.
 
+Like the runtime, it takes the storage's run lease first (a second start on a live run's
+storage exits 4 with the RunConflictError message), fences each generation with the step it
+starts from, and lets the lease go when it ends.
+
 `--break MODE` makes it misbehave on purpose, so the invariants can be seen to catch it:
   rollback   after a lost worker, restart from step 0 although checkpoints are committed
   sha        end with a model hash that differs from a fault-free run's once it has recovered
   untyped    fail at the end without an error in summary.json
+  nolease    take no lease: a second start trains on the same storage
 """
 from __future__ import annotations
 
@@ -34,8 +39,15 @@ def _bare_checkpointing_package() -> None:
 
 
 _bare_checkpointing_package()
+import uuid  # noqa: E402
+
 from checkpointing import manifest as mf  # noqa: E402 - after the bare package above
+from checkpointing.errors import RunConflictError  # noqa: E402
+from checkpointing.lease import acquire_run_lease  # noqa: E402
 from checkpointing.storage import Storage  # noqa: E402
+
+EXIT_STORAGE_IN_USE = 4
+KEEP = 3
 
 
 def parse_args() -> argparse.Namespace:
@@ -54,6 +66,8 @@ class FakeRun:
     def __init__(self, args: argparse.Namespace):
         self.args, self.storage = args, Storage(args.storage)
         self.started = time.time()
+        self.run_id = uuid.uuid4().hex
+        self.lease = None if self.broken("nolease") else acquire_run_lease(args.storage, self.run_id)
         committed = mf.list_committed(self.storage)
         self.resumed_from = committed[-1].step if committed else None
         self.step = self.resumed_from or 0
@@ -67,6 +81,9 @@ class FakeRun:
                     self.metrics[row["step"]] = row
         self.worker = self._spawn()
 
+    def broken(self, mode: str) -> bool:
+        return self.args.__dict__["break"] == mode
+
     def _read(self, name: str) -> str:
         try:
             return self.storage.read_bytes(self.storage.path(name)).decode()
@@ -78,14 +95,17 @@ class FakeRun:
         self.storage.write_atomic(self.storage.path(name), data.encode())
 
     def _spawn(self) -> subprocess.Popen:
-        mf.write_fence(self.storage, self.generation)
+        if self.lease is not None:
+            self.lease.fence(self.generation, start_step=self.step)
+        else:
+            mf.write_fence(self.storage, self.generation, start_step=self.step)
         return subprocess.Popen(["ray::FakeWorker", "-c", "import time\nwhile True: time.sleep(0.05)"],
                                 executable=sys.executable)
 
     def status(self, state: str) -> None:
         committed = mf.list_committed(self.storage)
         self._write("status.json", {
-            "state": state, "generation": self.generation, "step": self.step, "world_size": 1,
+            "state": state, "generation": self.generation, "step": self.step, "world_size": 1, "run_id": self.run_id,
             "last_committed_step": committed[-1].step if committed else None, "updated_at": time.time(),
             "workers": [{"rank": 0, "pid": self.worker.pid, "node_id": "fake", "actor_id": "fake"}]})
 
@@ -97,7 +117,7 @@ class FakeRun:
         files = {f"{data_dir}/shard": {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}}
         self.storage.write_atomic(f"{sp}/{mf.MANIFEST_NAME}",
                                   mf.encode_manifest(self.step, 1, self.generation, data_dir, files))
-        for old in [c.step for c in mf.list_committed(self.storage)][:-3]:
+        for old in [c.step for c in mf.list_committed(self.storage)][:-KEEP]:
             self.storage.rm(f"{mf.step_path(self.storage, old)}/{mf.MANIFEST_NAME}")
             self.storage.rm(mf.step_path(self.storage, old))
 
@@ -125,7 +145,8 @@ class FakeRun:
             "checkpoints": [c.step for c in mf.list_committed(self.storage)], "loss_first": 1.0, "loss_last": 0.5,
             "model_sha256": sha.hexdigest() if status == "finished" else None,
             "wall_s": round(time.time() - self.started, 3), "goodput": 0.5, "resumed_from": self.resumed_from,
-            "stragglers": [], "checkpoint_fallbacks": [], "config": {}, "error": error})
+            "stragglers": [], "checkpoint_fallbacks": [], "config": {"checkpoint": {"keep": KEEP}},
+            "error": error})
 
     def run(self) -> int:
         fail_at = tuple(int(x) for x in self.args.fail_at.split(":")) if self.args.fail_at else None
@@ -140,6 +161,7 @@ class FakeRun:
             if fail_at and self.step == fail_at[1]:
                 self.summary("failed", {"type": "InjectedUserError", "message": "--fail-at", "traceback": None,
                                         "ranks": [fail_at[0]]})
+                self.status("failed")
                 return 1
             if self.step % self.args.checkpoint_every == 0 or self.step == self.args.steps:
                 self.checkpoint()
@@ -152,10 +174,20 @@ class FakeRun:
         return 0
 
 
-if __name__ == "__main__":
-    run = FakeRun(parse_args())
+def main() -> int:
     try:
-        sys.exit(run.run())
+        run = FakeRun(parse_args())
+    except RunConflictError as error:
+        print(f"storage in use: {error}", file=sys.stderr)
+        return EXIT_STORAGE_IN_USE
+    try:
+        return run.run()
     finally:
         run.worker.kill()
         run.worker.wait()
+        if run.lease is not None:
+            run.lease.release()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -170,7 +170,7 @@ def test_node_loss_removes_the_targets_node_and_its_heal_adds_one_back():
 
 def test_partition_cuts_the_targets_node_until_healed():
     view = FakeView([101, 102])
-    for w, node in zip(view.state["workers"], ("a", "b")):
+    for w, node in zip(view.state["workers"], ("a", "b"), strict=True):
         w["node_id"] = node
     cluster = FakeCluster(["a", "b"])
     injector = build_injectors(Env(view=view, cluster=cluster))["partition"]

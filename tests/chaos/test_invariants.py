@@ -6,7 +6,7 @@ import copy
 
 import pytest
 
-from chaos.invariants import FAIL, PASS, SKIP, Evidence, check_all
+from chaos.invariants import FAIL, PASS, SKIP, Evidence, Verdict, check_all
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -37,7 +37,9 @@ def good() -> dict:
             "total_steps": 100, "heartbeat_timeout_s": 10.0, "metrics": metrics,
             "reference": {"summary": {"status": "finished", "model_sha256": "abc", "final_step": 100,
                                       "world_size_history": [[0, 3]]}, "metrics": copy.deepcopy(metrics)},
-            "final_verification": [{"step": 100, "generation": 2, "problems": []}]}
+            "final_verification": [{"step": 100, "generation": 2, "problems": []}],
+            # Generation 1 re-formed warm at step 25; generation 2 restored step 20 after the rot.
+            "fence": {"generation": 2, "run_id": "r1", "history": [[0, 0, "r1"], [1, 25, "r1"], [2, 20, "r1"]]}}
 
 
 def verdicts(ev: dict) -> dict[str, str]:
@@ -50,7 +52,8 @@ def summary(ev: dict) -> dict:
 
 def test_a_good_history_passes_every_invariant():
     assert set(verdicts(good()).values()) == {PASS, SKIP}
-    assert [name for name, status in verdicts(good()).items() if status == SKIP] == ["data_order_matches_reference"]
+    assert [name for name, status in verdicts(good()).items() if status == SKIP] == [
+        "data_order_matches_reference", "intruders_refused"]         # summaries without it; no intruder
 
 
 def test_a_recovery_older_than_a_commit_made_before_the_fault_loses_a_committed_step():
@@ -236,3 +239,155 @@ def test_an_optional_fault_never_takes_the_recovery_a_required_one_needs():
     result = {v.name: v for v in check_all(Evidence(**ev))}["faults_recovered"]
     assert result.status == PASS
     assert [m["outcome"] for m in result.data["matches"]] == ["not required", "recovered", "recovered"]
+
+
+# ---- the commit protocol: lost commits, loads of the wrong generation, intruders ----------------
+def commits(t: float, steps: list[int], generations: list[int], rejected: list | None = None) -> dict:
+    event = {"t": t, "type": "commits", "steps": steps, "generations": generations,
+             "newest": max(steps) if steps else None}
+    return {**event, "rejected": rejected} if rejected else event
+
+
+def test_a_commit_gone_with_fewer_newer_ones_than_keep_is_lost():
+    ev = good()
+    summary(ev)["config"] = {"checkpoint": {"keep": 3}}
+    ev["final_verification"] = [{"step": s, "generation": 2, "problems": []} for s in (60, 80, 100)]
+    result = {v.name: v for v in check_all(Evidence(**ev))}["no_committed_checkpoint_lost"]
+    assert result.status == FAIL and "step 20 (generation 0)" in result.detail     # gone with 2 newer
+    ev["history"][5] = commits(40.0, [20, 40, 60], [0, 2, 2])
+    result = {v.name: v for v in check_all(Evidence(**ev))}["no_committed_checkpoint_lost"]
+    assert result.status == PASS, result.detail
+    assert result.data["accounted"]["superseded"] == 1 and result.data["accounted"]["retention"] == 2
+    ev["final_verification"] = ev["final_verification"][1:]       # 60 gone at the end, 2 newer only
+    assert verdicts(ev)["no_committed_checkpoint_lost"] == FAIL
+
+
+def test_a_manifest_replaced_by_an_older_generations_loses_the_commit():
+    ev = good()
+    ev["history"].append(commits(65.0, [60, 80, 100], [2, 2, 1]))
+    result = {v.name: v for v in check_all(Evidence(**ev))}["no_committed_checkpoint_lost"]
+    assert result.status == FAIL and "replaced by an older generation's (1)" in result.detail
+
+
+def test_a_late_commit_outside_the_timeline_may_vanish_but_not_without_the_fence_history():
+    ev = good()
+    # Generation 1's late commit of step 120 (it had been fenced by generation 2, which restarted
+    # from step 20) is listed for a moment, then the history rejects it.
+    ev["history"].insert(6, commits(50.0, [40, 60, 120], [2, 2, 1]))
+    assert verdicts(ev)["no_committed_checkpoint_lost"] == PASS
+    assert verdicts(ev)["committed_steps_kept"] == PASS                # the newest going back is fine
+    ev["fence"]["history"] = ev["fence"]["history"][:2]                # no restart before step 120
+    assert verdicts(ev)["no_committed_checkpoint_lost"] == FAIL
+    assert verdicts(ev)["committed_steps_kept"] == FAIL
+
+
+def test_a_load_must_read_the_manifest_of_the_steps_owner():
+    ev = good()
+    result = {v.name: v for v in check_all(Evidence(**ev))}["no_checkpoint_from_wrong_generation"]
+    assert result.status == PASS and "1 loads" in result.detail
+    summary(ev)["recoveries"][2]["loaded_generation"] = 1      # generation 1 started at step 25
+    result = {v.name: v for v in check_all(Evidence(**ev))}["no_checkpoint_from_wrong_generation"]
+    assert result.status == FAIL and "started from step 25" in result.detail
+    summary(ev)["recoveries"][2]["loaded_generation"] = 2
+    assert verdicts(ev)["no_checkpoint_from_wrong_generation"] == FAIL   # its own generation
+    summary(ev)["recoveries"][2]["loaded_generation"] = 0
+    assert verdicts(ev)["no_checkpoint_from_wrong_generation"] == PASS
+
+
+def test_a_resume_from_a_fenced_writers_late_commit_is_caught():
+    ev = good()
+    # The late commit of step 120 by generation 1 is on storage (rejected) when attempt 1
+    # starts as generation 3 and resumes from it.
+    ev["history"] += [commits(65.0, [60, 80, 100], [2, 2, 2], rejected=[[120, 1]]),
+                      {"t": 3.0, "type": "fence", "generation": 2, "run_id": "r1", "history": []},
+                      {"t": 81.0, "type": "fence", "generation": 3, "run_id": "r2", "history": []}]
+    second = copy.deepcopy(ev["attempts"][0])
+    second.update(started_at=80.0, ended_at=90.0)
+    second["summary"].update(resumed_from=100, recoveries=[], checkpoint_fallbacks=[])
+    ev["attempts"].append(second)
+    ev["fence"]["history"].append([3, 100, "r2"])
+    result = {v.name: v for v in check_all(Evidence(**ev))}["no_checkpoint_from_wrong_generation"]
+    assert result.status == PASS and "2 loads" in result.detail, result.detail
+    second["summary"]["resumed_from"] = 120
+    ev["fence"]["history"][-1] = [3, 120, "r2"]
+    result = {v.name: v for v in check_all(Evidence(**ev))}["no_checkpoint_from_wrong_generation"]
+    assert result.status == FAIL and "fenced writer's late commit" in result.detail
+    assert "owner of step 120 is generation 2" in result.detail
+
+
+def zombie(**changes) -> dict:
+    report = {"phase": "put", "generation": 1, "step": 60, "outcome": "fenced", "fence_moved_to": 2,
+              "new_start_step": 30, "manifest_before_put": 2, "manifest_after": 2, "deleted": []}
+    return {**report, **changes}
+
+
+def second_run(**changes) -> dict:
+    fence = {"generation": 1, "run_id": "live", "history": [[0, 0, "live"], [1, 20, "live"]]}
+    status = {"state": "running", "generation": 1, "step": 30, "run_id": "live", "pids": [7]}
+    detail = {"acted_at": 12.0, "exit_code": 4, "timed_out": False, "elapsed_s": 3.2, "within_s": 120.0,
+              "live_run": "live", "conflict_message": "storage in use: storage /x is in use by run live (...)",
+              "output_tail": "", "fence_before": fence, "fence_after": copy.deepcopy(fence),
+              "status_before": status, "status_after": {**status, "step": 31}, "summary_written": False,
+              "first_run_went_on": {"ok": True}}
+    return {**detail, **changes}
+
+
+def intruded(*details: tuple[str, dict]) -> Verdict:
+    ev = good()
+    for n, (kind, detail) in enumerate(details):
+        fault = {"kind": kind, "duration_s": 0.0}
+        ev["history"].append({"t": 70.0 + n, "type": "invoke", "index": 10 + n, "fault": fault, "detail": detail,
+                              "run": {"state": "running", "generation": 2}})
+    return {v.name: v for v in check_all(Evidence(**ev))}["intruders_refused"]
+
+
+def test_a_zombies_commit_must_be_refused_and_touch_nothing_newer():
+    ok = intruded(("late_commit", {"zombie": zombie()}), ("late_commit", {"zombie": zombie(phase="check")}))
+    assert ok.status == PASS, ok.detail
+    assert intruded(("late_commit", {"zombie": zombie(outcome="no_fence_change")})).status == PASS  # inconclusive
+    landed = zombie(outcome="landed", manifest_before_put=None, manifest_after=1)
+    assert intruded(("late_commit", {"zombie": landed})).status == FAIL           # accepted by the history
+    assert intruded(("late_commit", {"zombie": {**landed, "rejected_by_fence": "generation 1 ..."}})).status == PASS
+    replaced = zombie(outcome="landed", manifest_after=1, rejected_by_fence="generation 1 ...")
+    assert "replaced generation 2's" in intruded(("late_commit", {"zombie": replaced})).detail
+    deleted = zombie(deleted=["/run/checkpoints/step_00000040/COMMITTED"])
+    assert "deleted" in intruded(("late_commit", {"zombie": deleted})).detail
+    own = zombie(deleted=["/run/checkpoints/step_00000060/g000001/__0_0.distcp"])
+    assert intruded(("late_commit", {"zombie": own})).status == PASS
+    assert intruded(("late_commit", {"zombie": zombie(outcome="error", error="boom")})).status == FAIL
+
+
+def test_a_second_run_must_be_refused_naming_the_live_run_and_leave_the_first_alone():
+    assert intruded(("second_run", second_run())).status == PASS
+    for changes, words in [({"exit_code": 0}, "exited 0"),
+                           ({"timed_out": True, "exit_code": -15}, "not refused"),
+                           ({"conflict_message": None}, "no RunConflictError message"),
+                           ({"conflict_message": "storage in use: by someone"}, "does not name the live run live"),
+                           ({"fence_after": {"generation": 2, "run_id": "other", "history": []}}, "lease went from"),
+                           ({"fence_after": {"generation": 2, "run_id": "live", "history": [
+                               [0, 0, "live"], [1, 20, "live"], [2, 30, "other"]]}}, "took generation(s) [2]"),
+                           ({"summary_written": True}, "summary.json was written"),
+                           ({"status_after": {"run_id": "other"}}, "status.json went from run live to other"),
+                           ({"first_run_went_on": {"ok": False, "why": "no new step"}}, "did not go on")]:
+        result = intruded(("second_run", second_run(**changes)))
+        assert result.status == FAIL and words in result.detail, (changes, result.detail)
+    # The first run completed meanwhile, and the second rightly took the storage: nothing proven.
+    taken_over = second_run(exit_code=0, conflict_message=None, first_run_finished=True,
+                            fence_after={"generation": 2, "run_id": "other", "history": []})
+    result = intruded(("second_run", taken_over))
+    assert result.status == PASS and "inconclusive" in result.detail
+
+
+def test_a_fault_that_reports_when_it_acted_is_matched_from_then():
+    ev = good()
+    late = {"kind": "late_commit", "duration_s": 0.0, "target": "one", "phase": "check", "within_s": 90.0}
+    # Recorded at t=40, 25 s after its kill: the recovery detected at t=15.5 is still its own.
+    ev["history"][2] = {"t": 40.0, "type": "invoke", "index": 0, "fault": late, "run": {"generation": 0, "step": 25},
+                        "detail": {"ranks": [1], "acted_at": 15.0, "zombie": zombie(phase="check")}}
+    ev["history"].sort(key=lambda e: e["t"])
+    summary(ev)["recoveries"][0]["detected_at"] = 15.5
+    result = {v.name: v for v in check_all(Evidence(**ev))}
+    assert result["faults_recovered"].status == PASS, result["faults_recovered"].detail
+    assert result["committed_steps_kept"].status == PASS
+    del ev["history"][[e["t"] for e in ev["history"]].index(40.0)]["detail"]["acted_at"]
+    assert verdicts(ev)["faults_recovered"] == FAIL

@@ -3,7 +3,17 @@ from __future__ import annotations
 
 import pytest
 
-from chaos.faults import FAULT_TYPES, CorruptCheckpoint, Hang, KillWorker, Slow, UserError, fault_from_dict
+from chaos.faults import (
+    FAULT_TYPES,
+    CorruptCheckpoint,
+    Hang,
+    KillWorker,
+    LateCommit,
+    SecondRun,
+    Slow,
+    UserError,
+    fault_from_dict,
+)
 from chaos.scenarios import MIXED_MENU, SCENARIOS
 from chaos.schedule import Schedule, fixed, randomized
 
@@ -23,7 +33,7 @@ def test_random_schedules_differ_between_seeds_and_repeat_within_one():
     c = randomized(2, MIXED_MENU, count=20, mean_interval_s=25, jitter=0.2)
     assert a == b
     assert a.to_json() != c.to_json()
-    gaps = [y.at_s - x.at_s for x, y in zip(a.entries, a.entries[1:])]
+    gaps = [y.at_s - x.at_s for x, y in zip(a.entries, a.entries[1:], strict=False)]
     assert all(20 <= g <= 30 for g in gaps), gaps
 
 
@@ -37,11 +47,11 @@ def test_target_choices_repeat_for_the_same_seed_and_index():
 def test_mixed_campaign_has_fifty_faults_of_every_kind_every_20_to_30_s(seed):
     s = SCENARIOS["mixed"].schedule(seed)
     assert len(s.entries) >= 50
-    assert set(s.kinds()) == set(FAULT_TYPES), s.kinds()           # ten kinds, the user error included
-    gaps = [y.at_s - x.at_s for x, y in zip(s.entries, s.entries[1:])]
+    assert set(s.kinds()) == set(FAULT_TYPES), s.kinds()           # every kind, the user error included
+    gaps = [y.at_s - x.at_s for x, y in zip(s.entries, s.entries[1:], strict=False)]
     assert all(20 <= g <= 30 for g in gaps), gaps
     assert [f.kind for f in s.launch_faults] == ["user_error"]
-    # The first faults cover the menu, so a campaign cut short with --faults 9 has every kind.
+    # The first faults cover the menu, so a campaign cut short with --faults 11 has every kind.
     assert {e.fault.kind for e in s.entries[:len(MIXED_MENU)]} == set(FAULT_TYPES) - {"user_error"}
 
 
@@ -75,3 +85,13 @@ def test_expectations_depend_on_the_heartbeat_timeout():
     assert not Hang(duration_s=5).expectation(10).required
     assert CorruptCheckpoint(force_load=True).expectation(10).required
     assert UserError().expectation(10).fails_run
+
+
+def test_the_commit_scenario_attacks_the_protocol_in_both_phases_after_a_second_run():
+    for seed in range(5):
+        s = SCENARIOS["commit"].schedule(seed)
+        assert [e.fault.kind for e in s.entries] == ["second_run", "late_commit", "late_commit"]
+        assert sorted(e.fault.phase for e in s.entries[1:]) == ["check", "put"]
+    with pytest.raises(ValueError):
+        LateCommit(phase="never")
+    assert LateCommit().expectation(10).required and not SecondRun().expectation(10).required
