@@ -99,7 +99,8 @@ class Restorer:
         in_meta = newest is None or EXTRA in (newest.meta or {})
         loaded_state, loaded = _wrap.load_with_compression_state(
             manager, compression, self._plan.rank, self._plan.world_size, self._comm_device,
-            lambda with_keys: state.checkpoint_template(with_keys, framework_in_meta=in_meta))
+            lambda with_keys: _legacy_names(state.checkpoint_template(with_keys, framework_in_meta=in_meta),
+                                            legacy=not in_meta))
         if loaded is None:
             log.warning("rank %d: no committed checkpoint under %s; starting fresh", self._plan.rank,
                         self._spec.storage)
@@ -112,7 +113,10 @@ class Restorer:
                                       f"its manifest (it was written by an earlier runtime than the newest "
                                       f"checkpoint)", url=self._spec.storage)
             loaded_state = {**loaded_state, EXTRA: {**framework, **loaded_state.get(EXTRA, {})}}
+        else:
+            loaded_state = _legacy_names(loaded_state, legacy=True, back=True)
         state.load_state_dict(loaded_state, source=f"checkpoint step {loaded.step} at {loaded.path}")
+        state.legacy = False     # what it saves from now on has the current layout
         session.load_fallbacks.extend(dict(s) for s in loaded.skipped)
         session.last_saved_step = self._worker.progress.step
         if self._plan.generation == 0 and session.resumed_from is None:
@@ -128,3 +132,15 @@ class Restorer:
         progress, rule = self._worker.progress, self._spec.lr
         if rule is not None and progress.lr_ramp is None:
             progress.lr_ramp = ScaleRamp.initial(self._plan.world_size, rule.base_world_size)
+
+
+# Checkpoints of runtimes before the state contract saved the one optimizer as "optim".
+_LEGACY_KEYS = {"optimizer": "optim"}
+
+
+def _legacy_names(state: dict[str, Any], *, legacy: bool, back: bool = False) -> dict[str, Any]:
+    """`state` with restore()'s names as an earlier runtime's checkpoint has them (or back)."""
+    if not legacy:
+        return state
+    names = {v: k for k, v in _LEGACY_KEYS.items()} if back else _LEGACY_KEYS
+    return {names.get(k, k): v for k, v in state.items()}

@@ -104,6 +104,7 @@ class TrainState:
         self._precision = precision
         # The optimizers' states are keyed by parameter names: over this container, the names are
         # "<module name>.<parameter>", whichever module an optimizer's parameters belong to.
+        self.legacy = False      # loading a checkpoint of an earlier runtime (see checkpoint_template)
         self._container = torch.nn.ModuleDict(
             {n: o for n, o in self.objects.items() if self.kinds[n] is StateKind.MODULE})
 
@@ -125,7 +126,7 @@ class TrainState:
                 state[name] = get_model_state_dict(obj)
             elif kind is StateKind.OPTIMIZER:
                 with _plain_steps(obj):
-                    state[name] = get_optimizer_state_dict(self._container, obj)
+                    state[name] = get_optimizer_state_dict(self._optimizer_root(), obj)
             else:
                 state[name] = obj.state_dict()
         return state
@@ -141,11 +142,21 @@ class TrainState:
             payload[EXTRA] = dict(rank_extra)
         return payload, {EXTRA: {**extra, "world_size": world_size}}
 
+    def _optimizer_root(self) -> nn.Module:
+        """The module the optimizers' parameter names are taken from: all modules, by name (a
+        checkpoint of an earlier runtime: its one model, unprefixed)."""
+        return self.objects["model"] if self.legacy else self._container
+
     def checkpoint_template(self, rank_extra: Mapping[str, Any], *, framework_in_meta: bool) -> dict[str, Any]:
         """The state dict a checkpoint load fills (see checkpoint_payload); with
         `framework_in_meta` False, a checkpoint of an earlier runtime (framework state in DCP)."""
+        # A checkpoint of an earlier runtime: one model and one optimizer, named by their own
+        # parameter names; kept so for the load that follows (see _optimizer_root).
+        self.legacy = not framework_in_meta and "model" in self.modules()
         if not framework_in_meta:
-            return self.state_dict(extra=rank_extra)
+            template = self.state_dict(extra=rank_extra)
+            del template[EXTRA][STATE_KINDS]      # earlier runtimes did not save it
+            return template
         template = self.state_dict()
         del template[EXTRA]
         if rank_extra:
@@ -170,7 +181,7 @@ class TrainState:
                 set_model_state_dict(obj, state[name])
             elif kind is StateKind.OPTIMIZER:
                 with _plain_steps(obj):
-                    set_optimizer_state_dict(self._container, obj, state[name])
+                    set_optimizer_state_dict(self._optimizer_root(), obj, state[name])
             else:
                 obj.load_state_dict(state[name])
 

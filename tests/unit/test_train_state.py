@@ -329,3 +329,29 @@ def test_the_frameworks_state_is_json_in_the_manifest_not_pickled_in_dcp(generat
     assert not any(key.startswith("extra") for key in metadata.state_dict_metadata)
     exported = export_model_state(f"{run.spec.storage}/checkpoints/step_00000001")
     assert all(torch.equal(exported[k], v) for k, v in model.module.state_dict().items())
+
+
+def test_a_checkpoint_of_the_earlier_runtime_resumes(generations):
+    # Before the state contract: keys model / optim / extra, the framework's progress pickled in DCP.
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from checkpointing import CheckpointManager
+    run = generations()
+    torch.manual_seed(3)
+    old_model = nn.Linear(4, 2)
+    old_opt = torch.optim.AdamW(old_model.parameters(), lr=0.1)
+    old_model(torch.randn(3, 4)).sum().backward()
+    old_opt.step()
+    model_sd, optim_sd = get_state_dict(old_model, old_opt)
+    manager = CheckpointManager(run.spec.storage, async_save=False)
+    manager.save(7, {"model": model_sd, "optim": optim_sd,
+                     "extra": {"step": 7, "samples_seen": 56, "data_order": "ab" * 32, "world_size": 1}},
+                 generation=0)
+    manager.close()
+    ctx = run.context("checkpoint")
+    model = ctx.prepare_model(nn.Linear(4, 2))
+    optimizer = ctx.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=0.1))
+    assert ctx.restore(model=model, optimizer=optimizer) == 7 and ctx.samples_seen == 56
+    assert all(torch.equal(a, b) for a, b in zip(model.module.state_dict().values(),
+                                                 old_model.state_dict().values(), strict=True))
+    assert optimizer.state_dict()["state"][0]["step"] == old_opt.state_dict()["state"][0]["step"]
