@@ -115,8 +115,8 @@ class Restorer:
             loaded_state = {**loaded_state, EXTRA: {**framework, **loaded_state.get(EXTRA, {})}}
         else:
             loaded_state = _legacy_names(loaded_state, legacy=True, back=True)
-        state.load_state_dict(loaded_state, source=f"checkpoint step {loaded.step} at {loaded.path}")
-        state.legacy = False     # what it saves from now on has the current layout
+        state.load_state_dict(loaded_state, source=f"checkpoint step {loaded.step} at {loaded.path}",
+                              legacy=not in_meta)
         session.load_fallbacks.extend(dict(s) for s in loaded.skipped)
         session.last_saved_step = self._worker.progress.step
         if self._plan.generation == 0 and session.resumed_from is None:

@@ -104,7 +104,6 @@ class TrainState:
         self._precision = precision
         # The optimizers' states are keyed by parameter names: over this container, the names are
         # "<module name>.<parameter>", whichever module an optimizer's parameters belong to.
-        self.legacy = False      # loading a checkpoint of an earlier runtime (see checkpoint_template)
         self._container = torch.nn.ModuleDict(
             {n: o for n, o in self.objects.items() if self.kinds[n] is StateKind.MODULE})
 
@@ -116,8 +115,9 @@ class TrainState:
         kinds = {n: k.value for n, k in self.kinds.items()}
         return {**self.progress.state_dict(), **self._precision.state(), STATE_KINDS: json.dumps(kinds)}
 
-    def state_dict(self, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """Everything, by name; `extra` adds framework values (world size, per-rank compression)."""
+    def state_dict(self, extra: Mapping[str, Any] | None = None, *, legacy: bool = False) -> dict[str, Any]:
+        """Everything, by name; `extra` adds framework values (world size, per-rank compression).
+        `legacy`: optimizer state named as an earlier runtime's checkpoint has it (_optimizer_root)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
         state: dict[str, Any] = {EXTRA: {**self.extra(), **(extra or {})}}
         for name, obj in self.objects.items():
@@ -126,7 +126,7 @@ class TrainState:
                 state[name] = get_model_state_dict(obj)
             elif kind is StateKind.OPTIMIZER:
                 with _plain_steps(obj):
-                    state[name] = get_optimizer_state_dict(self._optimizer_root(), obj)
+                    state[name] = get_optimizer_state_dict(self._optimizer_root(legacy), obj)
             else:
                 state[name] = obj.state_dict()
         return state
@@ -142,19 +142,16 @@ class TrainState:
             payload[EXTRA] = dict(rank_extra)
         return payload, {EXTRA: {**extra, "world_size": world_size}}
 
-    def _optimizer_root(self) -> nn.Module:
-        """The module the optimizers' parameter names are taken from: all modules, by name (a
-        checkpoint of an earlier runtime: its one model, unprefixed)."""
-        return self.objects["model"] if self.legacy else self._container
+    def _optimizer_root(self, legacy: bool) -> nn.Module:
+        """The module the optimizers' parameter names are taken from: all modules, by name; for
+        a checkpoint of an earlier runtime (one model, one optimizer) that model, unprefixed."""
+        return self.objects["model"] if legacy and "model" in self.objects else self._container
 
     def checkpoint_template(self, rank_extra: Mapping[str, Any], *, framework_in_meta: bool) -> dict[str, Any]:
         """The state dict a checkpoint load fills (see checkpoint_payload); with
         `framework_in_meta` False, a checkpoint of an earlier runtime (framework state in DCP)."""
-        # A checkpoint of an earlier runtime: one model and one optimizer, named by their own
-        # parameter names; kept so for the load that follows (see _optimizer_root).
-        self.legacy = not framework_in_meta and "model" in self.modules()
         if not framework_in_meta:
-            template = self.state_dict(extra=rank_extra)
+            template = self.state_dict(extra=rank_extra, legacy=True)
             del template[EXTRA][STATE_KINDS]      # earlier runtimes did not save it
             return template
         template = self.state_dict()
@@ -163,8 +160,9 @@ class TrainState:
             template[EXTRA] = dict(rank_extra)
         return template
 
-    def load_state_dict(self, state: Mapping[str, Any], *, source: str) -> None:
-        """Load a state from `state_dict()` (here or on another rank); `source` names it in errors."""
+    def load_state_dict(self, state: Mapping[str, Any], *, source: str, legacy: bool = False) -> None:
+        """Load a state from `state_dict()` (here or on another rank); `source` names it in errors;
+        `legacy` as in state_dict."""
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
         missing = [n for n in self.objects if n not in state]
         if missing or EXTRA not in state:
@@ -181,7 +179,7 @@ class TrainState:
                 set_model_state_dict(obj, state[name])
             elif kind is StateKind.OPTIMIZER:
                 with _plain_steps(obj):
-                    set_optimizer_state_dict(self._optimizer_root(), obj, state[name])
+                    set_optimizer_state_dict(self._optimizer_root(legacy), obj, state[name])
             else:
                 obj.load_state_dict(state[name])
 
