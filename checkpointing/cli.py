@@ -52,7 +52,7 @@ def _options(pairs: list[str]) -> dict:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise SystemExit(f"--option expects key=value, got {pair!r}")
+            raise SystemExit(f"--option expects KEY=VALUE, got {pair!r}")
         opts[key] = _option_value(value)
     return opts
 

@@ -43,23 +43,14 @@ def _read_json(url: str, name: str, options: dict | None = None) -> dict | None:
     return payload
 
 
-def _option_value(text: str) -> object:
-    """A --option value as JSON when it reads as JSON (false, 3, null, {...}), else the string:
-    `anon=false` must not be the truthy string "false"."""
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
 def _parse_options(pairs: list[str]) -> dict:
-    options = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise _Unreadable(f"--option expects KEY=VALUE, got {pair!r}")
-        options[key] = _option_value(value)
-    return options
+    """--option KEY=VALUE pairs as fsspec options, typed as every CLI of the project types them
+    (checkpointing.cli: `anon=false` is False, JSON objects parse); a malformed one is _Unreadable."""
+    from checkpointing.cli import _options
+    try:
+        return _options(pairs)
+    except SystemExit as bad:
+        raise _Unreadable(str(bad)) from None
 
 
 def _status_line(status: dict) -> str:
@@ -147,11 +138,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     """Exit 0 written; 1 the checkpoint does not match its manifest; 2 no such checkpoint,
     storage or usage error. One line on stderr for an error, progress lines on stderr."""
     from checkpointing import CorruptCheckpointError, export
-    from checkpointing.cli import _options
     from checkpointing.errors import CheckpointError
     try:
-        options = _options(args.option)
-    except SystemExit as bad:
+        options = _parse_options(args.option)
+    except _Unreadable as bad:
         print(f"error: {bad}", file=sys.stderr)
         return 2
     try:
