@@ -158,20 +158,6 @@ def test_mean_loss_and_rewrapping():
     assert opt.step is step and opt.__dict__["_elastic_accumulation"][0].steps == 3
 
 
-@pytest.fixture
-def one_rank_group():
-    """A real gloo process group of one rank in this process (no Ray), torn down afterwards."""
-    import socket
-
-    import torch.distributed as dist
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def run_micro_steps(model, accum=3):
     acc = Accumulation(accum)
     for micro in range(accum):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 
@@ -75,18 +74,6 @@ def new_layout(model: nn.Module, opt: torch.optim.Optimizer, **more_modules: nn.
 
 def same(a: dict, b: dict) -> bool:
     return list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
-
-
-@pytest.fixture
-def one_rank_group():
-    """A real gloo process group of one rank in this process (no Ray), torn down afterwards."""
-    import torch.distributed as dist
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 # Runs without `checkpointing` or `elastic` importable: the file must need plain torch only.
