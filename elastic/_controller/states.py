@@ -1,13 +1,16 @@
-"""The controller's states: one enum, one small payload class per state. (The open recovery is
-not part of any state: elastic._controller.ledgers.RecoveryLedger owns it across Recovering, Starting and
-the first steps of Running.)"""
+"""The controller's states: one enum, one small payload class per state, built once with its
+payload and never changed (what the controller learns while in a state lives with the part that
+judges it: scheduling.StartGate, running.RunningWatch, recovering.RecoveryWatch). The open
+recovery is not part of any state either: ledgers.RecoveryLedger owns it across Recovering,
+Starting and the first steps of Running. (Running's restore confirmation is the one exception
+left: the report intake records there the step rank 0 really restored.)"""
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastic._protocol import RestorePlan
+from elastic._protocol import RestorePlan, WorkerReport
 from elastic.policies import Failure
 
 
@@ -20,15 +23,13 @@ class RunState(enum.StrEnum):
     FAILED = "failed"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Scheduling:
     since: float
-    ready_count: int = 0               # ready workers at the last tick ...
-    ready_since: float = 0.0           # ... and since when that count holds
     state: RunState = RunState.SCHEDULING
 
 
-@dataclass
+@dataclass(frozen=True)
 class Starting:
     members: list[int]
     restore: RestorePlan
@@ -39,33 +40,30 @@ class Starting:
 class Running:
     generation: int
     members: list[int]                 # worker ids in rank order
-    suspect_since: float | None = None   # a rank reported a broken group, no peer is known lost yet
     restore_confirmed: bool = False      # rank 0 reported the step it actually restored
     start_step: int = 0                  # the step the generation restored
     started_at: float = 0.0              # controller clock when the generation was started
-    progress_at: float | None = None     # controller clock of its newest step record
     state: RunState = RunState.RUNNING
 
 
-@dataclass
+@dataclass(frozen=True)
 class Recovering:
     generation: int
     survivors: list[int]
     deadline: float
     voluntary: bool = False            # a resize the controller chose, not a failure
-    first_settled_at: float | None = None   # when the first survivor left the broken group
     evict: list[int] = field(default_factory=list)   # survivors to leave out (stragglers)
-    lost: set[int] = field(default_factory=set)      # survivors lost meanwhile (noted in the recovery)
+    target_world: int | None = None    # a resize's size (ResizeDecision.target_world_size); None: all there are
     state: RunState = RunState.RECOVERING
 
 
-@dataclass
+@dataclass(frozen=True)
 class Finished:
     members: list[int] = field(default_factory=list)     # the last generation's (status.json keeps them)
     state: RunState = RunState.FINISHED
 
 
-@dataclass
+@dataclass(frozen=True)
 class Failed:
     reason: str
     failure: Failure | None = None
@@ -73,6 +71,21 @@ class Failed:
     # here), the exception itself, and the ranks (summary.json `error`, Result.error).
     error: dict[str, Any] = field(default_factory=dict)
     state: RunState = RunState.FAILED
+
+    @classmethod
+    def of(cls, error: Exception, failure: Failure | None = None) -> Failed:
+        """The run fails with `error` (a worker's `failure` led to it, if given)."""
+        # The traceback is the worker's, when a worker's error led here: the controller's own says nothing.
+        return cls(str(error), failure, {"type": type(error).__name__, "message": str(error),
+                                         "traceback": failure.error_traceback if failure else None,
+                                         "exception": error, "ranks": list(failure.ranks) if failure else []})
+
+    @classmethod
+    def of_report(cls, reason: str, failure: Failure, report: WorkerReport) -> Failed:
+        """The run fails with the error a worker reported (the user's code raised)."""
+        return cls(reason, failure, {"type": report.error_type, "message": report.error_message,
+                                     "traceback": report.error_traceback, "exception": report.error,
+                                     "ranks": list(failure.ranks)})
 
 
 AnyState = Scheduling | Starting | Running | Recovering | Finished | Failed

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from elastic._controller.actor import CheckpointView as RealCheckpoints
-    from elastic._controller.controller import CheckpointView, WorkerGroup
+    from elastic._controller.collaborators import CheckpointView, WorkerGroup
     from elastic._controller.run_record import RunRecord, RunRecorder
     from elastic._controller.worker_group import RayWorkerGroup
     from fakes import FakeCheckpoints, FakeGroup, FakeRecorder

@@ -1,0 +1,124 @@
+"""What a recovery waits for: the survivors leaving the broken group, and who re-forms it.
+
+`RecoveryWatch` reads the survivors' views of one tick and returns what it found: survivors
+lost meanwhile (to note in the open recovery, and to kill when hung), survivors stuck in the
+old collective (to kill: the recovery turns cold), the run finishing after all, or the settled
+survivors to re-form with. It kills nothing itself. `plan_members` chooses the new group (its restore:
+forming.GenerationFormer.reform_plan).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from elastic._controller.states import Recovering
+from elastic._controller.worker_group import DEAD, WorkerView
+from elastic._protocol import WorkerPhase, WorkerReport
+from elastic.policies import Cause
+
+STUCK_GRACE_S = 2.0      # floor of how long a survivor may lag the first one out of a broken group
+
+
+@dataclass
+class RecoveryTick:
+    """What one tick of a recovery found."""
+
+    kills: list[tuple[int, str]] = field(default_factory=list)     # worker id, reason
+    noted: list[tuple[Cause, list[int]]] = field(default_factory=list)   # failures absorbed: cause, ranks
+    cold: bool = False                         # a survivor is replaced: the state comes from storage
+    finished: WorkerReport | None = None       # a survivor finished the run meanwhile
+    settled: dict[int, WorkerReport] | None = None   # re-form with these (by worker id); None: wait
+
+
+class RecoveryWatch:
+    """Follows the survivors of one recovery out of the broken group."""
+
+    def __init__(self, clock: Callable[[], float]):
+        self._clock = clock
+        self.begin()
+
+    def begin(self) -> None:
+        """A new recovery starts."""
+        self._first_settled_at: float | None = None   # when the first survivor left the broken group
+        self._lost: set[int] = set()                  # survivors lost meanwhile (noted once)
+
+    def assess(self, st: Recovering, views: dict[int, WorkerView], *, heartbeat_timeout_s: float,
+               step_s: float, total_steps: int) -> RecoveryTick:
+        tick = RecoveryTick()
+        settled: dict[int, WorkerReport] = {}      # out of the broken group, by worker
+        running: list[int] = []
+        for wid in st.survivors:
+            view, report = views[wid], views[wid].report
+            if view.status == DEAD or view.silent_s > heartbeat_timeout_s:
+                self._lost_meanwhile(view, tick)
+            elif report is None or (report.phase == WorkerPhase.RUNNING and report.generation == st.generation):
+                running.append(wid)
+            elif report.phase == WorkerPhase.FINISHED and report.step >= total_steps:
+                tick.finished = report
+                return tick
+            else:
+                settled[wid] = report
+        now = self._clock()
+        if settled and self._first_settled_at is None:
+            self._first_settled_at = now
+        if running:
+            # A survivor still in the old loop waits on a peer that has left the collective: give
+            # it a few step times to notice, then replace it (cold) rather than wait out the
+            # collective timeout. With no survivor out yet, the deadline is the timeout itself.
+            # The lag is judged on the survivor's own answers: only an answer given after the
+            # grace that still says "running" proves it stuck. One that is merely slow to answer
+            # (a loaded machine) is left to the heartbeat timeout above.
+            grace_s = max(STUCK_GRACE_S, 3 * step_s)
+            stuck = [w for w in running if self._answered_running_after(views[w], grace_s)]
+            if len(stuck) < len(running) and now < st.deadline:
+                return tick
+            for wid in running:
+                self._lost.add(wid)      # a consequence of the failure being handled, not one of its own
+                silent_s = views[wid].silent_s
+                lag = now - silent_s - (self._first_settled_at or now)
+                tick.kills.append((wid, f"still in the broken collective {lag:.1f}s after its peers left "
+                                        f"(last answer {silent_s:.1f}s ago)"))
+            tick.cold = True
+        for wid in st.evict:
+            if wid in settled:
+                del settled[wid]
+                self._lost.add(wid)
+                tick.kills.append((wid, "straggler evicted"))
+        tick.settled = settled
+        return tick
+
+    def _lost_meanwhile(self, view: WorkerView, tick: RecoveryTick) -> None:
+        """A survivor died or hung during the recovery: noted once, killed when hung."""
+        if view.wid in self._lost:
+            return
+        self._lost.add(view.wid)
+        if view.status == DEAD:
+            cause = view.death_cause or Cause.WORKER_DIED
+        else:
+            cause = Cause.HANG
+            tick.kills.append((view.wid, "hang during recovery"))
+            tick.cold = True
+        rank = view.report.rank if view.report is not None else None
+        tick.noted.append((cause, [] if rank is None else [rank]))
+
+    def _answered_running_after(self, view: WorkerView, grace_s: float) -> bool:
+        """Whether the survivor answered "still running the old generation" more than `grace_s`
+        after the first survivor left the broken group."""
+        if self._first_settled_at is None:
+            return False
+        answered_at = self._clock() - view.silent_s
+        return answered_at - self._first_settled_at >= grace_s
+
+
+def plan_members(st: Recovering, settled: dict[int, WorkerReport], ready: list[int],
+                 cap: Callable[[list[int]], list[int]]) -> tuple[list[int], list[int]]:
+    """The new group: the settled survivors, furthest ahead first (the order they had among
+    equals), then the ready spares, up to the cap. Returns (members, survivors among them)."""
+    order = {w: i for i, w in enumerate(st.survivors)}
+    survivors = sorted(settled, key=lambda w: (-settled[w].step, order[w]))
+    spares = [w for w in ready if w not in order]
+    members = cap(survivors + spares)
+    if st.target_world is not None:
+        members = members[:st.target_world]
+    return members, [w for w in survivors if w in members]
+

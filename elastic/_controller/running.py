@@ -1,0 +1,183 @@
+"""What a running generation's reports say: a fault to recover from, the end of the run, a
+resize worth asking for, or nothing.
+
+`RunningWatch` reads the worker views of one tick and returns a verdict; it kills nothing and
+changes no state (the controller acts on the verdict). It keeps what it must remember between
+ticks of one generation (since when a broken group is suspected, when the last step came, which
+straggler the scaling policy was last asked about) and, across generations, the errors of
+earlier broken groups (a loop's bug breaks the group again at the same step).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from elastic._controller.recurrence import ErrorSighting, RecurringErrors
+from elastic._controller.states import Running
+from elastic._controller.stragglers import StragglerDetector
+from elastic._controller.worker_group import DEAD, WorkerView
+from elastic._protocol import WorkerPhase, WorkerReport
+from elastic.config import FailureConfig, ScalingConfig
+from elastic.policies import CAUSE_OF_ERROR_KIND, Cause, Failure, ScalingPolicy
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Recover from `failure`: kill and replace `lost`, re-form with the rest."""
+
+    failure: Failure
+    lost: list[int]                       # worker ids
+    detect_s: float                       # the failure to its detection, where known
+    report: WorkerReport | None = None    # the failing rank's, when its error may end the run
+
+
+@dataclass(frozen=True)
+class AllFinished:
+    report: WorkerReport                  # rank 0's: the model hash and the data consumed
+
+
+@dataclass(frozen=True)
+class Resize:
+    """Leave the loop at the next boundary and re-form at another size (nothing failed)."""
+
+    cause: Cause                          # STRAGGLER or SCALE_UP
+    reason: str
+    target_world: int
+    evict: list[int] = field(default_factory=list)   # worker ids to leave out
+
+
+RunningVerdict = Fault | AllFinished | None
+
+
+class RunningWatch:
+    """Judges a running generation from its members' views, tick by tick."""
+
+    def __init__(self, clock: Callable[[], float]):
+        self._clock = clock
+        self._recurring = RecurringErrors(attempts=2)   # broken groups with no lost peer: a fault, or the loop's bug
+        self.begin()
+
+    def begin(self) -> None:
+        """A new generation runs: forget what the last one showed."""
+        self._suspect_since: float | None = None   # a rank reported a broken group, no peer is known lost yet
+        self._progress_at: float | None = None     # controller clock of the newest step record
+        self._eviction_asked: dict[int, int] = {}  # rank -> step the scaling policy was last asked at
+
+    def assess(self, st: Running, views: dict[int, WorkerView], failure: FailureConfig,
+               step_s: float) -> RunningVerdict:
+        lost: list[tuple[int, Cause, float]] = []
+        preempted: list[int] = []
+        # Reports of this generation by rank: failed, interrupted (a broken collective), finished.
+        errored: dict[int, WorkerReport] = {}
+        comm: dict[int, WorkerReport] = {}
+        finished: list[WorkerReport] = []
+        for rank, wid in enumerate(st.members):
+            view, report = views[wid], views[wid].report
+            if view.status == DEAD:
+                lost.append((wid, view.death_cause or Cause.WORKER_DIED, view.silent_s))
+            elif view.silent_s > failure.heartbeat_timeout_s:
+                lost.append((wid, Cause.HANG, view.silent_s))
+            elif report is not None and report.preempted and report.phase != WorkerPhase.RUNNING:
+                preempted.append(wid)     # committed its last step and left the loop
+            elif report is not None and report.generation == st.generation:
+                if report.phase == WorkerPhase.FAILED:
+                    errored[rank] = report
+                elif report.phase == WorkerPhase.INTERRUPTED:
+                    comm[rank] = report
+                elif report.phase == WorkerPhase.FINISHED:
+                    finished.append(report)
+        if errored:
+            report = next(iter(errored.values()))
+            cause = CAUSE_OF_ERROR_KIND.get(report.error_kind or "user", Cause.USER_ERROR)
+            # A failed GPU stays failed: its worker is replaced, not taken into the next group.
+            broken = [st.members[r] for r, failed in errored.items() if failed.error_kind == "hardware"]
+            return Fault(Failure(cause, tuple(errored), f"{report.error_type}: {report.error_message}",
+                                 **_error_of(report)),
+                         broken if cause == Cause.HARDWARE_ERROR else [], 0.0, report)
+        if lost:
+            ranks = tuple(st.members.index(w) for w, _, _ in lost)
+            return Fault(Failure(lost[0][1], ranks, f"lost worker(s) {[w for w, _, _ in lost]}"),
+                         [w for w, _, _ in lost], max(s for _, _, s in lost))
+        if preempted:
+            ranks = tuple(st.members.index(w) for w in preempted)
+            return Fault(Failure(Cause.PREEMPTED, ranks, f"preemption notice to {preempted}"), preempted, 0.0)
+        if comm:
+            # A broken collective with no lost peer yet: give the lost peer a heartbeat timeout to show.
+            self._suspect_since = self._suspect_since or self._clock()
+            if self._clock() - self._suspect_since > failure.heartbeat_timeout_s:
+                return self._broken_group(comm)
+            return None
+        stalled = self._stalled(st, views, failure, step_s)
+        if stalled is not None:
+            return stalled
+        if len(finished) == len(st.members):
+            return AllFinished(finished[0])
+        return None
+
+    def _broken_group(self, reports: dict[int, WorkerReport]) -> Fault:
+        """The group broke and no peer was lost (`reports`: the interrupted ranks'): a fault,
+        recovered; or, when the same error broke it at the same step the time before too, the
+        loop's own bug (elastic._controller.recurrence): the run fails with that error as the user's."""
+        recurring = self._recurring.observe([ErrorSighting(rank, r.step, r.error_type, r.error_message)
+                                             for rank, r in reports.items()])
+        if recurring is None:
+            first = next(iter(reports.values()))
+            return Fault(Failure(Cause.COLLECTIVE_ERROR, tuple(reports),
+                                 f"process group broke with no lost peer: {first.error_type}: {first.error_message}",
+                                 **_error_of(first)), [], 0.0)
+        report = reports[recurring.rank]
+        return Fault(Failure(Cause.USER_ERROR, (recurring.rank,),
+                             f"{report.error_type}: {report.error_message} broke the group at step {report.step + 1} "
+                             f"in {self._recurring.attempts} attempts in a row with no lost peer: a bug in the loop's "
+                             f"collectives, not a fault", **_error_of(report)), [], 0.0, report)
+
+    def _stalled(self, st: Running, views: dict[int, WorkerView], failure: FailureConfig,
+                 step_s: float) -> Fault | None:
+        """A generation that never started on some members within rendezvous_timeout_s, or in
+        which no step completed within FailureConfig.step_timeout_s (every rank stuck outside a
+        collective: no heartbeat shows that)."""
+        now = self._clock()
+        if any(views[w].records for w in st.members):
+            self._progress_at = now
+        not_started = [rank for rank, w in enumerate(st.members)
+                       if (report := views[w].report) is None or report.generation != st.generation]
+        if not_started and now - st.started_at > failure.rendezvous_timeout_s:
+            return Fault(Failure(Cause.HANG, tuple(not_started), (
+                f"generation {st.generation} did not start on ranks {not_started} within "
+                f"FailureConfig.rendezvous_timeout_s={failure.rendezvous_timeout_s:.0f}s")),
+                [st.members[r] for r in not_started], now - st.started_at)
+        bound = failure.step_timeout(step_s)
+        quiet = now - max(st.started_at, self._progress_at or 0.0)
+        if not_started or bound is None or quiet <= bound:
+            return None
+        return Fault(Failure(Cause.HANG, tuple(range(len(st.members))), (
+            f"no step completed for {quiet:.0f}s (FailureConfig.step_timeout_s: {bound:.0f}s); every rank is "
+            f"replaced")), list(st.members), quiet)
+
+    def resize(self, st: Running, *, spares: list[int], stragglers: StragglerDetector, policy: ScalingPolicy,
+               scaling: ScalingConfig, window: int) -> Resize | None:
+        """Ask the scaling policy about the slowest flagged straggler (again after `window`
+        steps), else about growing onto the ready `spares`."""
+        world = len(st.members)
+        flagged = stragglers.flagged()
+        if flagged:
+            flag = flagged[0]
+            asked = self._eviction_asked.get(flag.rank)
+            if asked is None or flag.step - asked >= window:
+                self._eviction_asked[flag.rank] = flag.step
+                decision = policy.decide_eviction(rank=flag.rank, score=flag.score, world_size=world,
+                                                  min_workers=scaling.min_workers)
+                if decision is not None and decision.target_world_size < world:
+                    return Resize(Cause.STRAGGLER, decision.reason, world - 1, [st.members[flag.rank]])
+        if spares:
+            grow = policy.decide_resize(world_size=world, ready_spares=len(spares),
+                                        min_workers=scaling.min_workers, max_workers=scaling.max_workers)
+            if grow is not None and grow.target_world_size > world:
+                return Resize(Cause.SCALE_UP, grow.reason, grow.target_world_size)
+        return None
+
+
+def _error_of(report: WorkerReport) -> dict[str, str | None]:
+    """A worker's reported error, as Failure's fields."""
+    return {"error_type": report.error_type, "error_message": report.error_message,
+            "error_traceback": report.error_traceback}

@@ -1,0 +1,43 @@
+"""When the first generation may start: enough workers placed, and no more worth waiting for.
+
+`StartGate` judges the placement while the run is SCHEDULING: start once `max_workers` are
+ready, or once `min_workers` are and the placement has settled (nothing pending; with no
+maximum, the ready count held PROBE_GRACE_S with at most the probe placement pending) or
+ScalingConfig.startup_wait_s has passed; give up (too few) after rendezvous_timeout_s.
+"""
+from __future__ import annotations
+
+import enum
+
+from elastic.config import ScalingConfig
+
+PROBE_GRACE_S = 2.0      # no maximum: start once the ready count held this long (the cluster is full)
+
+
+class Gate(enum.Enum):
+    WAIT = "wait"
+    START = "start"
+    TOO_FEW = "too_few"     # min_workers could not be placed in time
+
+
+class StartGate:
+    """Remembers since when the ready count holds (a placement settles when it stops moving)."""
+
+    def __init__(self) -> None:
+        self._ready_count = 0
+        self._ready_since = 0.0
+
+    def judge(self, *, ready: int, pending: int, waited_s: float, now: float, scaling: ScalingConfig,
+              rendezvous_timeout_s: float) -> Gate:
+        if ready != self._ready_count:
+            self._ready_count, self._ready_since = ready, now
+        maximum = scaling.max_workers
+        # With no maximum, the probe placement stays pending once the cluster is full.
+        settled = not pending if maximum is not None else (
+            pending <= 1 and now - self._ready_since >= PROBE_GRACE_S)
+        enough = ready >= scaling.min_workers
+        if (maximum is not None and ready >= maximum) or (enough and (settled or waited_s >= scaling.startup_wait_s)):
+            return Gate.START
+        if not enough and waited_s > rendezvous_timeout_s:
+            return Gate.TOO_FEW
+        return Gate.WAIT
