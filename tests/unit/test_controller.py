@@ -392,3 +392,29 @@ def test_polls_are_held_only_while_training_runs():
     controller.tick()                                 # -> recovering
     controller.tick()
     assert controller.state.state == RunState.RECOVERING and group.poll_hold_s == 0.0
+
+
+def test_a_grow_stops_at_the_scaling_policys_target_world_size():
+    class GrowByOne(ScalingPolicy):
+        def decide_resize(self, *, world_size, ready_spares, min_workers, max_workers):
+            decision = super().decide_resize(world_size=world_size, ready_spares=ready_spares,
+                                             min_workers=min_workers, max_workers=max_workers)
+            return decision and type(decision)(world_size + 1, "one at a time")
+
+    controller, group, clock, _ = make(min_workers=2, max_workers=4, capacity=4, scaling_policy=GrowByOne())
+    controller.tick()
+    group.capacity = 2                     # only two are placed before the start
+    for wid in group.live()[2:]:
+        group.die(wid)
+    controller.tick()
+    clock.advance(11)                      # startup_wait_s: start with the two ready
+    controller.tick()
+    assert controller.state.state == RunState.RUNNING and len(controller.state.members) == 2
+    group.capacity = 4
+    controller.tick()                      # two spares placed ...
+    controller.tick()                      # ... and ready: grow
+    assert controller.state.state == RunState.RECOVERING and controller.state.target_world == 3
+    for wid in controller.state.survivors:
+        group.set_report(wid, WorkerPhase.INTERRUPTED, generation=controller.generation, step=3)
+    controller.tick()
+    assert controller.state.state == RunState.RUNNING and len(controller.state.members) == 3
