@@ -1,10 +1,21 @@
 # One entry point for setup, the main job and the tests. Every pin lives in constraints.txt.
-VENV    := .venv
-PY      := $(VENV)/bin/python
-STAMP   := $(VENV)/.installed
-PYTHON3 ?= python3
+VENV      := .venv
+PY        := $(VENV)/bin/python
+# Two installs into the one venv: the package alone (what `make run` needs), and the package with
+# the `test` extra (the suite, lint, benchmarks: every other extra too). Each has its stamp, so
+# `make run` from a fresh clone installs no pytest, moto or matplotlib, and `make test` after it
+# adds them.
+RUN_STAMP := $(VENV)/.installed-run
+STAMP     := $(VENV)/.installed
+PYTHON3   ?= python3
 
-.PHONY: install run lint test test-unit test-gpu bench bench-full clean
+.PHONY: install install-run run lint test test-unit test-gpu bench bench-full clean
+
+$(RUN_STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON3) -m venv $(VENV)
+	$(PY) -m pip install -q -c constraints.txt -e .
+	$(PY) -m pip check
+	touch $(RUN_STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON3) -m venv $(VENV)
@@ -12,11 +23,13 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip check
 	touch $(STAMP)
 
+install-run: $(RUN_STAMP)
+
 install: $(STAMP)
 
 # The main job with its defaults: small GPT, 2..3 workers, file storage under runs/.
 RUN_ARGS ?= --storage runs/pretrain --workers 2:3 --steps 200 --checkpoint-every 50
-run: install
+run: install-run
 	$(PY) examples/pretrain.py $(RUN_ARGS)
 
 # ruff (style, imports, bugbear, blind excepts) over the code and the tests; mypy over the

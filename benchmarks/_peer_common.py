@@ -25,6 +25,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import gpt  # noqa: E402
+from chaos.services import wait_until  # noqa: E402
 
 
 def ship_by_value(*modules) -> None:
@@ -113,14 +114,18 @@ def read_jsonl(path: str) -> list[dict]:
 
 
 def wait_for(condition: Callable[[], Any], timeout_s: float, poll_s: float = 0.02) -> Any:
-    """Poll `condition` until it returns something truthy or `timeout_s` passes (returns None)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(poll_s)   # polling interval of the condition
-    return None
+    """Poll `condition` (chaos.services.wait_until) until it returns something truthy, and return
+    that; None when `timeout_s` passes first."""
+    seen: list[Any] = [None]
+
+    def holds() -> bool:
+        seen[0] = condition()
+        return bool(seen[0])
+    try:
+        wait_until(holds, timeout_s, "a benchmark condition", interval_s=poll_s)
+    except TimeoutError:
+        return None
+    return seen[0]
 
 
 class CpuSampler:

@@ -16,44 +16,30 @@ import argparse
 import contextlib
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import uuid
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from chaos.services import MOTO_CREDENTIALS, MotoServer
 from checkpointing import CheckpointManager
 from checkpointing.storage import Storage
 
 
 @contextlib.contextmanager
-def moto_server():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    endpoint = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).close()
-                break
-            except OSError as error:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("moto server did not start") from error
-                time.sleep(0.1)
-        yield endpoint
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+def s3_endpoint(use_env: bool):
+    """The S3 endpoint to measure against: the one in AWS_ENDPOINT_URL (--use-env), or moto's
+    server on loopback for the run, with the AWS variables of this process pointing at it."""
+    if use_env:
+        yield os.environ.get("AWS_ENDPOINT_URL")
+        return
+    with MotoServer(os.devnull) as moto:
+        os.environ.update(AWS_ENDPOINT_URL=moto.endpoint, **MOTO_CREDENTIALS)
+        yield moto.endpoint
 
 
 def make_state(mb: int) -> dict:
@@ -137,11 +123,7 @@ def main() -> None:
     out = {"bench": "checkpoint", "state_mb": args.mb, "reps": args.reps}
     with tempfile.TemporaryDirectory() as tmp:
         out["C1_local"] = c1_stall(os.path.join(tmp, "run"), state, args.reps)
-    ctx = contextlib.nullcontext(os.environ.get("AWS_ENDPOINT_URL")) if args.use_env else moto_server()
-    with ctx as endpoint:
-        if not args.use_env:
-            os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="bench",
-                              AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
+    with s3_endpoint(args.use_env) as endpoint:
         bucket = f"bench-{uuid.uuid4().hex[:8]}"
         storage = Storage(f"s3://{bucket}")
         storage.fs.mkdir(bucket)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -29,7 +28,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 import gpt  # noqa: E402
-from elastic import ScalingConfig, _wrap  # noqa: E402
+from chaos.services import free_port  # noqa: E402
+from elastic import ScalingConfig  # noqa: E402
+from elastic._worker import wrap as _wrap  # noqa: E402
 from elastic._worker.step_timer import StepTimer  # noqa: E402
 
 MODES = {"none": {}, "bf16": {"grad_compression": "bf16"}, "powersgd": {"grad_compression": "powersgd"}}
@@ -81,12 +82,6 @@ def _worker(rank: int, world: int, port: int, mode: str, args: argparse.Namespac
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def plot(result: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -116,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     with mp.Manager() as manager:
         out = manager.dict()
         for mode in MODES:
-            mp.spawn(_worker, args=(args.workers, _free_port(), mode, args, out), nprocs=args.workers, join=True)
+            mp.spawn(_worker, args=(args.workers, free_port(), mode, args, out), nprocs=args.workers, join=True)
         modes = dict(out)
     base = modes["none"]["bytes_per_step"]
     for m in modes.values():

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -29,6 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from chaos.services import free_port
 
 
 class SlowSamples(torch.utils.data.Dataset):
@@ -46,9 +47,7 @@ class SlowSamples(torch.utils.data.Dataset):
 
 
 def one_rank_group() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     store = dist.TCPStore("127.0.0.1", port, 1, True)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
 

@@ -18,7 +18,6 @@ torch runs with one thread here (one core per worker, as in the runs), for both 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import shutil
@@ -201,11 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     if "s3" in stores:
-        ctx = contextlib.nullcontext(os.environ.get("AWS_ENDPOINT_URL")) if args.use_env else ours_bench.moto_server()
-        with ctx as endpoint:
-            if not args.use_env:
-                os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="bench",
-                                  AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
+        with ours_bench.s3_endpoint(args.use_env) as endpoint:
             bucket = f"bench-{uuid.uuid4().hex[:8]}"
             Storage(f"s3://{bucket}").fs.mkdir(bucket)
             out["s3"] = measure(f"s3://{bucket}/run", state, args, endpoint)

@@ -8,8 +8,15 @@ completion time of each step on rank 0 after `--warmup` steps; the systems alter
 sampled every 0.2 s) are reported by process group: the training workers, our controller, and the
 rest of the Ray instance; on a loaded machine they are the steadier comparison, as are the low
 quantiles of the step time (`ratio_uncontended_p10/p25`: plain step / our step). One JSON line.
+Ratios are paired per rep (each system against the bare loop of the same rep) and given with their
+spread (`vs_plain_ddp`: median, min, max, quartiles).
 
-    python benchmarks/peer_ddp.py --workers 2 --steps 120 --reps 3 [--plot o1.png] [--profile DIR]
+With --breakdown the bare loop also runs with each of the framework's former per-step costs added
+alone (EXTRAS: DDP's find_unused_parameters, a Python comm hook stamping every bucket, a blocking
+all-gather with its host copy per step): the difference to the bare loop is that part's cost
+(`extra_step_ms_median`, `extra_worker_cpu_ms_per_rank_per_step_median`).
+
+    python benchmarks/peer_ddp.py --workers 2 --steps 150 --reps 6 [--breakdown] [--plot o1.png] [--profile DIR]
 
 With --profile, py-spy samples rank 0 of each system for a few seconds of the steady state and
 writes collapsed stacks (DIR/<system>-rep<i>.txt, `py-spy record --format raw`).
@@ -52,20 +59,41 @@ class PlainWorker:
             return ip, s.getsockname()[1]
 
     def run(self, rank: int, world: int, addr: str, port: int, cfg: dict) -> list[float]:
+        """The loop; `cfg["extras"]` adds one of the framework's per-step costs at a time (see
+        EXTRAS), so the difference to the bare loop is that part's cost."""
         import torch
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
+        extras = set(cfg.get("extras", ()))
         dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=120))
-        model = DistributedDataParallel(pc.build_model(cfg["model_size"]))
+        model = DistributedDataParallel(pc.build_model(cfg["model_size"]),
+                                        find_unused_parameters="find_unused" in extras)
+        stamps: list[float] = []
+        if "py_hook" in extras:
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+            def timed(state, bucket):   # what the framework's timed_comm_hook did before this change
+                stamps.append(time.perf_counter())
+                return allreduce_hook(state, bucket)
+            model.register_comm_hook(None, timed)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
         batches = pc.Batches(cfg["model_size"], cfg["batch_size"])
         times = []
         for step in range(cfg["steps"]):
             loss = pc.train_step(model, optimizer, batches.batch(step, rank, world))
+            if "blocking_gather" in extras:
+                # What report() did before this change: one blocking all-gather of 37 float64 per
+                # step (loss, flags, compute time, metric slots), read back on the host.
+                mine = torch.zeros(37, dtype=torch.float64)
+                mine[0] = loss.detach()
+                gathered = [torch.empty_like(mine) for _ in range(world)]
+                dist.all_gather(gathered, mine)
+                torch.stack(gathered).cpu().tolist()
             if rank == 0:
                 loss.item()   # what a loop logs
                 times.append(time.time())
+            stamps.clear()
         dist.destroy_process_group()
         return times
 
@@ -143,7 +171,15 @@ def thread_costs(path: str, times: list[float]) -> dict | None:
             "total": round(sum(by_name.values()), 4)}
 
 
-def run_plain(args: argparse.Namespace, profile_to: str | None) -> tuple[list[float], pc.CpuSampler]:
+# The framework's per-step costs before issue 18, one at a time on the bare loop (--breakdown):
+# DDP's unused-parameter search, a Python comm hook per bucket that stamps compute time, and a
+# blocking all-gather of the step's values with its host copy.
+EXTRAS = {"plain+find_unused": ("find_unused",), "plain+py_hook": ("py_hook",),
+          "plain+blocking_gather": ("blocking_gather",)}
+
+
+def run_plain(args: argparse.Namespace, profile_to: str | None,
+              extras: tuple[str, ...] = ()) -> tuple[list[float], pc.CpuSampler]:
     import ray
     cls = ray.remote(num_cpus=1)(PlainWorker)
     actors = [cls.remote(1) for _ in range(args.workers)]
@@ -151,7 +187,8 @@ def run_plain(args: argparse.Namespace, profile_to: str | None) -> tuple[list[fl
         addr, port = ray.get(actors[0].address.remote())
         pids = ray.get([a.pid.remote() for a in actors])
         prof = _profile(lambda: pids[0], profile_to, args.profile_after_s, args.profile_s) if profile_to else None
-        cfg = {"model_size": args.model_size, "batch_size": args.batch_size, "lr": 3e-3, "steps": args.steps}
+        cfg = {"model_size": args.model_size, "batch_size": args.batch_size, "lr": 3e-3, "steps": args.steps,
+               "extras": list(extras)}
 
         def categorise() -> dict[int, str]:
             return {pid: "workers" if pid in pids else "ray_system" for pid in pc.ray_processes()}
@@ -203,17 +240,25 @@ def run_elastic(args: argparse.Namespace, profile_to: str | None) -> tuple[list[
 
 def plot(fig, result: dict) -> None:
     ax = fig.add_subplot(1, 1, 1)
-    for name in ("elastic", "plain_ddp"):
+    for n, name in enumerate(result["systems"]):
         for i, times in enumerate(result.pop(f"_{name}_times")):
             gaps = [b - a for a, b in pairwise(times)]
-            ax.plot(range(2, len(gaps) + 2), gaps, lw=0.8, color="C0" if name == "elastic" else "C1",
+            ax.plot(range(2, len(gaps) + 2), gaps, lw=0.8, color=f"C{n}",
                     label=f"{name} ({result[name]['steps_per_s_median']:.2f} steps/s median)" if i == 0 else None)
     ax.axvline(result["warmup"], color="grey", ls=":", lw=1, label="end of warm-up")
     ax.set_xlabel("step")
     ax.set_ylabel("step time (s)")
     ax.set_title(f"O1: {result['model_size']} GPT, {result['workers']} workers, batch {result['batch_size']}/worker; "
-                 f"ratio {result['ratio']:.3f}")
+                 f"ratio {result.get('ratio', float('nan')):.3f}")
     ax.legend()
+
+
+def _spread(values: list[float]) -> dict:
+    """Median, min, max and interquartile range of paired per-rep ratios."""
+    v = sorted(values)
+    q = statistics.quantiles(v, n=4) if len(v) >= 2 else [v[0]] * 3
+    return {"median": round(statistics.median(v), 3), "min": round(v[0], 3), "max": round(v[-1], 3),
+            "p25": round(q[0], 3), "p75": round(q[2], 3), "n": len(v)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,7 +268,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--warmup", type=int, default=10, help="steps left out of the rate")
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=6,
+                   help="repetitions of each system, alternating (>= 6 to state a spread)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also run the bare loop with each of the framework's former per-step costs added "
+                        f"({', '.join(EXTRAS)}): the per-step breakdown")
+    p.add_argument("--systems", help="comma-separated subset of systems to run (default: elastic, plain_ddp "
+                                     "and, with --breakdown, the plain+ variants)")
     p.add_argument("--plot", help="write a PNG of step times")
     p.add_argument("--out", help="also write the JSON line to this file")
     p.add_argument("--profile", metavar="DIR", help="py-spy rank 0 of each system into DIR")
@@ -236,17 +287,26 @@ def main(argv: list[str] | None = None) -> int:
     start = pc.machine()
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, args.workers + 2), include_dashboard=False,
              logging_level="WARNING", log_to_driver=False)
-    runs: dict[str, list[list[float]]] = {"elastic": [], "plain_ddp": []}
-    cpu: dict[str, list[dict]] = {"elastic": [], "plain_ddp": []}
-    threads: dict[str, list[dict]] = {"elastic": [], "plain_ddp": []}
+    systems = ["elastic", "plain_ddp", *(EXTRAS if args.breakdown else ())]
+    if args.systems:
+        systems = [s for s in args.systems.split(",") if s]
+        if "plain_ddp" not in systems:
+            raise SystemExit("--systems must include plain_ddp: every ratio is to it")
+    runs: dict[str, list[list[float]]] = {name: [] for name in systems}
+    cpu: dict[str, list[dict]] = {name: [] for name in systems}
+    threads: dict[str, list[dict]] = {name: [] for name in systems}
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
     try:
         for rep in range(args.reps):
-            order = ("elastic", "plain_ddp") if rep % 2 == 0 else ("plain_ddp", "elastic")
+            # Alternate the order (ABBA...): drift on a shared machine then hits every system alike.
+            order = systems if rep % 2 == 0 else list(reversed(systems))
             for name in order:
                 prof = os.path.join(args.profile, f"{name}-rep{rep}.txt") if args.profile else None
-                times, sampler = (run_elastic if name == "elastic" else run_plain)(args, prof)
+                if name == "elastic":
+                    times, sampler = run_elastic(args, prof)
+                else:
+                    times, sampler = run_plain(args, prof, EXTRAS.get(name, ()))
                 runs[name].append(times)
                 cpu[name].append(sampler.per_step(times[args.warmup], times[-1], len(times) - 1 - args.warmup))
                 if prof:
@@ -259,13 +319,13 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
     result = {"benchmark": "O1", "workers": args.workers, "model_size": args.model_size, "batch_size": args.batch_size,
               "steps": args.steps, "warmup": args.warmup, "reps": args.reps, "backend": "gloo", "torch_threads": 1,
-              **start}
+              "systems": systems, **start, "loadavg_1m_at_end": round(os.getloadavg()[0], 2)}
     for name, reps in runs.items():
         rates = [pc.steady_rate(t, args.warmup) for t in reps]
         result[name] = {"steps_per_s_median": round(statistics.median(rates), 3),
                         "steps_per_s": [round(r, 3) for r in rates],
                         "step_s_median": pc.median_interval(reps[0][args.warmup:]),
-                        "cpu_s_per_step_median": {k: round(statistics.median(c[k] for c in cpu[name]), 4)
+                        "cpu_s_per_step_median": {k: round(statistics.median(c.get(k, 0.0) for c in cpu[name]), 4)
                                                   for k in cpu[name][0]},
                         "cpu_s_per_step": cpu[name]}
     # Step times pooled over reps: on a shared machine they are bimodal (quiet / contended); the
@@ -274,18 +334,41 @@ def main(argv: list[str] | None = None) -> int:
         gaps = sorted(b - a for t in reps for a, b in pairwise(t[args.warmup:]))
         result[name]["step_s_quantiles"] = {f"p{q}": round(gaps[int(q / 100 * (len(gaps) - 1))], 4)
                                             for q in (10, 25, 50)}
-    result["ratio"] = round(result["elastic"]["steps_per_s_median"] / result["plain_ddp"]["steps_per_s_median"], 3)
-    result["ratio_uncontended_p10"] = round(result["plain_ddp"]["step_s_quantiles"]["p10"]
-                                            / result["elastic"]["step_s_quantiles"]["p10"], 3)
-    result["ratio_uncontended_p25"] = round(result["plain_ddp"]["step_s_quantiles"]["p25"]
-                                            / result["elastic"]["step_s_quantiles"]["p25"], 3)
-    result["ratio_per_rep"] = [round(a / b, 3) for a, b in zip(result["elastic"]["steps_per_s"],
-                                                               result["plain_ddp"]["steps_per_s"], strict=True)]
-    result["target"] = ">= 0.97"
-    # Cost per step in CPU seconds (all of a system's processes): steadier than steps/s under load.
-    for key in ("workers", "total"):
-        a, b = result["elastic"]["cpu_s_per_step_median"][key], result["plain_ddp"]["cpu_s_per_step_median"][key]
-        result[f"cpu_{key}_ratio_elastic_over_plain"] = round(a / b, 3) if b else None
+    plain = result["plain_ddp"]
+    # Every system against the bare loop of the same rep (paired: both ran minutes apart at most).
+    result["vs_plain_ddp"] = {}
+    for name in systems:
+        if name == "plain_ddp":
+            continue
+        mine = result[name]
+        ratios = [a / b for a, b in zip(mine["steps_per_s"], plain["steps_per_s"], strict=True)]
+        cpu_ratios = [a["workers"] / b["workers"] for a, b in zip(mine["cpu_s_per_step"], plain["cpu_s_per_step"],
+                                                                 strict=True) if b.get("workers")]
+        # The part's cost per step: its step time and its workers' CPU seconds over the bare loop's.
+        extra_ms = [1000 * (1 / a - 1 / b) for a, b in zip(mine["steps_per_s"], plain["steps_per_s"], strict=True)]
+        extra_cpu_ms = [1000 * (a["workers"] - b["workers"]) / args.workers
+                        for a, b in zip(mine["cpu_s_per_step"], plain["cpu_s_per_step"], strict=True)]
+        result["vs_plain_ddp"][name] = {
+            "steps_per_s_ratio": _spread(ratios), "steps_per_s_ratio_per_rep": [round(r, 3) for r in ratios],
+            "worker_cpu_per_step_ratio": _spread(cpu_ratios) if cpu_ratios else None,
+            "worker_cpu_per_step_ratio_per_rep": [round(r, 3) for r in cpu_ratios],
+            "extra_step_ms_median": round(statistics.median(extra_ms), 2),
+            "extra_worker_cpu_ms_per_rank_per_step_median": round(statistics.median(extra_cpu_ms), 2),
+            "ratio_uncontended_p10": round(plain["step_s_quantiles"]["p10"] / mine["step_s_quantiles"]["p10"], 3),
+            "ratio_uncontended_p25": round(plain["step_s_quantiles"]["p25"] / mine["step_s_quantiles"]["p25"], 3)}
+    if "elastic" in systems:
+        ours = result["vs_plain_ddp"]["elastic"]
+        # The keys of earlier versions of this benchmark.
+        result["ratio"] = round(result["elastic"]["steps_per_s_median"] / plain["steps_per_s_median"], 3)
+        result["ratio_paired_median"] = ours["steps_per_s_ratio"]["median"]
+        result["ratio_uncontended_p10"] = ours["ratio_uncontended_p10"]
+        result["ratio_uncontended_p25"] = ours["ratio_uncontended_p25"]
+        result["ratio_per_rep"] = ours["steps_per_s_ratio_per_rep"]
+        result["target"] = "steps/s >= 0.98x plain, worker CPU per step <= 1.03x plain (medians of paired reps)"
+        # Cost per step in CPU seconds (all of a system's processes): steadier than steps/s under load.
+        for key in ("workers", "total"):
+            a, b = result["elastic"]["cpu_s_per_step_median"][key], plain["cpu_s_per_step_median"][key]
+            result[f"cpu_{key}_ratio_elastic_over_plain"] = round(a / b, 3) if b else None
     if args.profile:
         result["profiles"] = args.profile
         result["rank0_thread_cpu_s_per_step"] = threads

@@ -35,7 +35,7 @@ from chaos.services import wait_until
 log = logging.getLogger("chaos.campaign")
 
 STARTUP_TIMEOUT_S = 300.0
-RESTARTABLE_ERRORS = ("TooManyFailuresError", "InsufficientWorkersError")
+RESTARTABLE_ERRORS = ("TooManyFailuresError", "FailureRateError", "NoProgressError", "InsufficientWorkersError")
 MAX_EXTENSIONS = 20
 
 

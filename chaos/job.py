@@ -1,11 +1,4 @@
-"""The job under test: its command line, and the process that runs it.
-
-Any script that follows the main job's contract works (examples/pretrain.py by default):
-`SCRIPT --storage URL --workers MIN:MAX --steps N --checkpoint-every K --seed S`, plus the
-optional flags the runner passes when it needs them (`--model-size`, `--heartbeat-timeout`,
-`--quiet`, and `--fail-at RANK:STEP` for a UserError fault). The job runs in its own session,
-so stopping it stops the embedded Ray it may have started too.
-"""
+"""The job under test: its command line, and the process that runs it (contract: docs/chaos.md)."""
 from __future__ import annotations
 
 import dataclasses

@@ -20,7 +20,7 @@ from chaos.faults import fault_from_dict
 if TYPE_CHECKING:
     from chaos.invariants import Evidence
 
-INFRA_FAILURE_TYPES = ("TooManyFailuresError", "InsufficientWorkersError")
+INFRA_FAILURE_TYPES = ("TooManyFailuresError", "FailureRateError", "NoProgressError", "InsufficientWorkersError")
 # An invoke is recorded once the injector has acted (a crash_before_commit waits for the save it
 # crashes), so the controller may have detected the failure a moment before the record.
 EARLY_S = 5.0
@@ -37,18 +37,26 @@ class _Window:
     latest: float | None
 
     def admits(self, recovery: dict, causes: tuple[str, ...]) -> bool:
-        if recovery.get("cause") not in causes or recovery.get("generation", 0) <= self.after_generation:
+        failures = [f for f in recovery.get("failures") or [] if f.get("cause") in causes]
+        if recovery.get("cause") not in causes and not failures:
+            return False
+        if recovery.get("generation", 0) <= self.after_generation:
             return False
         if self.attempt is not None and recovery.get("attempt", self.attempt) != self.attempt:
             return False
-        detected = recovery.get("detected_at")
-        if detected is not None and self.earliest is not None and detected < self.earliest:
-            return False
-        if detected is not None and self.latest is not None and detected >= self.latest:
-            return False
-        failed = {rank for f in recovery.get("failures") or [] if f.get("cause") in causes
-                  for rank in f.get("ranks") or []}
-        return not (self.ranks and failed) or bool(self.ranks & failed)
+        # A recovery absorbs the failures that come while it is open (summary.json `failures`,
+        # each with its own detection time; the recovery's `detected_at` is its first one's): a
+        # fault is this recovery's when one of them names its rank and was detected in its window.
+        if not failures:
+            return self._in_time(recovery.get("detected_at"))
+        return any(self._in_time(f.get("detected_at")) and (not self.ranks or not f.get("ranks")
+                                                             or bool(self.ranks & set(f["ranks"])))
+                   for f in failures)
+
+    def _in_time(self, detected: float | None) -> bool:
+        if detected is None:
+            return True
+        return (self.earliest is None or detected >= self.earliest) and (self.latest is None or detected < self.latest)
 
 
 def match_recoveries(ev: Evidence) -> list[dict]:

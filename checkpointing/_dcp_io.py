@@ -7,6 +7,11 @@ local files, and makes `rename` cheap on object stores (the only rename DCP does
 small `.metadata` file). A writer stops at its next write once its save is cancelled (an
 abandoned save); a reader opens only the files its manifest lists (DCP's `.metadata` names the
 files to read, and it is not trusted to stay inside the checkpoint).
+
+Requests that would grow with the world size for nothing are left out: a rank with nothing to
+write (under DDP every rank but the lowest: replicated tensors are written once) writes no file
+at all, where DCP's writer would PUT an empty `.distcp` per rank; and no rank but the coordinator
+asks whether a `.metadata` exists already (DCP's writer asks on every rank, only to warn).
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ from torch.distributed.checkpoint.filesystem import (
     FileSystemReader,
     FileSystemWriter,
 )
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from checkpointing.errors import CorruptCheckpointError
 from checkpointing.manifest import HashingWriter
@@ -133,6 +141,21 @@ class StorageWriter(FileSystemWriter):
     @property
     def written(self) -> dict[str, dict]:
         return dict(self._storage_fs.written)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        # DCP's asks every rank whether a .metadata exists (one HEAD per rank on S3) only to
+        # warn that it overwrites; the commit protocol decides what a step's files are. (This
+        # writer always plans collectively: DCP's per-rank prefixes come in prepare_global_plan.)
+        self.fs.mkdir(self.path)      # a no-op on object stores (see Storage.makedirs)
+        return plan
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        if not plan.items:
+            # Nothing of this rank's to write: no file (DCP's writer would PUT an empty one).
+            done: Future[list[WriteResult]] = Future()
+            done.set_result([])
+            return done
+        return super().write_data(plan, planner)
 
 
 class StorageReader(FileSystemReader):

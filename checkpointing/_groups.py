@@ -4,9 +4,10 @@ Internal. The training thread drives collectives on the default group at the sam
 background upload runs, so the upload must not touch it. Every rank creates a separate gloo
 group over the default group's ranks, collectively, in the training thread (in
 `CheckpointManager.bind_group` right after the default group forms, else inside the first
-save/load, which every rank calls at the same step boundary); DCP planning, the file-record gather and the
-commit broadcast of one save run on it. Gloo also lets these object collectives work when the
-default group is NCCL. The group is recreated when the default group changes (a rescale).
+save/load, which every rank calls at the same step boundary); DCP planning, the file-record
+gather (to rank 0, the one writer of the manifest) and the commit broadcast of one save run on it.
+Gloo also lets these object collectives work when the default group is NCCL. The group is
+recreated when the default group changes (a rescale).
 """
 
 from __future__ import annotations
@@ -36,6 +37,16 @@ class GroupView:
         box = [obj]
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.pg, src), group=self.pg)
         return box[0]
+
+    def gather(self, obj: Any, dst: int = 0) -> list | None:
+        """Every rank's `obj` on rank `dst` (in rank order), None on the others: O(N) bytes in
+        all, where an all_gather moves O(N^2) (each rank's records to every rank)."""
+        if self.pg is None or self.world_size == 1:
+            return [obj]
+        import torch.distributed as dist
+        out: list | None = [None] * self.world_size if self.rank == dst else None
+        dist.gather_object(obj, out, dst=dist.get_global_rank(self.pg, dst), group=self.pg)
+        return out
 
     def all_gather(self, obj: Any) -> list:
         if self.pg is None or self.world_size == 1:

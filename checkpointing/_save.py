@@ -5,8 +5,9 @@ every rank, with collectives only on the side group:
   1. rank 0 reads FENCE and broadcasts the verdict, so every rank takes the same branch;
   2. DCP writes each rank's shards into step_<n>/g<gen>/ (replicated tensors once, DTensor
      shards by their owner); DCP gathers per-rank failures, so every rank raises or none does;
-  3. every rank's file records (size, sha256, taken while writing) are gathered to all ranks;
-     having them means every rank's files were closed, i.e. durable;
+  3. every rank's file records (size, sha256, taken while writing) are gathered to rank 0, the
+     one writer of the manifest (not to every rank: that would move O(N^2) bytes); having them
+     means every rank's files were closed, i.e. durable;
   4. rank 0 re-checks the fence and the existing manifest, then PUTs COMMITTED in one
      conditional write (create if absent, or replace exactly the version it read: see
      `Storage.put_if`) and broadcasts the outcome, so every rank returns the same CommitInfo or
@@ -30,6 +31,8 @@ from typing import Any
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlanner
 
 from checkpointing import manifest as mf
 from checkpointing._dcp_io import StorageWriter
@@ -53,6 +56,21 @@ class SaveJob:
     after_commit: Callable[[mf.CommitInfo], None] | None = None
     meta: dict | None = None  # strict JSON stored in the manifest
     cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+
+def _caching_planner(job: SaveJob) -> DefaultSavePlanner:
+    """DCP's planner with plan caching: a rank whose local plan is unchanged since the previous
+    save sends an empty plan, and the coordinator reuses its cached global plan and metadata
+    instead of gathering and checking N plans at every save. Cached per side group and
+    generation (a re-formed group plans afresh); the older generations' entries are dropped."""
+    key = f"{DefaultSavePlanner.__name__}:g{job.generation}:w{job.group.world_size}:pg{id(job.group.pg)}"
+    for cache in (SavePlanner._cached_save_plan, SavePlanner._cached_final_save_plan,
+                  SavePlanner._cached_all_plans, SavePlanner._cached_global_plan, SavePlanner._cached_metadata):
+        for old in [k for k in cache if k.startswith(f"{DefaultSavePlanner.__name__}:g") and k != key]:
+            del cache[old]
+    planner = DefaultSavePlanner(enable_plan_caching=True)
+    planner._cached_plans_key = key
+    return planner
 
 
 def _fence_verdict(storage: Storage, generation: int) -> tuple[str, Any]:
@@ -136,7 +154,13 @@ def _commit(job: SaveJob, records: list[dict]) -> mf.CommitInfo:
     else:
         raise StorageError(f"committing step {job.step} under {storage.url} lost {mf.CAS_ATTEMPTS} "
                            f"compare-and-swaps on its COMMITTED in a row", url=storage.url)
-    return mf.decode_manifest(raw, storage.url_for(sp), step=job.step)
+    info = mf.decode_manifest(raw, storage.url_for(sp), step=job.step)
+    try:
+        mf.write_latest_hint(storage, info)
+    except Exception as e:  # noqa: BLE001 - a hint: pollers fall back to listing
+        log.warning("could not update %s/checkpoints/%s after committing step %d: %s", storage.url,
+                    mf.LATEST_NAME, job.step, e)
+    return info
 
 
 def run_save(job: SaveJob) -> mf.CommitInfo:
@@ -152,7 +176,7 @@ def run_save(job: SaveJob) -> mf.CommitInfo:
     path = f"{mf.step_path(storage, job.step)}/{mf.data_dir_name(job.generation)}"
     writer = StorageWriter(storage, path, cancel=job.cancel)
     try:
-        dcp.save(job.state, storage_writer=writer, process_group=group.pg,
+        dcp.save(job.state, storage_writer=writer, planner=_caching_planner(job), process_group=group.pg,
                  no_dist=group.pg is None)
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         raise _as_checkpoint_error(storage, job, e) from e
@@ -161,10 +185,11 @@ def run_save(job: SaveJob) -> mf.CommitInfo:
         # in a collective with a dead peer must not hold it until the collective times out.
         job.state = {}
 
-    records = group.all_gather(writer.written)
+    records = group.gather(writer.written)
 
     outcome: tuple[str, Any] | None = None
     if group.rank == 0:
+        assert records is not None
         try:
             committed = _commit(job, records)
             outcome = ("ok", dataclasses.asdict(committed))

@@ -274,6 +274,11 @@ class CheckpointManager:
         manifests (for a poller that announces new commits)."""
         return list(reversed(list(mf.iter_committed(self.storage, log=log, after=step))))
 
+    def latest_hint(self) -> int | None:
+        """The step checkpoints/LATEST names (one small GET), or None. A hint for pollers, never
+        for correctness: `latest()` decides (see manifest.LATEST_NAME)."""
+        return mf.read_latest_hint(self.storage)
+
     # ---- fencing and GC ----------------------------------------------------------------------
     def set_generation(self, generation: int, *, start_step: int | None = None,
                        run_id: str | None = None) -> None:

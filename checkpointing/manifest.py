@@ -40,6 +40,12 @@ from checkpointing.storage import PreconditionFailed, Storage
 
 MANIFEST_NAME = "COMMITTED"
 FENCE_NAME = "FENCE"
+# checkpoints/LATEST: a small hint, the newest step committed (written by the committer after
+# COMMITTED). It lets a poller see "nothing new" in one small GET instead of a listing and a
+# manifest read. It is never trusted for correctness: whoever restores lists the manifests, and
+# a poller still lists now and then (a hint write may fail, and a hint may be stale).
+LATEST_NAME = "LATEST"
+LATEST_FORMAT = 1
 CHECKPOINTS_DIR = "checkpoints"
 FORMAT_VERSION = 1        # of COMMITTED (`meta` is an optional key older readers ignore)
 FENCE_FORMAT = 2          # FENCE with run ownership and history; format 1 had only `generation`
@@ -231,6 +237,22 @@ def read_manifest(storage: Storage, step: int) -> CommitInfo | None:
     except FileNotFoundError:
         return None
     return decode_manifest(raw, storage.url_for(sp), step=step)
+
+
+def write_latest_hint(storage: Storage, info: CommitInfo) -> None:
+    """Point checkpoints/LATEST at `info` (one small PUT; see LATEST_NAME)."""
+    doc = {"format": LATEST_FORMAT, "step": info.step, "generation": info.generation, "at": time.time()}
+    storage.write_atomic(f"{checkpoints_path(storage)}/{LATEST_NAME}", json.dumps(doc).encode())
+
+
+def read_latest_hint(storage: Storage) -> int | None:
+    """The step checkpoints/LATEST names, or None (absent or unreadable: a hint, see LATEST_NAME)."""
+    try:
+        doc = json.loads(storage.read_bytes(f"{checkpoints_path(storage)}/{LATEST_NAME}"))
+        step = doc["step"]
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
 
 
 def list_steps(storage: Storage) -> list[int]:

@@ -10,13 +10,15 @@ import importlib
 
 from checkpointing import CheckpointError, CorruptCheckpointError, FencedError, RunConflictError, StorageError
 from elastic.callbacks import Callback, TensorBoardCallback  # light: torch's writer is imported when one is made
-from elastic.config import CheckpointConfig, FailureConfig, LRScalingConfig, ScalingConfig
+from elastic.config import CheckpointConfig, FailureConfig, LoggingConfig, LRScalingConfig, ScalingConfig
 from elastic.errors import (
     ConfigError,
     DatasetError,
     ElasticError,
+    FailureRateError,
     InsufficientWorkersError,
     NonFiniteLossError,
+    NoProgressError,
     RestoreRequiredError,
     StateError,
     StorageConfigError,
@@ -47,11 +49,11 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "ElasticTrainer", "Result", "RunMetrics", "TrainContext", "Callback", "TensorBoardCallback",
-    "ScalingConfig", "CheckpointConfig", "FailureConfig", "LRScalingConfig",
+    "ScalingConfig", "CheckpointConfig", "FailureConfig", "LRScalingConfig", "LoggingConfig",
     "FailurePolicy", "ScalingPolicy", "Failure", "FailureDecision", "ResizeDecision",
     "ParquetTokens", "write_token_shards", "read_corpus_marker",
     "ElasticError", "ConfigError", "DatasetError", "StorageConfigError", "WorkerLostError",
-    "InsufficientWorkersError", "TooManyFailuresError", "UserCodeError", "StateError", "RestoreRequiredError",
-    "NonFiniteLossError",
+    "InsufficientWorkersError", "TooManyFailuresError", "FailureRateError", "NoProgressError", "UserCodeError",
+    "StateError", "RestoreRequiredError", "NonFiniteLossError",
     "CheckpointError", "StorageError", "CorruptCheckpointError", "FencedError", "RunConflictError",
 ]

@@ -8,6 +8,10 @@
                                    (default PATH: <URL>/report.png)
                                    (status and report take --option KEY=VALUE: fsspec storage
                                    options; credentials and endpoint also come from AWS_*)
+    elastic stop URL [--reason TEXT]   ask the live run to commit a checkpoint at its next step
+                                   and end with status "stopped" (resumable); exit 0 asked,
+                                   1 the run has already ended, 2 no run there or a storage error
+                                   (status, report and stop take --option KEY=VALUE)
     elastic ckpt list|verify|gc URL   committed checkpoints (same as `python -m checkpointing`)
     elastic export URL [--step N] --out FILE   the model weights of a committed checkpoint as one
                                    file that plain `torch.load(FILE, weights_only=True)` reads
@@ -61,8 +65,37 @@ def _status_line(status: dict) -> str:
             f"updated {age:.0f}s ago  [{workers}]")
 
 
+def cmd_stop(args: argparse.Namespace) -> int:
+    """Exit 0 the stop is asked for; 1 the run has already ended; 2 no run there (no status.json)."""
+    from checkpointing.lease import DEFAULT_STALE_AFTER_S, FINAL_STATES
+    from elastic.stop_request import STOP_NAME, request_stop
+    options = _parse_options(args.option)
+    status = _read_json(args.url, "status.json", options)
+    if status is None:
+        print(f"no status.json under {args.url}: is this a run's storage URL?", file=sys.stderr)
+        return 2
+    state = status.get("state")
+    if state in FINAL_STATES:
+        print(f"the run under {args.url} has already ended (state {state!r}, step {status.get('step')}): "
+              f"nothing to stop", file=sys.stderr)
+        return 1
+    request_stop(args.url, options, reason=args.reason, run_id=status.get("run_id"))
+    print(f"stop requested: {args.url}/{STOP_NAME} written for run {status.get('run_id') or '(no run id)'} "
+          f"(state {state}, step {status.get('step')}, generation {status.get('generation')}).")
+    print("Every rank commits a checkpoint at the next step boundary, then the run ends with status "
+          "\"stopped\"; run it again with the same storage to resume. Follow it with "
+          f"`elastic status {args.url} --watch`.")
+    updated = status.get("updated_at")
+    if isinstance(updated, (int, float)) and time.time() - updated > DEFAULT_STALE_AFTER_S:
+        print(f"note: status.json was last updated {time.time() - updated:.0f}s ago: the run may be dead; "
+              f"then nothing reads the request, and the next run on this storage removes it when it starts",
+              file=sys.stderr)
+    return 0
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     """Exit 0; 1 when the run failed (status.json's state "failed"); 2 no run there."""
+    from checkpointing.lease import FINAL_STATES
     options = _parse_options(args.option)
     while True:
         status = _read_json(args.url, "status.json", options)
@@ -73,7 +106,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(json.dumps(status), flush=True)
         else:
             print(_status_line(status), flush=True)
-        if not args.watch or status.get("state") in ("finished", "failed"):
+        if not args.watch or status.get("state") in FINAL_STATES:
             return 1 if status.get("state") == "failed" else 0
         time.sleep(args.interval)
 
@@ -178,7 +211,17 @@ def main(argv: list[str] | None = None) -> int:
     report = sub.add_parser("report", help="summary and recoveries of a run")
     report.add_argument("url")
     report.add_argument("--json", action="store_true", help="print summary.json as is")
-    for command in (status, report):
+    stop = sub.add_parser(
+        "stop", help="commit a checkpoint at the next step and end the run (status \"stopped\", resumable)",
+        description="Ask the live run under STORAGE to stop: every rank commits a checkpoint at the next "
+                    "step boundary and the run ends with status \"stopped\", resumable by running it "
+                    "again with the same storage (the graceful counterpart of `ray job stop`, which "
+                    "loses the steps since the last checkpoint). Writes <STORAGE>/STOP. Exit 0 asked, "
+                    "1 the run has already ended, 2 no run there (no status.json) or a storage error.")
+    stop.add_argument("url", metavar="STORAGE", help="the run's storage URL (where its status.json is)")
+    stop.add_argument("--reason", default="", metavar="TEXT", help="why, kept in STOP for whoever reads it")
+    stop.set_defaults(run=cmd_stop)
+    for command in (status, report, stop):
         command.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                              help="fsspec storage option, e.g. endpoint_url=http://127.0.0.1:9000 or anon=true "
                                   "(values read as JSON where they can; AWS_* variables also work)")

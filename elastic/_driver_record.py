@@ -69,14 +69,16 @@ def record_lost_controller(url: str, storage_options: dict | None, *, error: Ela
     except Exception:
         log.debug("could not list the committed checkpoints under %s", url, exc_info=True)
     step = status.get("step") if isinstance(status.get("step"), int) else 0
+    from elastic.schemas import STATUS_FORMAT, SUMMARY_FORMAT
     summary = {
-        "status": "failed", "final_step": step, "total_steps": total_steps, "world_size_history": [],
+        "format": SUMMARY_FORMAT, "status": "failed", "final_step": step, "total_steps": total_steps,
+        "world_size_history": [],
         "recoveries": [], "checkpoints": checkpoints, "loss_first": None, "loss_last": None,
         "model_sha256": None, "wall_s": round(time.time() - started_at, 3), "metrics": {}, "goodput": None,
         "resumed_from": None, "stragglers": [], "checkpoint_fallbacks": [], "samples_consumed": None,
         "data_order_sha256": None, "config": config, "error": error_doc,
     }
-    status = {**status, "state": "failed", "error": error_doc, "updated_at": time.time()}
+    status = {**status, "format": STATUS_FORMAT, "state": "failed", "error": error_doc, "updated_at": time.time()}
     for name, payload in (("status.json", status), ("summary.json", summary)):
         try:
             if storage is None:

@@ -40,7 +40,8 @@ def render(rows: list[dict], summary: dict | None, *, title: str = "") -> tuple[
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as error:
-        raise RuntimeError("elastic report --plot needs matplotlib: pip install matplotlib") from error
+        raise RuntimeError("elastic report --plot needs matplotlib, which the base install leaves out: "
+                           "pip install 'elastic-train[plot]'") from error
 
     t0 = rows[0]["time"]
     t = [r["time"] - t0 for r in rows]

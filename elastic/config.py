@@ -1,8 +1,9 @@
 """Configuration of an elastic run: frozen, keyword-only dataclasses checked on construction.
 
-`None` means unlimited. Each check says which field to change and how. Every bad value, an
-unknown or positional argument included, is a ConfigError (never a bare TypeError): a count is
-an int (a bool or a float is refused), a duration a finite number of seconds, a flag a bool.
+`None` means unlimited (ScalingConfig.UNLIMITED names it). Each check says which field to change
+and how. Every bad value, an unknown or positional argument included, is a ConfigError (never a
+bare TypeError): a count is an int (a bool or a float is refused), a duration a finite number of
+seconds, a flag a bool.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from elastic._credentials import mask_secrets, mask_url
 from elastic.errors import ConfigError, StorageConfigError
@@ -26,6 +27,17 @@ STRATEGIES = ("ddp", "fsdp")
 PRECISIONS = ("fp32", "bf16", "fp16")
 GRAD_COMPRESSIONS = (None, "bf16", "powersgd")
 STORAGE_SCHEMES = ("file", "memory", "s3", "")
+
+
+class _SameAsMin:
+    """ScalingConfig.max_workers when not given: __post_init__ makes it min_workers."""
+
+    def __repr__(self) -> str:
+        return "<min_workers>"
+
+
+# Typed Any: it stands in a field typed `int | None` only until __post_init__ replaces it.
+_SAME_AS_MIN: Any = _SameAsMin()
 
 
 def _require(condition: bool, message: str) -> None:
@@ -190,11 +202,24 @@ def check_dataset_covers_global_batch(num_samples: int, *, batch_size: int, worl
 class ScalingConfig:
     """How many workers, on what hardware, with which parallel strategy."""
 
+    UNLIMITED: ClassVar[None] = None
+    """`max_workers=ScalingConfig.UNLIMITED`: no upper bound (the name of None, which the field
+    keeps meaning, as everywhere in elastic's configs)."""
+
     min_workers: int = 1
     """Fewest workers the run may continue with; below this it waits for replacements."""
-    max_workers: int | None = None
-    """Most workers the run grows to when capacity exists; None means no limit (grow while the
-    cluster has room)."""
+    max_workers: int | None = _SAME_AS_MIN
+    """Most workers the run grows to when capacity exists. Not given: min_workers (a fixed size).
+    `ScalingConfig.UNLIMITED` (that is, None) grows while the cluster has room.
+
+    Why the bound is explicit: the run keeps a placement request standing for every worker it
+    could still add, so an unbounded run on an autoscaling cluster is a standing request for
+    nodes, made by whoever forgot to write a maximum. So the default is the safe one (no growth),
+    and unlimited is spelled out: `UNLIMITED` rather than a string ("unlimited") because the field
+    keeps one type, `int | None`, for every reader (the controller and the policies read None as
+    unlimited, a type checker keeps them honest), and a misspelt name fails where it is written
+    (AttributeError) instead of at run time. An explicit None means the same as UNLIMITED: since
+    the default is no longer None, writing None can only be a request for no bound."""
     startup_wait_s: float = 10.0
     """At start, how long to wait for max_workers to be ready before starting with fewer (at
     least min_workers); the rest join by a warm scale-up once ready. Raise it where every run
@@ -232,14 +257,16 @@ class ScalingConfig:
 
     def __post_init__(self) -> None:
         _count("ScalingConfig.min_workers", self.min_workers, 1)
-        _count("ScalingConfig.max_workers", self.max_workers, 1, none="no limit")
+        if self.max_workers is _SAME_AS_MIN:
+            object.__setattr__(self, "max_workers", self.min_workers)
+        _count("ScalingConfig.max_workers", self.max_workers, 1, none="ScalingConfig.UNLIMITED: no limit")
         _require(self.max_workers is None or self.max_workers >= self.min_workers,
                  f"ScalingConfig.max_workers ({self.max_workers!r}) must be an int >= "
                  f"min_workers ({self.min_workers}); raise max_workers or lower min_workers")
         _count("ScalingConfig.spare_workers", self.spare_workers, 0)
         _require(self.spare_workers == 0 or self.max_workers is not None,
-                 "ScalingConfig.spare_workers needs max_workers: with no maximum every placed worker "
-                 "already joins the run")
+                 "ScalingConfig.spare_workers needs a bounded max_workers (not UNLIMITED): with no maximum "
+                 "every placed worker already joins the run")
         _number("ScalingConfig.startup_wait_s", self.startup_wait_s, at_least=0, unit="seconds")
         _flag("ScalingConfig.use_gpu", self.use_gpu)
         _require(self.strategy in STRATEGIES,
@@ -345,8 +372,19 @@ NONFINITE_LOSS_ACTIONS = ("fail", "ignore")
 class FailureConfig:
     """How failures are detected and how many the run tolerates."""
 
-    max_failures: int | None = 20
-    """Infrastructure failures tolerated before the run fails; None is unlimited. User-code errors fail at once."""
+    max_failures: int | None = None
+    """Infrastructure failures tolerated over the run's whole life; None (the default) is
+    unlimited: a run of weeks meets faults every day, and the two rules below stop a run that is
+    failing rather than one that has lived long (TooManyFailuresError). User-code errors fail at once."""
+    failure_rate_limit: int | None = 60
+    """At most this many infrastructure failures within failure_rate_window_s (FailureRateError
+    beyond); None switches the rule off. The default allows a fault every 10 s for 10 minutes."""
+    failure_rate_window_s: float = 600.0
+    max_failures_without_progress: int | None = 5
+    """Fail (NoProgressError) when this many failures in a row each came before the run kept a
+    step past where the one before had reached: a crash loop (a rank that dies at the same step
+    on every attempt) ends in minutes, while a run that moves on between faults is never stopped
+    by it. None switches the rule off."""
     heartbeat_interval_s: float = 0.2
     """How often the controller looks at its workers (and re-polls one that answered). While the
     run trains, a worker holds a poll until something happens, up to 1 s (at most a fifth of
@@ -397,6 +435,10 @@ class FailureConfig:
 
     def __post_init__(self) -> None:
         _count("FailureConfig.max_failures", self.max_failures, 0, none="unlimited")
+        _count("FailureConfig.failure_rate_limit", self.failure_rate_limit, 1, none="no rate rule")
+        _number("FailureConfig.failure_rate_window_s", self.failure_rate_window_s, above=0, unit="seconds")
+        _count("FailureConfig.max_failures_without_progress", self.max_failures_without_progress, 1,
+               none="no progress rule")
         # Every timeout finite: inf would switch hang detection off (heartbeat) or overflow
         # torch's timedelta in the workers (collective), which would read as a user error.
         for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "collective_timeout_s", "rendezvous_timeout_s"):
@@ -461,6 +503,26 @@ class LRScalingConfig:
         _require(self.schedule in LR_SCHEDULES,
                  f"LRScalingConfig.schedule must be one of {LR_SCHEDULES}, got {self.schedule!r}")
         _number("LRScalingConfig.min_lr_ratio", self.min_lr_ratio, at_least=0, at_most=1)
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_LEVEL_ENV = "ELASTIC_LOG_LEVEL"     # how the level reaches the controller and worker processes
+
+
+@_checked_arguments
+@dataclass(frozen=True, kw_only=True)
+class LoggingConfig:
+    """How much elastic logs (its `elastic.*` loggers), in the driver, the controller and the
+    workers (Ray streams the last two to the driver): Ray Train's LoggingConfig(log_level) for
+    this runtime. "WARNING" keeps a run to its warnings and errors (no per-generation INFO lines)."""
+
+    level: str = "INFO"
+    """One of DEBUG, INFO, WARNING, ERROR (any case)."""
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.level, str) and self.level.upper() in LOG_LEVELS,
+                 f"LoggingConfig.level must be one of {LOG_LEVELS}, got {_got(self.level)}")
+        object.__setattr__(self, "level", self.level.upper())
 
 
 def to_jsonable(config: Any) -> Any:

@@ -24,6 +24,7 @@ from elastic._data import ElasticLoader
 from elastic._determinism import mix_seed, state_sha256
 from elastic._protocol import GenerationPlan, RunSpec
 from elastic._worker import checkpoint_io as _checkpoint_io
+from elastic._worker import fault_gate as _fault_gate
 from elastic._worker import wrap as _wrap
 from elastic._worker.precision import Precision
 from elastic._worker.restore import Restorer, named_objects
@@ -211,6 +212,8 @@ class TrainContext:
     def save_checkpoint(self, *, wait: bool = False) -> None:
         """Collective: commit a checkpoint of the current step (async unless `wait`)."""
         state = self._require_state("ctx.save_checkpoint()")
+        # The steps' losses are known before their state is saved: a non-finite one is never committed.
+        self._boundary.settle()
         payload, meta = state.checkpoint_payload(_wrap.compression_extra(self._compression, self.rank),
                                                  world_size=self.world_size)
         self._worker.checkpoints.save(self._spec, self.step, payload, generation=self.generation, wait=wait,
@@ -235,6 +238,11 @@ class TrainContext:
         first (`dist.all_reduce(t, op=SUM)`): every rank then reports the same value. Every rank
         must report the same names. With gradient accumulation a non-final micro-batch's report
         only notes its loss.
+
+        Nothing here waits for the other ranks on a step with nothing to do: the step's values
+        are exchanged in the background and the group acts on them at the next report (a rescale
+        or a preemption notice unwinds the loop one step after it arrives, on every rank at the
+        same step; see elastic._worker.step_boundary).
         """
         self._require_state("ctx.report()")
         outcome = self._boundary.end_step(metrics)
@@ -251,8 +259,15 @@ class TrainContext:
             if not self._worker.warm.capable and session.last_saved_step != step:
                 # FSDP shards cannot be re-broadcast after the group changes: commit them first.
                 self._commit_before_leaving()
+            self._boundary.settle()   # this step's record, before the loop unwinds
             raise RescaleInterrupt()
+        _fault_gate.hold_after(step, self._loop_config, settle=self._boundary.settle)   # tests only: see fault_gate
         self._boundary.timer.start()
+
+    def _abandon(self) -> None:
+        """The loop failed (a broken group, the user's error): keep the records of the steps
+        whose exchange is still pending, without waiting on the group (see StepBoundary.abandon)."""
+        self._boundary.abandon()
 
     def log(self, **metrics: Any) -> None:
         """Record metrics at the current step without counting a step (validation, eval).
@@ -267,6 +282,7 @@ class TrainContext:
             if self._models or self._optimizers:
                 self._require_state("train_loop returned")
             return None
+        self._boundary.settle()   # the last step's record
         session = self._worker.checkpoints
         if session.last_saved_step != self.step:
             self.save_checkpoint(wait=True)

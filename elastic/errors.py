@@ -27,7 +27,18 @@ class InsufficientWorkersError(ElasticError):
 
 
 class TooManyFailuresError(ElasticError):
-    """More infrastructure failures than `FailureConfig.max_failures` allows."""
+    """The failure budget is spent: more infrastructure failures than `FailureConfig.max_failures`
+    allows over the run's life (this class), or one of the two rules below fired."""
+
+
+class FailureRateError(TooManyFailuresError):
+    """More than `FailureConfig.failure_rate_limit` infrastructure failures within
+    `failure_rate_window_s`: the run fails faster than it can be kept going."""
+
+
+class NoProgressError(TooManyFailuresError):
+    """`FailureConfig.max_failures_without_progress` failures in a row came with no step kept
+    past where the one before had reached: a crash loop, not a run meeting faults."""
 
 
 class DatasetError(ElasticError):

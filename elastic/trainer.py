@@ -18,9 +18,19 @@ from elastic._accumulation import CONSTANT_GLOBAL_BATCH, check_divisible
 from elastic._credentials import mask_secrets, mask_url, split_storage_env
 from elastic._protocol import RunSpec
 from elastic.callbacks import CallbackRunner, check_callbacks
-from elastic.config import CheckpointConfig, FailureConfig, LRScalingConfig, ScalingConfig, to_jsonable
+from elastic.config import (
+    LOG_LEVEL_ENV,
+    CheckpointConfig,
+    FailureConfig,
+    LoggingConfig,
+    LRScalingConfig,
+    ScalingConfig,
+    to_jsonable,
+)
 from elastic.errors import ConfigError, StorageConfigError, UserCodeError
 from elastic.policies import FailurePolicy, ScalingPolicy
+from elastic.schemas import STATUS_FORMAT
+from elastic.stop_request import clear_stop
 
 log = logging.getLogger("elastic.trainer")
 
@@ -85,7 +95,7 @@ class RunMetrics:
 class Result:
     """Outcome of `ElasticTrainer.fit()`."""
 
-    status: str                          # "finished" | "failed"
+    status: str                          # "finished" | "failed" | "stopped" (elastic stop) | "stopped_early"
     final_step: int
     storage: str
     summary: dict[str, Any] = field(default_factory=dict)   # summary.json as written (strict JSON values)
@@ -115,9 +125,14 @@ class ElasticTrainer:
         total_steps: optimizer steps of the whole run (a resumed run continues up to it).
         seed: seeds initial weights, data order and per-(step, rank) randomness.
         failure_policy, scaling_policy: decide on failures and resizes; defaults in elastic.policies.
-        progress: called about once a second in the driver with a snapshot dict of the run.
+        progress: called about once a second in the driver with a snapshot dict of the run (step,
+            total_steps, loss, world_size, generation, last_committed_step, state, failures,
+            elapsed_s); its `close()`, if it has one, when the run ends. elastic.progress.ProgressDisplay
+            shows a bar with steps/s and an ETA.
         callbacks: driver-side hooks (subclasses of elastic.Callback, e.g. TensorBoardCallback):
             every step's metrics line, log line, recovery and commit, once each, then the Result.
+        logging_config: the level of elastic's loggers in the driver, the controller and the
+            workers (None: as configured; the controller logs at INFO).
     """
 
     def __init__(self, train_loop: Callable[..., Any], *, scaling: ScalingConfig, checkpoint: CheckpointConfig,
@@ -126,7 +141,8 @@ class ElasticTrainer:
                  failure_policy: FailurePolicy | None = None,
                  scaling_policy: ScalingPolicy | None = None,
                  progress: Callable[[dict[str, Any]], None] | None = None,
-                 callbacks: list[Any] | tuple[Any, ...] | None = None):
+                 callbacks: list[Any] | tuple[Any, ...] | None = None,
+                 logging_config: LoggingConfig | None = None):
         if not callable(train_loop):
             raise ConfigError(f"train_loop must be callable, got {type(train_loop).__name__}")
         if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
@@ -137,6 +153,8 @@ class ElasticTrainer:
                                  ("failure", failure or FailureConfig(), FailureConfig)):
             if not isinstance(value, cls):
                 raise ConfigError(_foreign_config(name, value, cls))
+        if logging_config is not None and not isinstance(logging_config, LoggingConfig):
+            raise ConfigError(f"logging_config must be an elastic.LoggingConfig, got {type(logging_config).__name__}")
         if lr is not None and not isinstance(lr, LRScalingConfig):
             raise ConfigError(f"lr must be an LRScalingConfig, got {type(lr).__name__}")
         if lr is not None and lr.warmup_steps >= total_steps:
@@ -153,6 +171,7 @@ class ElasticTrainer:
         self.lr = lr
         self.failure_policy, self.scaling_policy = failure_policy, scaling_policy
         self._progress = progress
+        self.logging_config = logging_config
         self._callbacks = check_callbacks(callbacks)
         self._run_id: str | None = None     # this fit()'s, holding the storage's lease (see _check_storage)
 
@@ -204,9 +223,13 @@ class ElasticTrainer:
             acquire_run_lease(self.checkpoint.storage, self._run_id, storage_options=options,
                               takeover=self.checkpoint.takeover)
             storage = Storage(self.checkpoint.storage, options)
+            # A STOP is meant for the run that was live when it was written: one left by an
+            # earlier run (that ended before it saw it, or was stopped by it) must not stop this
+            # resume at once. Cleared once the lease is ours, before status.json says we run.
+            clear_stop(storage)
             storage.write_atomic(storage.path("status.json"), json.dumps(
-                {"state": "scheduling", "generation": -1, "step": 0, "workers": [], "run_id": self._run_id,
-                 "updated_at": time.time()}).encode())
+                {"format": STATUS_FORMAT, "state": "scheduling", "generation": -1, "step": 0, "workers": [],
+                 "run_id": self._run_id, "updated_at": time.time()}).encode())
         except RunConflictError:
             raise
         except Exception as error:
@@ -242,6 +265,12 @@ class ElasticTrainer:
         from elastic._controller.actor import ControllerActor
         here = ray.get_runtime_context().get_node_id()
         runtime_env, credentials = actor_environment(os.environ)
+        if self.logging_config is not None:
+            # The driver's elastic loggers here; the controller's (and, through its runtime_env,
+            # the workers') by the variable their processes read when they set up logging.
+            logging.getLogger("elastic").setLevel(self.logging_config.level)
+            runtime_env = runtime_env or {}
+            runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), LOG_LEVEL_ENV: self.logging_config.level}
         started = time.time()
         actor = ray.remote(ControllerActor).options(
             num_cpus=0, max_concurrency=4, max_restarts=0, runtime_env=runtime_env,
@@ -263,6 +292,7 @@ class ElasticTrainer:
         except Exception as error:   # noqa: BLE001 - the controller is gone: a failed run, not an exception
             outcome = self._lost_controller(error, started)
         finally:
+            self._close_progress()
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:   # a dead actor, or a Ray going down
@@ -274,6 +304,16 @@ class ElasticTrainer:
         if runner is not None:
             runner.end(result)
         return result
+
+    def _close_progress(self) -> None:
+        """The display's `close()`, when it has one (elastic.progress.ProgressDisplay: the bar
+        goes before fit() returns and its caller prints)."""
+        close = getattr(self._progress, "close", None)
+        if callable(close):
+            try:
+                close()
+            except Exception:   # the Result matters more than the display
+                log.debug("closing the progress display failed", exc_info=True)
 
     def _lost_controller(self, error: BaseException, started_at: float) -> dict[str, Any]:
         """The outcome of a run whose controller's `run()` did not return (its actor died, or it
@@ -328,8 +368,46 @@ def _start_ray(ray: Any) -> bool:
     True when this call did (fit() then shuts it down when it returns)."""
     if ray.is_initialized():
         return False
-    ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=True)
+    address = os.environ.get("RAY_ADDRESS") or None
+    if address is None and _starts_local_ray():
+        quiet_local_ray_auth()
+    ray.init(address=address, include_dashboard=False, log_to_driver=True)
     return True
+
+
+def quiet_local_ray_auth() -> None:
+    """Before `ray.init` starts a new local Ray: spell out the token authentication Ray turns on
+    for it anyway, which silences the notice Ray logs on every start ("Token authentication is
+    enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out", Ray's
+    authentication_token_setup.enable_token_auth_by_default; it warns only when RAY_AUTH_MODE is
+    unset). The notice is noise on a Ray that this process starts and stops, and "disabled" would
+    open that Ray to anyone on the network, so the mode becomes the one Ray picks: "token" (with
+    ~/.ray/auth_token, which Ray creates when missing). A mode set by the user is left alone. Only
+    for a Ray started here: one being joined needs the mode it was started with.
+
+    Through Ray's own `_enable_token_auth` (what enable_token_auth_by_default calls before its
+    warning): besides RAY_AUTH_MODE it refreshes the config that importing Ray cached, which still
+    says "disabled" when only the variable changes (ray.init then fails with AuthenticationError).
+    Private API: without it the notice stays, nothing else changes."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    try:
+        from ray._private.authentication.authentication_token_setup import _enable_token_auth
+    except ImportError:
+        return
+    _enable_token_auth()
+
+
+def _starts_local_ray() -> bool:
+    """Whether `ray.init()` with no address starts a new local Ray (rather than joining the one
+    `ray start` recorded on this machine). Asked of Ray's own resolution (private API: False
+    when it fails, which leaves Ray's notice as it was)."""
+    try:
+        from ray._private.services import canonicalize_bootstrap_address
+        # None, as ray.init(address=None) passes it (Ray's annotation says str; its code takes None).
+        return canonicalize_bootstrap_address(None) is None  # type: ignore[arg-type]
+    except Exception:   # noqa: BLE001 - only a log line is at stake
+        return False
 
 
 def newest_checkpoint(storage: str, committed: list[int] | None) -> str | None:

@@ -22,8 +22,9 @@ shows, beside the model and data that a port does not change:
 
 Exit code 0 when the run finished, 1 when it failed or stopped early, 2 on a configuration error.
 Running it again with the same `--storage` resumes (a larger `--steps` stretches the cosine
-from there: the schedule reads `ctx.total_steps`). `--hold-at STEP:FILE` holds every rank
-after STEP until FILE exists, so a test can inject a fault at an exact step.
+from there: the schedule reads `ctx.total_steps`). `--hold-at STEP:FILE` sets the framework's
+fault gate (elastic/_worker/fault_gate.py): every rank waits after STEP until FILE exists, so a
+test can inject a fault at an exact step; the loop below knows nothing of it.
 """
 from __future__ import annotations
 
@@ -31,7 +32,6 @@ import argparse
 import math
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import Dataset
 
 from elastic import Callback, CheckpointConfig, ConfigError, ElasticTrainer, FailureConfig, ScalingConfig
+from elastic._worker.fault_gate import HOLD_AT_KEY, HoldAt
 
 # ---- the user's model and data: unchanged by a port --------------------------------------------
 DIM, CLASSES, BLOBS_PER_CLASS, HIDDEN = 16, 4, 3, 64
@@ -113,7 +114,7 @@ def evaluate(model: nn.Module, data: Blobs, rank: int = 0, world_size: int = 1) 
 
 # ---- the training loop: runs on every rank, re-entered after every rescale ---------------------
 def train_loop(ctx) -> None:
-    """`ctx.config`: batch_size, val_every, loader_workers, hold_at ([step, file] or None)."""
+    """`ctx.config`: batch_size, val_every, loader_workers."""
     cfg = ctx.config
     net = build_model()
     model = ctx.prepare_model(net)            # DDP: `net` is the module it wraps, now on ctx.device
@@ -125,7 +126,6 @@ def train_loop(ctx) -> None:
     # In place of get_checkpoint() / torch.load / load_state_dict x 4 / start_epoch: whatever the
     # newest state is (a survivor's memory or a committed checkpoint), every object gets its part.
     ctx.restore(model=model, optimizer=optimizer, scheduler=scheduler, ema=ema)
-    hold_step, gate = cfg.get("hold_at") or (None, None)
     for x, y in loader:                       # this rank's batches, from ctx.step to total_steps
         x, y = x.to(ctx.device), y.to(ctx.device)
         lr = scheduler.get_last_lr()[0]       # the LR this step runs with
@@ -142,18 +142,6 @@ def train_loop(ctx) -> None:
             val_loss, val_accuracy = evaluate(model, val, ctx.rank, ctx.world_size)
             _, ema_accuracy = evaluate(ema.module, val, ctx.rank, ctx.world_size)
             ctx.log(val_loss=val_loss, val_accuracy=val_accuracy, ema_val_accuracy=ema_accuracy)
-        if ctx.step == hold_step:
-            hold_until(gate)
-
-
-def hold_until(gate: str, limit_s: float = 300.0) -> None:
-    """Fault injection (--hold-at): wait until the file `gate` exists. Defined here, not imported
-    from examples/gpt.py: this module travels to the workers by value, gpt would not."""
-    deadline = time.monotonic() + limit_s
-    while not os.path.exists(gate):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"--hold-at: {gate} was not created within {limit_s:.0f} s")
-        time.sleep(0.01)   # polling a file the test creates
 
 
 # ---- after the run: the exported weights in plain torch ----------------------------------------
@@ -189,11 +177,11 @@ def parse_workers(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"--workers must be MIN:MAX or N, got {text!r}") from None
 
 
-def parse_hold_at(text: str) -> tuple[int, str]:
-    step, sep, path = text.partition(":")
-    if sep and path and step.isdigit() and int(step) >= 1:
-        return int(step), path
-    raise argparse.ArgumentTypeError(f"--hold-at must be STEP:FILE (step >= 1), got {text!r}")
+def parse_hold_at(text: str) -> HoldAt:
+    try:
+        return HoldAt.parse(text)
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -219,7 +207,7 @@ def build_trainer(args: argparse.Namespace) -> ElasticTrainer:
     return ElasticTrainer(
         train_loop,
         train_loop_config={"batch_size": args.batch_size, "val_every": args.val_every,
-                           "loader_workers": args.loader_workers, "hold_at": args.hold_at},
+                           "loader_workers": args.loader_workers, HOLD_AT_KEY: args.hold_at},
         # The DataLoader's processes run inside each worker's CPU reservation.
         scaling=ScalingConfig(min_workers=low, max_workers=high),
         checkpoint=CheckpointConfig(storage=args.storage, every_n_steps=args.checkpoint_every, keep=3),

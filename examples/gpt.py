@@ -3,8 +3,6 @@ as a Parquet corpus), and the train loop used by examples/pretrain.py, the tests
 from __future__ import annotations
 
 import math
-import os
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -166,11 +164,9 @@ def make_dataset(cfg: dict, model_cfg: GPTConfig, seed: int):
 
 def train_loop(ctx) -> None:
     """The example's loop; `ctx.config` may hold model_size, batch_size, lr, optimizer, n_samples,
-    activation_checkpointing, data (URL of a Parquet token corpus), loader_workers (DataLoader worker
-    processes) and hold_at (fault-injection tests, see hold_until_released). Precision comes from
-    ScalingConfig through ctx.autocast/backward."""
+    activation_checkpointing, data (URL of a Parquet token corpus) and loader_workers (DataLoader worker
+    processes). Precision comes from ScalingConfig through ctx.autocast/backward."""
     cfg = dict(ctx.config or {})
-    hold_step, gate = cfg.get("hold_at") or (None, None)
     model_cfg = GPTConfig.named(cfg.get("model_size", "small"))
     model = ctx.prepare_model(GPT(model_cfg, activation_checkpointing=bool(cfg.get("activation_checkpointing"))))
     # "sgd" (momentum 0.9): an update proportional to the gradient, for tests that compare models.
@@ -189,22 +185,6 @@ def train_loop(ctx) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         ctx.report(loss=loss, lr=optimizer.param_groups[0]["lr"])
-        if ctx.step == hold_step:
-            hold_until_released(gate)
-
-
-HOLD_LIMIT_S = 300.0
-
-
-def hold_until_released(gate: str) -> None:
-    """Wait, on every rank, until the file `gate` exists (config "hold_at": [step, gate]: after
-    that step). A fault-injection test holds the run at a known step, acts on a worker from
-    outside, then creates the file: the fault lands at that step however fast the machine is."""
-    deadline = time.monotonic() + HOLD_LIMIT_S
-    while not os.path.exists(gate):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"hold_at: {gate} was not created within {HOLD_LIMIT_S:.0f} s")
-        time.sleep(0.01)   # polling a file the test creates; the collectives that follow re-align the ranks
 
 
 def parameter_count(cfg: GPTConfig) -> int:

@@ -9,7 +9,8 @@ worker (its pid is in <storage>/status.json) and watch the run re-form and go on
 each worker trains on one GPU of its own (NCCL), which --precision fp16 needs.
 
 Exit codes: 0 finished; 1 failed; 2 bad flags or storage that cannot be written; 3 the loop
-stopped before --steps; 4 the storage is in use by another live run (see --takeover).
+stopped before --steps; 4 the storage is in use by another live run (see --takeover); 5 stopped
+by `elastic stop <storage>` (a checkpoint committed; run again to resume).
 """
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ import json
 import math
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,9 +34,13 @@ from elastic import (
     ScalingConfig,
     StorageError,
 )
+from elastic._worker.fault_gate import HOLD_AT_KEY, HoldAt
+from elastic.progress import ProgressDisplay
+from elastic.trainer import quiet_local_ray_auth
 
 EXIT_STOPPED_EARLY = 3
 EXIT_STORAGE_IN_USE = 4
+EXIT_STOPPED = 5
 
 
 def parse_workers(text: str) -> tuple[int, int]:
@@ -74,11 +78,11 @@ def parse_fail_at(text: str) -> tuple[int, int]:
     raise argparse.ArgumentTypeError(f"--fail-at must be RANK:STEP (rank >= 0, step >= 1), got {text!r}")
 
 
-def parse_hold_at(text: str) -> tuple[int, str]:
-    step, sep, path = text.partition(":")
-    if sep and path and step.isdigit() and int(step) >= 1:
-        return int(step), path
-    raise argparse.ArgumentTypeError(f"--hold-at must be STEP:FILE (step >= 1), got {text!r}")
+def parse_hold_at(text: str) -> HoldAt:
+    try:
+        return HoldAt.parse(text)
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -115,7 +119,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds before a silent worker is declared hung")
     p.add_argument("--cpus-per-worker", type=float, default=1.0)
     p.add_argument("--sync-checkpoints", action="store_true", help="block training while a checkpoint uploads")
-    p.add_argument("--quiet", action="store_true", help="no live progress line")
+    p.add_argument("--quiet", action="store_true",
+                   help="no live progress (else a bar with steps/s and ETA on a terminal with rich installed, "
+                        "a line every 5 s otherwise)")
     p.add_argument("--loader-workers", type=non_negative_int, default=0, metavar="N",
                    help="DataLoader worker processes per worker, fetching batches ahead (0: in the training process)")
     p.add_argument("--gpu", action="store_true",
@@ -134,7 +140,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "STEP, in the run's first generation only; by default a user error fails the run")
     p.add_argument("--hold-at", type=parse_hold_at, metavar="STEP:FILE",
                    help="fault injection (tests): every rank waits after step STEP until FILE exists, "
-                        "so a fault injected from outside lands at that step")
+                        "so a fault injected from outside lands at that step (the framework's fault gate)")
     args = p.parse_args(argv)
     if args.precision == "fp16" and not args.gpu:
         p.error("--precision fp16 needs --gpu (its GradScaler runs on the GPU); add --gpu, "
@@ -192,29 +198,6 @@ def failing_loop(rank: int, step: int, generation: int):
     return train_loop
 
 
-class ProgressLine:
-    """One status line, redrawn in place on a terminal, printed every few seconds otherwise."""
-
-    def __init__(self, quiet: bool):
-        self.quiet, self.tty, self.last_print, self.last_failures = quiet, sys.stdout.isatty(), 0.0, 0
-
-    def __call__(self, snap: dict) -> None:
-        if self.quiet:
-            return
-        loss = f"{snap['loss']:.3f}" if snap.get("loss") is not None else "-"
-        line = (f"step {snap['step']}/{snap['total_steps']}  loss {loss}  world {snap['world_size']}  "
-                f"gen {snap['generation']}  ckpt {snap['last_committed_step']}  {snap['state']}  "
-                f"{snap['elapsed_s']:.0f}s")
-        if snap["failures"] > self.last_failures:
-            self.last_failures = snap["failures"]
-            line += f"  (recovered from {snap['failures']} failure(s))"
-        if self.tty:
-            print("\r" + line.ljust(110), end="", flush=True)
-        elif time.monotonic() - self.last_print >= 5:
-            print(line, flush=True)
-            self.last_print = time.monotonic()
-
-
 def prepare_corpus(args: argparse.Namespace) -> str:
     """The corpus URL of the run, checked here so a bad --data fails before any worker starts."""
     from elastic import ParquetTokens
@@ -253,12 +236,12 @@ def main(argv: list[str] | None = None) -> int:
             train_loop,
             train_loop_config={"model_size": args.model_size, "batch_size": args.batch_size, "lr": args.lr,
                                "activation_checkpointing": args.activation_checkpointing, "data": data_url,
-                               "hold_at": args.hold_at, "loader_workers": args.loader_workers},
+                               HOLD_AT_KEY: args.hold_at, "loader_workers": args.loader_workers},
             scaling=scaling_config(args),
             checkpoint=CheckpointConfig(storage=args.storage, every_n_steps=args.checkpoint_every,
                                         async_save=not args.sync_checkpoints, takeover=args.takeover),
             failure=FailureConfig(heartbeat_timeout_s=args.heartbeat_timeout),
-            lr=lr_config(args), total_steps=args.steps, seed=args.seed, progress=ProgressLine(args.quiet))
+            lr=lr_config(args), total_steps=args.steps, seed=args.seed, progress=ProgressDisplay(quiet=args.quiet))
     except ConfigError as error:
         print(f"configuration error: {error}", file=sys.stderr)
         return 2
@@ -281,10 +264,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"--gpu: this machine has {gpus} CUDA device(s), --workers {low}:{high} needs one per "
                       f"worker; lower MIN, or leave out --gpu to train on CPU", file=sys.stderr)
                 return 2
-        # Logical CPUs: one per worker even on a small machine, so max_workers always fits.
+        # Logical CPUs: one per worker even on a small machine, so MAX workers and the hot spares
+        # always fit (a spare reserves a worker's resources: without its CPUs it would stay pending).
         # address="local": a Ray of its own, even when another one runs on this machine (the
         # cluster to join is given by RAY_ADDRESS, as `ray job submit` does).
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(high * args.cpus_per_worker)),
+        workers = high + args.spare_workers
+        quiet_local_ray_auth()      # Ray's token-auth notice, on every start: see its docstring
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(workers * args.cpus_per_worker)),
                  num_gpus=gpus, include_dashboard=False)
     try:
         result = trainer.fit()
@@ -299,6 +285,10 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({k: s.get(k) for k in ("status", "final_step", "loss_first", "loss_last", "world_size_history",
                                             "recoveries", "checkpoints", "resumed_from", "wall_s", "goodput",
                                             "model_sha256")}, indent=1))
+    if result.status == "stopped":
+        print(f"stopped by `elastic stop` at step {result.final_step} of {args.steps}, checkpoint committed; "
+              f"run again with --storage {args.storage} to resume", file=sys.stderr)
+        return EXIT_STOPPED
     if result.status == "stopped_early":
         print(f"stopped early: the loop returned at step {result.final_step} of {args.steps}", file=sys.stderr)
         return EXIT_STOPPED_EARLY

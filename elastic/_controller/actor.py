@@ -2,18 +2,22 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
-from elastic._controller.controller import Controller
+from elastic._controller.controller import Controller, run_loop
 from elastic._controller.feed import Event, RunFeed
 from elastic._controller.ray_metrics import RayMetricsListener
 from elastic._controller.run_record import RunRecorder
 from elastic._controller.states import RunState
 from elastic._controller.worker_group import RayWorkerGroup
 from elastic._protocol import RunSpec
-from elastic.config import CheckpointConfig, FailureConfig, ScalingConfig
+from elastic.config import LOG_LEVEL_ENV, CheckpointConfig, FailureConfig, ScalingConfig
 from elastic.errors import UserCodeError
+
+FULL_LISTING_EVERY_S = 30.0     # committed_since lists at least this often, whatever the hint says
+STOP_POLL_S = 2.0               # how often the controller looks for a STOP request (elastic stop)
 
 
 class CheckpointView:
@@ -24,6 +28,8 @@ class CheckpointView:
         self._storage_options = storage_options
         self._run_id = run_id          # the run holding the storage's lease: fencing checks it is still this one
         self._manager = CheckpointManager(url, keep=keep, storage_options=storage_options, async_save=False)
+        self._listed_at = -float("inf")     # monotonic time committed_since last listed the manifests
+        self._stop_read_at = -float("inf")  # monotonic time stop_request last read STOP
 
     def latest_step(self) -> int | None:
         latest = self._manager.latest()
@@ -33,7 +39,18 @@ class CheckpointView:
         return [info.step for info in self._manager.committed()]
 
     def committed_since(self, step: int | None) -> list[int]:
-        """Steps committed after `step`, oldest first (reads only their manifests)."""
+        """Steps committed after `step`, oldest first (reads only their manifests). When the
+        newest-commit hint names `step` itself, nothing is new: one small GET instead of a
+        listing. The hint only saves work: the manifests are listed when it names another
+        step, and at least every FULL_LISTING_EVERY_S whatever it says (its write may fail)."""
+        now = time.monotonic()
+        if step is not None and now - self._listed_at < FULL_LISTING_EVERY_S:
+            try:
+                if self._manager.latest_hint() == step:
+                    return []
+            except Exception:   # noqa: BLE001 - a hint: list instead
+                pass
+        self._listed_at = now
         return [info.step for info in self._manager.committed_since(step)]
 
     def fence(self, generation: int, start_step: int | None = None) -> None:
@@ -44,6 +61,20 @@ class CheckpointView:
     def current_fence(self) -> int | None:
         from checkpointing import read_fence
         return read_fence(self._manager.url, self._storage_options)
+
+    def stop_request(self) -> dict | None:
+        """The STOP request (`elastic stop`), read at most every STOP_POLL_S: one small GET, not
+        one per controller tick. A storage error reads as no request (asked again later)."""
+        now = time.monotonic()
+        if now - self._stop_read_at < STOP_POLL_S:
+            return None
+        self._stop_read_at = now
+        from elastic.stop_request import read_stop
+        try:
+            return read_stop(self._manager.storage)
+        except Exception:   # the next poll asks again; training goes on meanwhile
+            logging.getLogger("elastic.controller").debug("could not read the stop request", exc_info=True)
+            return None
 
 
 def run_status(finished: bool, step: int, total_steps: int) -> str:
@@ -59,6 +90,8 @@ class ControllerActor:
                  total_steps: int, config: dict[str, Any], failure_policy, scaling_policy, feed: bool = False,
                  run_id: str | None = None):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        # LoggingConfig's level, from the driver through the runtime env.
+        logging.getLogger("elastic").setLevel(os.environ.get(LOG_LEVEL_ENV, "INFO"))
         spec.apply_storage_env()     # the driver's credentials, before anything here opens storage
         options = dict(checkpoint.storage_options) or None
         # The driver's callbacks drain the feed (`events`); without callbacks nobody would.
@@ -76,7 +109,7 @@ class ControllerActor:
     def run(self) -> dict[str, Any]:
         controller = self._controller
         try:
-            controller.run()
+            run_loop(controller)
         except BaseException as crash:   # a controller bug must still end in a summary
             logging.getLogger("elastic.controller").exception("controller crashed")
             controller.crashed(crash)
@@ -92,7 +125,8 @@ class ControllerActor:
             checkpoints = []
         self._recorder.on_commits(checkpoints)     # the final commit, too recent for the status listing
         summary = self._recorder.write_summary(
-            status=run_status(finished, controller.step, controller.total_steps), final_step=controller.step,
+            status="stopped" if controller.state.state == RunState.STOPPED
+            else run_status(finished, controller.step, controller.total_steps), final_step=controller.step,
             checkpoints=checkpoints,
             model_sha256=controller.model_sha256,
             error=None if error is None else {k: error[k] for k in ("type", "message", "traceback", "ranks")})

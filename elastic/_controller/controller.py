@@ -18,25 +18,35 @@ from elastic._controller.collaborators import CheckpointView, WorkerGroup
 from elastic._controller.failure_budget import FailureBudget
 from elastic._controller.forming import GenerationFormer
 from elastic._controller.intake import ReportIntake
-from elastic._controller.ledgers import OpenRecovery, RecoveryLedger, Rung, StepLedger
-from elastic._controller.recovering import RecoveryWatch, plan_members
-from elastic._controller.running import AllFinished, Fault, Resize, RunningWatch
-from elastic._controller.scheduling import Gate, StartGate
+from elastic._controller.ledgers import RecoveryLedger, Rung, StepLedger
+from elastic._controller.recovering import RecoveryWatch, plan_members, too_few_to_reform
+from elastic._controller.running import AllFinished, Fault, Resize, RunningWatch, still_in_loop
+from elastic._controller.scheduling import Gate, StartGate, too_few_to_start
 from elastic._controller.slots import Slots
-from elastic._controller.states import AnyState, Failed, Finished, Recovering, Running, RunState, Scheduling, Starting
+from elastic._controller.states import (
+    AnyState,
+    Failed,
+    Finished,
+    Recovering,
+    Running,
+    RunState,
+    Scheduling,
+    Starting,
+    Stopped,
+    Stopping,
+)
 from elastic._controller.status import StatusReport
 from elastic._controller.storage_retry import StorageRetry
 from elastic._controller.stragglers import StragglerDetector
 from elastic._controller.worker_group import DEAD, READY, SLOW_TICK_S, WorkerView
 from elastic._protocol import RestoreKind, WorkerReport
 from elastic.config import FailureConfig, ScalingConfig
-from elastic.errors import InsufficientWorkersError
 from elastic.policies import Cause, Failure, FailurePolicy, ScalingPolicy
 
 if TYPE_CHECKING:
     from elastic._controller.run_record import RunRecord
 
-__all__ = ["CheckpointView", "Controller", "WorkerGroup"]
+__all__ = ["CheckpointView", "Controller", "WorkerGroup", "run_loop"]
 
 log = logging.getLogger("elastic.controller")
 
@@ -58,13 +68,12 @@ class Controller:
         self.clock, self.wall_clock = clock, wall_clock
         self.callbacks = callbacks
         self.state: AnyState = Scheduling(since=clock())
-        self.world_size = 0        # of the newest generation
         self.model_sha256: str | None = None
         self.views: dict[int, WorkerView] = {}
         self.history: list[tuple[str, str, str]] = []
         # The parts read the controller's clocks and config as they are when read (a test may swap them).
         now: Callable[[], float] = lambda: self.clock()   # noqa: E731
-        self.budget = FailureBudget(failure_policy or FailurePolicy(), lambda: self.failure.max_failures)
+        self.budget = FailureBudget(failure_policy or FailurePolicy(), lambda: self.failure, now)
         self.storage = StorageRetry(self.budget, now, lambda: self.failure.rendezvous_timeout_s)
         self.stragglers = StragglerDetector(window=failure.straggler_window,
                                             threshold=failure.straggler_threshold or float("inf"),
@@ -79,20 +88,20 @@ class Controller:
                                        intake=self.intake, steps=self.steps, stragglers=self.stragglers,
                                        recoveries=self.recoveries, running=self.running,
                                        failure=lambda: self.failure, clock=now)
-        self._crash: dict[str, Any] | None = None   # the controller's own crash (see crashed())
 
     @property
     def done(self) -> bool:
-        return self.state.state in (RunState.FINISHED, RunState.FAILED)
+        return self.state.state in (RunState.FINISHED, RunState.FAILED, RunState.STOPPED)
 
     @property
     def step(self) -> int:
         """The newest step the run keeps (or the step a new generation restores)."""
         return self.intake.step
 
-    @step.setter
-    def step(self, value: int) -> None:
-        self.intake.step = value
+    @property
+    def world_size(self) -> int:
+        """Of the newest generation that ran."""
+        return self.status.world_size
 
     @property
     def generation(self) -> int:
@@ -110,44 +119,28 @@ class Controller:
     @property
     def error(self) -> dict[str, Any] | None:
         """What the run failed of (the Failed state's), or None."""
-        return self.state.error if isinstance(self.state, Failed) else self._crash
+        return self.state.error if isinstance(self.state, Failed) else None
 
     def crashed(self, error: BaseException) -> None:
-        """The controller itself raised (a bug): the run ends failed with that error."""
-        self._crash = {"type": type(error).__name__, "message": str(error), "traceback": None,
-                       "exception": error, "ranks": []}
+        """The controller itself raised (a bug): the run ends failed with that error. (Set, not a
+        transition: the status writer and callbacks may be what raised.)"""
+        self.state = Failed.of(error)
 
     def flush_logs(self) -> None:
         self.intake.flush_logs()
 
-    # ---- loop --------------------------------------------------------------------------
-    def run(self, sleep: Callable[[float], None] = time.sleep) -> None:
-        try:
-            while not self.done:
-                started = time.monotonic()
-                self.tick()
-                took = time.monotonic() - started
-                if took > SLOW_TICK_S:
-                    # Detection waits for the tick: say so when one took seconds (Ray calls can block it).
-                    log.warning("controller tick took %.1fs in state %s: failures were not detected meanwhile",
-                                took, self.state.state.value)
-                if not self.done:
-                    sleep(self.failure.heartbeat_interval_s)
-        finally:
-            self.group.shutdown(graceful=self.state.state == RunState.FINISHED)
-
+    # ---- the tick ----------------------------------------------------------------------
     def tick(self) -> None:
         # While training runs, polls are held (answered at once on news, else once a hold): the
         # 5 Hz polls cost each worker ~2 % of its CPU. Otherwise they are answered at once.
         self.group.poll_hold_s = self.failure.poll_hold_s if self.state.state == RunState.RUNNING else 0.0
         self.views = self.group.tick()
         self.intake.absorb(self.views, self.state, self._current_members(), self.generation)
-        members = set(self._current_members())
-        for view in self.views.values():
-            if view.report is not None and view.report.preempted and view.status == READY and view.wid not in members:
-                self.group.kill(view.wid, "preempted while spare")
+        for wid in self.slots.preempted_spares(self.views, self._current_members()):
+            self.group.kill(wid, "preempted while spare")
         handler = {RunState.SCHEDULING: self._on_scheduling, RunState.STARTING: self._on_starting,
-                   RunState.RUNNING: self._on_running, RunState.RECOVERING: self._on_recovering}.get(self.state.state)
+                   RunState.RUNNING: self._on_running, RunState.RECOVERING: self._on_recovering,
+                   RunState.STOPPING: self._on_stopping}.get(self.state.state)
         if handler is not None:
             handler()
         self._write_status(force=False)
@@ -177,10 +170,7 @@ class Controller:
                 self._transition(Starting(self.slots.cap(ready), plan), f"{len(ready)} workers ready")
                 self._on_starting()
         elif gate == Gate.TOO_FEW:
-            self._fail(InsufficientWorkersError(
-                f"only {len(ready)} of min_workers={self.scaling.min_workers} workers could be placed in "
-                f"{self.failure.rendezvous_timeout_s:.0f}s; add resources, lower ScalingConfig.min_workers "
-                f"or raise FailureConfig.rendezvous_timeout_s"))
+            self._fail(too_few_to_start(len(ready), self.scaling, self.failure))
 
     def _on_starting(self) -> None:
         st = self.state
@@ -206,6 +196,12 @@ class Controller:
         elif isinstance(verdict, AllFinished):
             self._record_final(verdict.report)
             self._transition(Finished(list(st.members)), f"all {len(st.members)} ranks finished at step {self.step}")
+        elif (request := self.checkpoints.stop_request()) is not None:
+            # `elastic stop`: the preemption notice's path, for every member at once.
+            self.group.request_preemption(st.members)
+            reason = str(request.get("reason") or "elastic stop")
+            self._transition(Stopping(st.generation, list(st.members), self._recovery_deadline(), reason),
+                             f"stop requested: {reason}")
         else:
             self.group.scale_to(self.slots.target(self.views))
             if self.recoveries.open is None:
@@ -226,7 +222,8 @@ class Controller:
     def _recover_from(self, fault: Fault, members: list[int]) -> None:
         """Charge the failure; fail the run, or kill what is lost and recover with the rest."""
         failure = fault.failure
-        decision = self.budget.charge(failure)
+        reached = max([self.step] + [report.step for w in members if (report := self.views[w].report) is not None])
+        decision = self.budget.charge(failure, reached)
         for wid in fault.lost:
             self.group.kill(wid, failure.cause)
         if decision.action == "fail":
@@ -240,8 +237,7 @@ class Controller:
         # survivors cut theirs, so none waits out the collective timeout on it.
         self.group.request_stop(survivors, self.generation, cut_group=bool(fault.lost))
         self.group.scale_to(self.slots.target(self.views))
-        max_step = max([self.step] + [report.step for w in members if (report := self.views[w].report) is not None])
-        self.recoveries.begin(failure.cause, len(members), max_step, fault.detect_s, list(failure.ranks))
+        self.recoveries.begin(failure.cause, len(members), reached, fault.detect_s, list(failure.ranks))
         self._begin_recovery(Recovering(self.generation, survivors, self._recovery_deadline()),
                              f"{failure.cause} on ranks {list(failure.ranks)}; {decision.reason}")
 
@@ -262,26 +258,36 @@ class Controller:
         for cause, ranks in tick.noted:
             self.recoveries.note(cause, ranks)
         if tick.cold:
-            self._open_recovery().rung = Rung.COLD
+            self.recoveries.current.rung = Rung.COLD
         if tick.finished is not None:
             self._record_final(tick.finished)
             self._transition(Finished(list(st.survivors)), "finished while recovering")
         elif tick.settled is not None:
             self._reform(st, tick.settled)
 
+    def _on_stopping(self) -> None:
+        """Every member commits at its next step boundary and leaves the loop; then the run ends.
+        A member still in the loop at the deadline is killed (the commit it was part of is lost;
+        the run resumes from the one before)."""
+        st = self.state
+        assert isinstance(st, Stopping)
+        in_loop = still_in_loop(st.generation, st.members, self.views)
+        if in_loop and self.clock() < st.deadline:
+            return
+        for wid in in_loop:
+            self.group.kill(wid, "still training at the stop's deadline")
+        self._transition(Stopped(list(st.members), st.reason), f"stopped at step {self.step}: {st.reason}")
+
     def _reform(self, st: Recovering, settled: dict[int, WorkerReport]) -> None:
         """Re-form with the survivors out of the broken group (`settled`, with their reports) and
         the ready spares: warm from the survivor furthest ahead that holds its state, else from the
         newest checkpoint."""
         members, survivors = plan_members(st, settled, self.slots.ready(self.views), self.slots.cap)
-        recovery = self._open_recovery()
+        recovery = self.recoveries.current
         if len(members) < self.scaling.min_workers:
             self.group.scale_to(self.slots.target(self.views))
             if self.clock() - recovery.detected_at > self.failure.rendezvous_timeout_s:
-                self._fail(InsufficientWorkersError(
-                    f"{len(members)} workers left after {recovery.cause}, fewer than "
-                    f"min_workers={self.scaling.min_workers}, and no replacement was placed within "
-                    f"FailureConfig.rendezvous_timeout_s={self.failure.rendezvous_timeout_s:.0f}s"))
+                self._fail(too_few_to_reform(len(members), recovery.cause, self.scaling, self.failure))
             return
         recovery.max_step = max([recovery.max_step] + [settled[w].step for w in settled])
         ok, plan = self.former.reform_plan(members, settled)
@@ -289,18 +295,12 @@ class Controller:
             return
         if plan.kind != RestoreKind.BROADCAST and recovery.rung != Rung.COLD:
             recovery.rung = Rung.CHECKPOINT
-        self.step = plan.step
+        self.intake.step = plan.step
         self._transition(Starting(members, plan),
                          f"re-forming with {len(survivors)} survivor(s) and {len(members) - len(survivors)} new")
         self._on_starting()
 
     # ---- helpers -----------------------------------------------------------------------
-    def _open_recovery(self) -> OpenRecovery:
-        """The recovery being carried out (Recovering always has one)."""
-        recovery = self.recoveries.open
-        assert recovery is not None, "recovering without an open recovery"
-        return recovery
-
     def _storage(self, what: str, call: Callable[[], Any]) -> tuple[bool, Any]:
         """A storage call of the control loop (storage_retry): (False, None) means "not now";
         an error that outlasts the retries fails the run."""
@@ -317,11 +317,8 @@ class Controller:
         self.recorder.on_final_data(report.samples_seen, report.data_order)
 
     def _write_status(self, force: bool) -> None:
-        members = self._current_members()
-        if isinstance(self.state, Running):
-            self.world_size = len(members)
-        self.status.write(force=force, state=self.state.state.value, generation=self.generation, step=self.step,
-                          world_size=self.world_size, members=members, views=self.views)
+        self.status.write(force=force, state=self.state.state, generation=self.generation, step=self.step,
+                          members=self._current_members(), views=self.views)
 
     def _current_members(self) -> list[int]:
         """Workers of the newest generation: its members, or its survivors while recovering."""
@@ -329,3 +326,21 @@ class Controller:
 
     def _fail(self, error: Exception, failure: Failure | None = None) -> None:
         self._transition(Failed.of(error, failure), str(error))
+
+
+def run_loop(controller: Controller, sleep: Callable[[float], None] = time.sleep) -> None:
+    """Tick `controller` every FailureConfig.heartbeat_interval_s until the run ends; then shut
+    its workers down (gracefully when the run finished or stopped)."""
+    try:
+        while not controller.done:
+            started = time.monotonic()
+            controller.tick()
+            took = time.monotonic() - started
+            if took > SLOW_TICK_S:
+                # Detection waits for the tick: say so when one took seconds (Ray calls can block it).
+                log.warning("controller tick took %.1fs in state %s: failures were not detected meanwhile",
+                            took, controller.state.state.value)
+            if not controller.done:
+                sleep(controller.failure.heartbeat_interval_s)
+    finally:
+        controller.group.shutdown(graceful=controller.state.state in (RunState.FINISHED, RunState.STOPPED))

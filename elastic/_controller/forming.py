@@ -104,4 +104,4 @@ class GenerationFormer:
         self.intake.restore(self.generation, st.restore.step)
         self.stragglers.reset(world)
         self.running.begin()
-        return Running(self.generation, st.members, start_step=st.restore.step, started_at=self._clock()), start_error
+        return Running(self.generation, st.members, started_at=self._clock()), start_error

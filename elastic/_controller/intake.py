@@ -2,12 +2,18 @@
 run record: the step each generation really restored, the step records (each step once, from
 whichever rank has it), `ctx.log` records, straggler scores and checkpoint fallbacks.
 
+Per-rank compute times may come on every rank's record of a step or on one rank's only: a step's
+times are scored once, from whichever record carries them, whichever tick it arrives in. They
+reach metrics.jsonl on a sample of the steps only (`COMPUTE_TIMES_PER_LINE`), so that a line's
+size does not grow with the world size.
+
 It records; it decides nothing and acts on no worker (the controller does both).
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from elastic._controller.ledgers import RecoveryLedger, StepLedger
@@ -23,6 +29,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("elastic.controller")
 
+# The per-rank compute times ride on every k-th step's metrics line, k = ceil(N / this): about
+# this many floats per line on average at any world size N (every line up to this many ranks).
+COMPUTE_TIMES_PER_LINE = 16
+SCORED_KEPT = 256        # steps remembered as scored: times that come later than this are stale
+
+
+def carries_compute_times(step: int, world_size: int) -> bool:
+    """Whether step `step`'s metrics line keeps the per-rank compute times (see COMPUTE_TIMES_PER_LINE)."""
+    every = -(-world_size // COMPUTE_TIMES_PER_LINE)
+    return every <= 1 or step % every == 0
+
 
 class ReportIntake:
     """Turns worker reports into the run's record. `step` is the newest step the run keeps."""
@@ -35,12 +52,21 @@ class ReportIntake:
         self._views: dict[int, WorkerView] = {}
         self.step = 0
         self.first_generation = 0            # this run's first (later ones re-form after failures)
+        # Steps whose compute times were scored (recent ones only): a set, not a high-water mark,
+        # because a step's times may come after a later step's (from the one rank that sends them,
+        # in a later tick than another rank's record of the step).
+        self._scored: set[int] = set()
+        # The newest generation's restored step: as planned (restore), then as rank 0 reported it
+        # (a corrupt checkpoint makes it older than the newest manifest the controller planned with).
+        self.start_step = 0
+        self._confirmed_generation: int | None = None
 
     def restore(self, generation: int, step: int) -> None:
         """Generation `generation` starts from `step`: the steps recorded past it are discarded."""
         if self.steps.restore(generation, step):
             self.recorder.rollback_to(step)
-        self.step = step
+        self.step = self.start_step = step
+        self._scored = {s for s in self._scored if s <= step}
 
     def absorb(self, views: dict[int, WorkerView], state: Any, members: list[int], generation: int) -> None:
         self._views = views
@@ -48,6 +74,7 @@ class ReportIntake:
             self._confirm_restore(state)
             self._logs.note_members(state.generation, state.members)
         fresh: dict[int, StepRecord] = {}
+        timed: dict[int, StepRecord] = {}    # steps not scored yet: a record with their compute times
         for view in views.values():
             if view.report is not None:
                 for fallback in view.report.checkpoint_fallbacks:
@@ -57,8 +84,13 @@ class ReportIntake:
             for record in view.records:
                 if record.kind == "log":
                     self._logs.offer(view.wid, record)
-                elif self.steps.is_new(record):
-                    fresh.setdefault(record.step, record)
+                    continue
+                if record.compute_s and record.step not in self._scored and record.step not in timed:
+                    timed[record.step] = record
+                if self.steps.is_new(record):
+                    taken = fresh.setdefault(record.step, record)
+                    if not taken.compute_s and record.compute_s:
+                        fresh[record.step] = record    # the same step, with the compute times
         for step in sorted(fresh):
             record = fresh[step]
             self.steps.take(record, self.step)
@@ -67,9 +99,15 @@ class ReportIntake:
             if isinstance(state, Running) and self.recoveries.open is not None \
                     and record.step > self.recoveries.open.restored_step:
                 self.close_recovery(generation)
+            if record.compute_s and not carries_compute_times(record.step, len(record.compute_s)):
+                record = replace(record, compute_s=())
             self.recorder.on_step(record)
-            self._score_stragglers(state, record)
+            self._score_stragglers(state, timed.pop(step, fresh[step]))
             self.step = record.step
+        # Compute times of steps taken in an earlier tick, from a rank whose record came late.
+        for step in sorted(timed):
+            if step not in self._scored and step <= self.step and self.steps.kept(timed[step]):
+                self._score_stragglers(state, timed[step])
         self._release_logs()
 
     def close_recovery(self, generation: int) -> None:
@@ -85,13 +123,13 @@ class ReportIntake:
     def _confirm_restore(self, st: Running) -> None:
         """The step the new generation really restored (a corrupt checkpoint makes it older
         than the newest manifest the controller planned with)."""
-        if st.restore_confirmed:
+        if self._confirmed_generation == st.generation:
             return
         report = self._views[st.members[0]].report
         if report is None or report.generation != st.generation or report.restored_step is None:
             return
-        st.restore_confirmed = True
-        step = st.start_step = report.restored_step
+        self._confirmed_generation = st.generation
+        step = self.start_step = report.restored_step
         self.recorder.correct_generation_start(step)
         if st.generation == self.first_generation and self.recorder.resumed_from is not None:
             self.recorder.resumed_from = step
@@ -119,9 +157,14 @@ class ReportIntake:
                 or report.phase != WorkerPhase.RUNNING)
 
     def _score_stragglers(self, st: Any, record: StepRecord) -> None:
+        if record.compute_s:                # a step's times are scored once, wherever they came from
+            self._scored.add(record.step)
+            if len(self._scored) > SCORED_KEPT:
+                self._scored = {s for s in self._scored if s > record.step - SCORED_KEPT}
         # The first step of a generation carries its restore: not a step time.
         if (not isinstance(st, Running) or self._failure().straggler_threshold is None
-                or len(record.compute_s) != len(st.members) or record.step <= st.start_step + 1):
+                or record.generation != st.generation or len(record.compute_s) != len(st.members)
+                or record.step <= self.start_step + 1):
             return
         for flag in self.stragglers.observe(record.step, record.compute_s):
             log.warning("straggler: rank %d (worker %d) computes %.2fx the other ranks' median over the last "

@@ -47,6 +47,12 @@ class RecoveryLedger:
         self._clock, self._wall_clock = clock, wall_clock
         self.open: OpenRecovery | None = None
 
+    @property
+    def current(self) -> OpenRecovery:
+        """The recovery being carried out (the controller's RECOVERING state always has one)."""
+        assert self.open is not None, "recovering without an open recovery"
+        return self.open
+
     def begin(self, cause: Cause, from_world: int, max_step: int, detect_s: float = 0.0,
               failed_ranks: list[int] | None = None) -> OpenRecovery:
         """A failure (with its ranks) or a resize (without): opens a recovery, or is absorbed

@@ -29,19 +29,24 @@ class LogRecordPicker:
         # Keys handed to the run record, kept while another rank's copy may still come.
         self._taken: dict[Key, StepRecord] = {}
         self._members: dict[int, list[int]] = {}              # generation -> worker ids in rank order
+        self._ranks: dict[int, dict[int, int]] = {}           # generation -> worker id -> rank (offer's lookup)
 
     def note_members(self, generation: int, members: list[int]) -> None:
+        if generation in self._members:       # a generation's members never change (asked every tick)
+            return
         self._members[generation] = list(members)
+        self._ranks[generation] = {wid: rank for rank, wid in enumerate(members)}
         for old in sorted(self._members)[:-GENERATIONS_KEPT]:
-            del self._members[old]
+            del self._members[old], self._ranks[old]
 
     def offer(self, wid: int, record: StepRecord) -> None:
         key = key_of(record)
         if key in self._taken:
             return
-        members = self._members.get(record.generation)
-        # A sender outside the known members (not expected) ranks after every member.
-        rank = members.index(wid) if members is not None and wid in members else len(members or ())
+        # A sender outside the known members (not expected) ranks after every member. (A dict, not
+        # members.index(): every rank may log every step, and .index() made that O(N^2).)
+        ranks = self._ranks.get(record.generation, {})
+        rank = ranks.get(wid, len(ranks))
         held = self._held.get(key)
         if held is None or rank < held[0]:
             self._held[key] = (rank, record)

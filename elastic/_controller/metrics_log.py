@@ -11,9 +11,10 @@ Threads: the controller's thread appends and rolls back; `flush` runs on the sta
 thread (elastic._controller.status_writer) or, inline, on the controller's. `flush` writes a snapshot taken
 under the lock, so a rollback made while it writes is honoured by the next flush.
 
-metrics.jsonl has two kinds of lines. A step's line: the framework's keys (STEP_KEYS) and, after
-them, every metric the loop reported (rank mean). A `ctx.log(...)` line: `{"step": N, "kind":
-"log", "time": ..., <its metrics>}`, a line of its own at the step it was logged at (the step's
+metrics.jsonl has two kinds of lines, each with its `format` (elastic.schemas: the JSON Schema of a
+line ships there). A step's line: the framework's keys (STEP_KEYS) and, after them, every metric
+the loop reported (rank mean). A `ctx.log(...)` line: `{"format": 1, "step": N, "kind": "log",
+"time": ..., <its metrics>}`, a line of its own at the step it was logged at (the step's
 line may be on storage already), counting no step; readers that count steps skip lines with a
 `kind`. A user metric named like a framework key of its line never overwrites it: it is left out
 of the line (and of the run's metrics) with a warning, once per name. Both kinds go with the
@@ -32,15 +33,16 @@ from typing import Any
 from checkpointing.appendlog import AppendLog
 from checkpointing.storage import Storage
 from elastic._protocol import StepRecord
+from elastic.schemas import METRICS_FORMAT
 
 log = logging.getLogger("elastic.record")
 
 METRICS_FILE = "metrics.jsonl"
 
 # The framework's keys of a step's line and of a log line: a user metric never replaces them.
-STEP_KEYS = ("step", "loss", "world_size", "time", "lr", "global_batch", "accum_steps", "samples_seen",
+STEP_KEYS = ("format", "step", "loss", "world_size", "time", "lr", "global_batch", "accum_steps", "samples_seen",
              "compute_s", "kind")
-LOG_KEYS = ("step", "kind", "time")
+LOG_KEYS = ("format", "step", "kind", "time")
 LOG_KIND = "log"
 
 
@@ -164,7 +166,7 @@ class MetricsLog:
                 self._rollback_to(record.step - 1)
             self._newest_step = record.step
             line = {
-                "step": record.step, "loss": record.loss, "world_size": record.world_size,
+                "format": METRICS_FORMAT, "step": record.step, "loss": record.loss, "world_size": record.world_size,
                 "time": record.time, "lr": record.metrics.get("lr"),
                 "global_batch": record.global_batch, "accum_steps": record.accum_steps,
                 "samples_seen": record.samples_seen, "compute_s": list(record.compute_s)}
@@ -181,7 +183,7 @@ class MetricsLog:
         """`ctx.log(...)` values at `record.step`: a line of their own, counting no step."""
         with self._lock:
             user = self._user_metrics(record, LOG_KEYS)
-            line = {"step": record.step, "kind": LOG_KIND, "time": record.time} | user
+            line = {"format": METRICS_FORMAT, "step": record.step, "kind": LOG_KIND, "time": record.time} | user
             self._metrics.add(record.step, user)
             self._unwritten.append(line)
             return line

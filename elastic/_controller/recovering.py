@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from elastic._controller.states import Recovering
 from elastic._controller.worker_group import DEAD, WorkerView
 from elastic._protocol import WorkerPhase, WorkerReport
+from elastic.config import FailureConfig, ScalingConfig
+from elastic.errors import InsufficientWorkersError
 from elastic.policies import Cause
 
 STUCK_GRACE_S = 2.0      # floor of how long a survivor may lag the first one out of a broken group
@@ -122,3 +124,10 @@ def plan_members(st: Recovering, settled: dict[int, WorkerReport], ready: list[i
         members = members[:st.target_world]
     return members, [w for w in survivors if w in members]
 
+
+
+def too_few_to_reform(left: int, cause: Cause, scaling: ScalingConfig,
+                      failure: FailureConfig) -> InsufficientWorkersError:
+    return InsufficientWorkersError(
+        f"{left} workers left after {cause}, fewer than min_workers={scaling.min_workers}, and no "
+        f"replacement was placed within FailureConfig.rendezvous_timeout_s={failure.rendezvous_timeout_s:.0f}s")

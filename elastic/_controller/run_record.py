@@ -9,7 +9,8 @@ parts, one role each, and hands each event to the parts it concerns, then to the
 - `RunSummary` (elastic._controller.run_summary): the pure accumulator behind summary.json.
 
 status.json and summary.json are rewritten whole and atomically (one PUT on S3), so a reader
-never sees a torn file. Every file here is strict JSON: a non-finite value is written `null`.
+never sees a torn file. Every file here is strict JSON: a non-finite value is written `null`, and
+carries its `format` version (elastic.schemas, where the JSON Schema of each file ships).
 
 Threads: every event comes on the controller's thread, and so do the listeners' calls. Only
 `on_commits` also comes from the status writer's thread (the controller's status field that lists
@@ -28,6 +29,7 @@ from elastic._controller.metrics_log import MetricsLog, dumps, strict
 from elastic._controller.run_summary import RunSummary
 from elastic._controller.status_writer import StatusWriter
 from elastic._protocol import StepRecord
+from elastic.schemas import STATUS_FORMAT
 
 log = logging.getLogger("elastic.record")
 
@@ -195,7 +197,7 @@ class RunRecorder:
         return strict(summary)      # as on storage
 
     def _write_status_file(self, status: dict[str, Any]) -> None:
-        self._write_json("status.json", status)
+        self._write_json("status.json", {"format": STATUS_FORMAT} | status)
 
     def _write_json(self, name: str, payload: dict[str, Any]) -> None:
         try:

@@ -3,8 +3,9 @@
 One role: a pure accumulator. It keeps the world size of each generation, the closed recoveries,
 the stragglers flagged, the checkpoint fallbacks, the losses, the data consumed, the step a
 resume started from, and how long the kept attempt of each step took (the goodput), and builds
-summary.json's fields from them. It touches no storage and runs no thread: the controller's
-thread feeds it through the run record (elastic._controller.run_record), which writes what `build` returns.
+summary.json's fields from them (with its `format`: elastic.schemas). It touches no storage and
+runs no thread: the controller's thread feeds it through the run record
+(elastic._controller.run_record), which writes what `build` returns.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from elastic._protocol import StepRecord
+from elastic.schemas import SUMMARY_FORMAT
 
 log = logging.getLogger("elastic.record")
 
@@ -94,6 +96,7 @@ class RunSummary:
         wall_s = self._clock() - self._started_at
         kept = sum(self._step_seconds.values())
         return {
+            "format": SUMMARY_FORMAT,
             "status": status, "final_step": final_step, "total_steps": self._total_steps,
             "world_size_history": self._world_size_history, "recoveries": self._recoveries,
             "checkpoints": checkpoints,

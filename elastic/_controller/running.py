@@ -94,12 +94,14 @@ class RunningWatch:
             return Fault(Failure(cause, tuple(errored), f"{report.error_type}: {report.error_message}",
                                  **_error_of(report)),
                          broken if cause == Cause.HARDWARE_ERROR else [], 0.0, report)
+        # Ranks by worker id, built once: .index() per lost worker is O(N^2) when all are lost.
+        rank_of = {w: r for r, w in enumerate(st.members)} if lost or preempted else {}
         if lost:
-            ranks = tuple(st.members.index(w) for w, _, _ in lost)
+            ranks = tuple(rank_of[w] for w, _, _ in lost)
             return Fault(Failure(lost[0][1], ranks, f"lost worker(s) {[w for w, _, _ in lost]}"),
                          [w for w, _, _ in lost], max(s for _, _, s in lost))
         if preempted:
-            ranks = tuple(st.members.index(w) for w in preempted)
+            ranks = tuple(rank_of[w] for w in preempted)
             return Fault(Failure(Cause.PREEMPTED, ranks, f"preemption notice to {preempted}"), preempted, 0.0)
         if comm:
             # A broken collective with no lost peer yet: give the lost peer a heartbeat timeout to show.
@@ -175,6 +177,12 @@ class RunningWatch:
             if grow is not None and grow.target_world_size > world:
                 return Resize(Cause.SCALE_UP, grow.reason, grow.target_world_size)
         return None
+
+
+def still_in_loop(generation: int, members: list[int], views: dict[int, WorkerView]) -> list[int]:
+    """Members still training in `generation` (not dead, not out of its loop)."""
+    return [w for w in members if views[w].status != DEAD and (report := views[w].report) is not None
+            and report.generation == generation and report.phase == WorkerPhase.RUNNING]
 
 
 def _error_of(report: WorkerReport) -> dict[str, str | None]:

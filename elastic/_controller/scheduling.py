@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import enum
 
-from elastic.config import ScalingConfig
+from elastic.config import FailureConfig, ScalingConfig
+from elastic.errors import InsufficientWorkersError
 
 PROBE_GRACE_S = 2.0      # no maximum: start once the ready count held this long (the cluster is full)
 
@@ -41,3 +42,10 @@ class StartGate:
         if not enough and waited_s > rendezvous_timeout_s:
             return Gate.TOO_FEW
         return Gate.WAIT
+
+
+def too_few_to_start(ready: int, scaling: ScalingConfig, failure: FailureConfig) -> InsufficientWorkersError:
+    return InsufficientWorkersError(
+        f"only {ready} of min_workers={scaling.min_workers} workers could be placed in "
+        f"{failure.rendezvous_timeout_s:.0f}s; add resources, lower ScalingConfig.min_workers "
+        f"or raise FailureConfig.rendezvous_timeout_s")

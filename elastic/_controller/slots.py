@@ -32,3 +32,10 @@ class Slots:
     @staticmethod
     def ready(views: dict[int, WorkerView]) -> list[int]:
         return sorted(w for w, v in views.items() if v.status == READY)
+
+    @staticmethod
+    def preempted_spares(views: dict[int, WorkerView], members: list[int]) -> list[int]:
+        """Ready workers outside the group that got a preemption notice: nothing to save, they go."""
+        group = set(members)
+        return [v.wid for v in views.values()
+                if v.report is not None and v.report.preempted and v.status == READY and v.wid not in group]

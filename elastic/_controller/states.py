@@ -2,8 +2,8 @@
 payload and never changed (what the controller learns while in a state lives with the part that
 judges it: scheduling.StartGate, running.RunningWatch, recovering.RecoveryWatch). The open
 recovery is not part of any state either: ledgers.RecoveryLedger owns it across Recovering,
-Starting and the first steps of Running. (Running's restore confirmation is the one exception
-left: the report intake records there the step rank 0 really restored.)"""
+Starting and the first steps of Running; the step a generation really restored is the report
+intake's (ReportIntake.start_step)."""
 from __future__ import annotations
 
 import enum
@@ -19,8 +19,10 @@ class RunState(enum.StrEnum):
     STARTING = "starting"       # forming a generation's process group
     RUNNING = "running"
     RECOVERING = "recovering"   # waiting for survivors to leave the loop, then re-forming
+    STOPPING = "stopping"       # `elastic stop`: every rank commits at the next boundary and leaves
     FINISHED = "finished"
     FAILED = "failed"
+    STOPPED = "stopped"         # ended on purpose with a commit; resumable
 
 
 @dataclass(frozen=True)
@@ -36,12 +38,10 @@ class Starting:
     state: RunState = RunState.STARTING
 
 
-@dataclass
+@dataclass(frozen=True)
 class Running:
     generation: int
     members: list[int]                 # worker ids in rank order
-    restore_confirmed: bool = False      # rank 0 reported the step it actually restored
-    start_step: int = 0                  # the step the generation restored
     started_at: float = 0.0              # controller clock when the generation was started
     state: RunState = RunState.RUNNING
 
@@ -55,6 +55,22 @@ class Recovering:
     evict: list[int] = field(default_factory=list)   # survivors to leave out (stragglers)
     target_world: int | None = None    # a resize's size (ResizeDecision.target_world_size); None: all there are
     state: RunState = RunState.RECOVERING
+
+
+@dataclass(frozen=True)
+class Stopping:
+    generation: int
+    members: list[int]
+    deadline: float                    # members still in the loop by then are killed (their commit is lost)
+    reason: str = ""                   # the operator's, from the STOP request
+    state: RunState = RunState.STOPPING
+
+
+@dataclass(frozen=True)
+class Stopped:
+    members: list[int] = field(default_factory=list)
+    reason: str = ""
+    state: RunState = RunState.STOPPED
 
 
 @dataclass(frozen=True)
@@ -73,7 +89,7 @@ class Failed:
     state: RunState = RunState.FAILED
 
     @classmethod
-    def of(cls, error: Exception, failure: Failure | None = None) -> Failed:
+    def of(cls, error: BaseException, failure: Failure | None = None) -> Failed:
         """The run fails with `error` (a worker's `failure` led to it, if given)."""
         # The traceback is the worker's, when a worker's error led here: the controller's own says nothing.
         return cls(str(error), failure, {"type": type(error).__name__, "message": str(error),
@@ -88,4 +104,4 @@ class Failed:
                                      "ranks": list(failure.ranks)})
 
 
-AnyState = Scheduling | Starting | Running | Recovering | Finished | Failed
+AnyState = Scheduling | Starting | Running | Recovering | Stopping | Finished | Failed | Stopped

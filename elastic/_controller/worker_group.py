@@ -28,6 +28,7 @@ from elastic.policies import Cause
 log = logging.getLogger("elastic.group")
 
 SLOW_TICK_S = 2.0    # a tick is normally milliseconds: Ray calls that block show up here
+PLACEMENT_WARN_S = 30.0   # a placement pending this long (at least startup_wait_s) is said to be stuck
 
 class SlotStatus(enum.StrEnum):
     """Where a worker slot is: its placement pending, its actor starting, ready, or dead."""
@@ -41,7 +42,7 @@ class SlotStatus(enum.StrEnum):
 PENDING, STARTING, READY, DEAD = SlotStatus.PENDING, SlotStatus.STARTING, SlotStatus.READY, SlotStatus.DEAD
 
 
-@dataclass
+@dataclass(slots=True)
 class WorkerView:
     """What the controller knows of one worker slot."""
 
@@ -71,6 +72,8 @@ class _Slot:
     death: str | None = None
     death_cause: Cause | None = None
     silent_at_death: float = 0.0
+    died_at: float = 0.0               # monotonic time it was found dead (its slot is dropped later)
+    warned: bool = False               # its placement was said to be stuck
 
 
 class RayWorkerGroup:
@@ -80,6 +83,13 @@ class RayWorkerGroup:
         self._failure = failure
         self._slots: dict[int, _Slot] = {}
         self._next_wid = 0
+        # A dead slot stays in the views until no recovery can still ask about it: the one that
+        # lost it settles within the collective and heartbeat timeouts, then re-forms or fails
+        # within the rendezvous timeout (twice that, to be safe). Then it is dropped: a long run
+        # at 10,000 ranks would otherwise view thousands of dead slots at every tick.
+        self._dead_kept_s = 2 * (failure.collective_timeout_s + failure.heartbeat_timeout_s
+                                 + failure.rendezvous_timeout_s)
+        self._alive_nodes: set[str] | None = None    # ray.nodes() as read in this tick (None: not yet)
         self.poll_hold_s = 0.0       # set by the controller: how long a worker may hold a poll
         resources = dict(scaling.resources_per_worker)
         if scaling.use_gpu:
@@ -111,6 +121,8 @@ class RayWorkerGroup:
     # ---- the tick ----------------------------------------------------------------------
     def tick(self) -> dict[int, WorkerView]:
         now = time.monotonic()
+        self._alive_nodes = None
+        self._drop_dead(now)
         self._advance_placements(now)
         placed = time.monotonic()
         self._collect_polls(now)
@@ -133,6 +145,10 @@ class RayWorkerGroup:
                 death=slot.death, death_cause=slot.death_cause, records=records)
         return views
 
+    def _drop_dead(self, now: float) -> None:
+        for wid in [s.wid for s in self._slots.values() if s.status == DEAD and now - s.died_at > self._dead_kept_s]:
+            del self._slots[wid]
+
     def _advance_placements(self, now: float) -> None:
         pending = [s for s in self._slots.values() if s.status == PENDING]
         if pending:
@@ -141,6 +157,15 @@ class RayWorkerGroup:
             for slot in pending:
                 if slot.pg_ready in placed_refs:
                     self._launch(slot)
+                elif (not slot.warned and self._scaling.max_workers is not None     # unlimited: a probe waits
+                      and now - slot.created_at > max(PLACEMENT_WARN_S, self._scaling.startup_wait_s)):
+                    # Nothing else says it: a configured spare (or a worker up to max_workers) that never
+                    # gets resources leaves the run without the replacement it counts on.
+                    slot.warned = True
+                    log.warning("worker slot %d has waited %.0fs for resources %s (Ray has %s available): the "
+                                "cluster cannot place max_workers + spare_workers = %s workers; add resources or "
+                                "lower them", slot.wid, now - slot.created_at, self._bundle,
+                                _available_resources(), self._scaling.max_workers + self._scaling.spare_workers)
         starting = [s for s in self._slots.values() if s.status == STARTING]
         if starting:
             started, _ = ray.wait([s.info_ref for s in starting], num_returns=len(starting), timeout=0)
@@ -193,6 +218,7 @@ class RayWorkerGroup:
         if slot.status == DEAD:
             return
         slot.status = DEAD
+        slot.died_at = time.monotonic()
         slot.death, slot.death_cause = reason, cause
         slot.poll_ref = None
         (log.info if reason == "run ended" else log.warning)("worker %d is dead: %s", slot.wid, reason)
@@ -238,12 +264,21 @@ class RayWorkerGroup:
 
     def request_stop(self, wids: list[int], generation: int, cut_group: bool = False) -> None:
         for wid in wids:
-            slot = self._slots[wid]
-            if slot.status == READY:
+            slot = self._slots.get(wid)       # None: dead long ago, dropped
+            if slot is not None and slot.status == READY:
                 slot.actor.request_stop.remote(generation, cut_group)
 
+    def request_preemption(self, wids: list[int]) -> None:
+        """Each worker commits at its next step boundary and leaves (`elastic stop`)."""
+        for wid in wids:
+            slot = self._slots.get(wid)
+            if slot is not None and slot.status == READY:
+                slot.actor.preempt.remote()
+
     def kill(self, wid: int, reason: str) -> None:
-        slot = self._slots[wid]
+        slot = self._slots.get(wid)
+        if slot is None:                      # dead long ago, dropped
+            return
         if slot.actor is not None:
             try:
                 ray.kill(slot.actor, no_restart=True)
@@ -260,17 +295,23 @@ class RayWorkerGroup:
             if slot.status != DEAD:
                 self.kill(slot.wid, "run ended")
 
-
-    @staticmethod
-    def _death_reason(slot: _Slot, error: RayError) -> tuple[str, Cause]:
+    def _death_reason(self, slot: _Slot, error: RayError) -> tuple[str, Cause]:
         """Node lost when the worker's node is gone from the cluster, else the actor died."""
         first_line = (str(error).splitlines() or [type(error).__name__])[0]
         node_id = slot.info.node_id if slot.info else None
         if node_id is not None:
-            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-            if node_id not in alive:
+            if self._alive_nodes is None:     # once per tick: a lost node kills 8 workers at once
+                self._alive_nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            if node_id not in self._alive_nodes:
                 return f"node lost: node {node_id[:12]} left the cluster ({first_line})", Cause.NODE_LOST
         return f"actor died: {first_line}", Cause.WORKER_DIED
+
+
+def _available_resources() -> dict[str, float] | str:
+    try:
+        return {k: v for k, v in ray.available_resources().items() if not k.startswith("node:")}
+    except Exception:   # noqa: BLE001 - only for the warning's words
+        return "unknown"
 
 
 def _first_line(error: BaseException) -> str:

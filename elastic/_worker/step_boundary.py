@@ -5,27 +5,52 @@ context's `report` closes it (`end_step`: the step is counted, every rank's metr
 are shared in one all-gather, and the step's record waits in the outbox for the controller).
 The loader sees only this object, through elastic._data's `LoaderSide` protocol; the user sees
 TrainContext, which owns the checkpoint rules around the boundary.
+
+The boundary does not block (issue 18). Step s's all-gather (elastic._worker.step_exchange) is
+posted when step s ends and collected when step s+1 ends; the group decides on it one step late:
+- Leaving together. A rank's stop and preemption flags of step s are acted on at the end of step
+  s+1, on every rank, whatever it knew earlier: every rank collects the same exchange, so every
+  rank leaves at the same step s+1. Only the group's decisions count; a rank never acts on its
+  own flag (a flag set between two exchanges would otherwise split the group). With one rank
+  there is no one to agree with: it acts on its own flags at once.
+- Rescale: the controller's stop request is honoured one step later than a blocking exchange
+  would; the state the group leaves with is still one state, the same step on every rank.
+- Preemption: the notice is seen one step later, then the step is committed before the group
+  leaves (TrainContext.report, unchanged): the grace period is tens of seconds, a step is not.
+- Records: step s's record (the mean loss and metrics, every rank's compute time) is written
+  when its exchange is collected, in step order, and never lost: the exchange is collected early
+  wherever someone needs step s settled (its checkpoint, so a non-finite loss is still never
+  committed; `ctx.log`, whose record comes after its step's; leaving the loop; the end of the
+  run; the generation's first step, which ends a recovery and is announced at once), and a
+  broken group or a failing loop leaves the pending records with this rank's own values
+  (`abandon`), as a failed blocking exchange did.
+- A non-finite loss is found when its exchange is collected: the error names step s and every
+  rank raises it at the same point (the same exchange, collected at the same step).
 """
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
+from collections import deque
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 
 from elastic._accumulation import Accumulation, as_float, new_accumulation
 from elastic._determinism import chain_sample_ids, mix_seed
 from elastic._lr import ScaleRamp, rule_lr
 from elastic._protocol import GenerationPlan, RunSpec, StepRecord
+from elastic._worker import step_exchange
 from elastic._worker.state import WorkerState
 from elastic._worker.step_timer import StepTimer
 from elastic.errors import NonFiniteLossError, StateError
 
 if TYPE_CHECKING:
     from torch import nn
+
+log = logging.getLogger("elastic.worker")
 
 MAX_METRICS = 32   # numeric report() keywords besides loss: fixed slots of the per-step all-gather
 # metrics.jsonl's own keys: a report() keyword may not take their place (loss and lr may be given).
@@ -59,6 +84,9 @@ class StepBoundary:
         self._global_batch = 0
         self._step_ids: list[int] = []               # sample ids the whole group reads at this step
         self._first_step_announced = False
+        self._pending: deque[tuple[_Step, step_exchange.PendingExchange]] = deque()   # posted, not collected
+        self._decisions: dict[int, StepOutcome] = {}   # collected exchanges' flags, by step, not yet acted on
+        self._steps_ended = 0                          # steps this generation has ended
 
     # ---- what the loader reads (elastic._data.LoaderSide) ---------------------------
     @property
@@ -111,95 +139,189 @@ class StepBoundary:
 
     # ---- what report() and log() do --------------------------------------------------
     def end_step(self, metrics: dict[str, Any]) -> StepOutcome | None:
-        """Count the step, share the metrics, keep the record. None: a non-final micro-batch
-        (gradient accumulation), which only notes its loss."""
+        """Count the step, post its exchange, collect the previous step's, keep the records.
+        Returns the group's decision; None: a non-final micro-batch (gradient accumulation),
+        which only notes its loss."""
         accumulation = self.accumulation
         if accumulation is not None and accumulation.defer_report(as_float(metrics.get("loss"))):
             return None
-        names, values = numeric_metrics(metrics, skip=frozenset({"loss", "lr"}))
+        names, values = report_values(metrics, skip=frozenset({"loss", "lr"}))
         progress = self._worker.progress
         # The optimizer step has run: the in-memory state is now the state after this step.
         progress.step += 1
         progress.samples_seen += progress.pending_samples
         progress.pending_samples = 0
-        # The step's samples count as consumed with the step itself, before the collective below:
-        # if it fails, the state that survives has this step, so its hash must have its samples.
+        # The step's samples count as consumed with the step itself, before any collective: if
+        # one fails, the state that survives has this step, so its hash must have its samples.
         if self._step_ids:
             progress.data_order = chain_sample_ids(progress.data_order, self._step_ids)
             self._step_ids = []
         lr = as_float(metrics["lr"]) if "lr" in metrics else \
             (self.lr_optimizer.param_groups[0]["lr"] if self.lr_optimizer is not None else None)
         loss = metrics.get("loss")
-        loss_value = accumulation.mean_loss() if accumulation is not None else (as_float(loss) or 0.0)
-        # One small all-gather per step carries every rank's loss, rescale flag, preemption
-        # flag, compute time and metrics, so every rank leaves the loop at the same step and every
-        # rank can record the means and the ranks' compute times (straggler scoring). Fixed size
-        # (MAX_METRICS slots), whatever the names: ranks that disagree are caught by the names' hash.
-        mine = torch.zeros(_HEADER + MAX_METRICS, dtype=torch.float64)
-        mine[:_HEADER] = torch.tensor([loss_value, float(self._stop_requested.is_set()),
-                                       float(self._preempted.is_set()), self.timer.compute_s(),
-                                       float(mix_seed("metrics", names) & ((1 << 52) - 1))], dtype=torch.float64)
-        mine[_HEADER:_HEADER + len(values)] = torch.tensor(values, dtype=torch.float64)
-        mine = mine.to(self._comm_device)
-        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
+        stop, preempted = self._stop_requested.is_set(), self._preempted.is_set()
+        # Fixed size (MAX_METRICS slots), whatever the names: ranks that disagree are caught by
+        # the names' hash. Tensor values stay on their device until the exchange is collected.
+        host = [0.0] * (_HEADER + MAX_METRICS)
+        host[1:_HEADER] = [float(stop), float(preempted), self.timer.compute_s(),
+                           float(mix_seed("metrics", names) & ((1 << 52) - 1))]
+        on_device: dict[int, torch.Tensor] = {}
+        loss_value: float | torch.Tensor = accumulation.mean_loss() if accumulation is not None else \
+            (loss if isinstance(loss, torch.Tensor) else as_float(loss) or 0.0)
+        for slot, value in ((0, loss_value), *((_HEADER + i, v) for i, v in enumerate(values))):
+            if isinstance(value, torch.Tensor):
+                on_device[slot] = value
+            else:
+                host[slot] = value
+        step = _Step(step=progress.step, time=time.time(), samples_seen=progress.samples_seen,
+                     global_batch=self._global_batch, data_order=progress.data_order, lr=lr, names=names,
+                     has_loss=loss is not None, accum_steps=self.accum_steps)
         try:
-            dist.all_gather(gathered, mine)
+            pending = step_exchange.post(host, on_device, device=self._comm_device, world_size=self.world_size)
         except BaseException:
-            # The update is applied: this state may be the one the group restores (warm), so the
-            # step keeps a record, with this rank's own values (the others' never arrived).
-            self._keep_record(dict(zip(names, values, strict=True)), lr, loss_value if loss is not None else None, ())
+            # The update is applied: this state may be the one the group restores (warm), so
+            # every step it holds keeps a record, with this rank's own values.
+            self.abandon()
+            self._keep_record(step, _own_table(host, on_device), check=False)
             raise
-        shared = torch.stack(gathered).cpu()
-        if bool((shared[:, 4] != shared[0, 4]).any()):
-            raise StateError(f"ctx.report() at step {self.step}: the ranks reported different metric names "
-                             f"(rank {self.rank}: {list(names)}); report the same names on every rank, and "
-                             f"rank-local values through ctx.log()")
-        means = shared[:, _HEADER:_HEADER + len(names)].mean(dim=0).tolist()
-        # Every rank keeps the record (same all-gathered values): if rank 0 dies before the
-        # controller polls it, a survivor still has the step.
-        mean_loss = float(shared[:, 0].sum()) / self.world_size if loss is not None else None
-        self._keep_record(dict(zip(names, means, strict=True)), lr, mean_loss,
-                          tuple(round(float(c), 6) for c in shared[:, 3]))
-        if mean_loss is not None and not math.isfinite(mean_loss):
-            self._worker.checkpoints.nonfinite_step = progress.step
-            if self._spec.on_nonfinite_loss == "fail":
-                # Every rank raises the same error at the same step (the values are all-gathered).
-                raise NonFiniteLossError(
-                    f"the loss of step {progress.step} is {mean_loss} (mean over {self.world_size} ranks); no "
-                    f"checkpoint was committed from it. Lower the learning rate, clip gradients or check the "
-                    f"data; FailureConfig.on_nonfinite_loss='ignore' trains on")
-        return StepOutcome(stop=bool(shared[:, 1].max() > 0), preempted=bool(shared[:, 2].max() > 0))
+        self._pending.append((step, pending))
+        self._steps_ended += 1
+        # The previous step's exchange is collected now; the generation's first step's at once
+        # (it ends a recovery: the controller hears it without waiting a step).
+        self.settle(before=progress.step if self._steps_ended > 1 else None)
+        decided = [flags for at, flags in self._decisions.items() if at < progress.step]
+        self._decisions = {at: flags for at, flags in self._decisions.items() if at >= progress.step}
+        if self.world_size == 1:
+            return StepOutcome(stop=stop, preempted=preempted)
+        return StepOutcome(stop=any(f.stop for f in decided), preempted=any(f.preempted for f in decided))
+
+    def settle(self, before: int | None = None) -> None:
+        """Collect the pending exchanges (of the steps before `before`; None: all) and keep
+        their records. Raises what a collective raises (the pending records are then kept
+        with this rank's own values) and NonFiniteLossError / StateError like report()."""
+        while self._pending and (before is None or self._pending[0][0].step < before):
+            step, pending = self._pending[0]
+            try:
+                shared = pending.collect()
+            except BaseException:
+                self.abandon()
+                raise
+            self._pending.popleft()
+            self._decisions[step.step] = StepOutcome(stop=bool(shared[:, 1].max() > 0),
+                                                     preempted=bool(shared[:, 2].max() > 0))
+            self._keep_record(step, shared)
+
+    def abandon(self) -> None:
+        """The group broke or the loop failed: keep every pending step's record now, without
+        waiting, with the group's values where the exchange completed, else this rank's own."""
+        while self._pending:
+            step, pending = self._pending.popleft()
+            table = None
+            if pending.completed():
+                try:
+                    table = pending.collect()
+                except BaseException:   # noqa: BLE001 - the group broke: this rank's values below
+                    table = None
+            try:
+                self._keep_record(step, table if table is not None else pending.own_values(), check=False)
+            except Exception:   # a dead device cannot give its values; the step goes unrecorded
+                log.warning("no record of step %d: this rank's values could not be read", step.step, exc_info=True)
 
     def log(self, metrics: dict[str, Any]) -> None:
-        """Metrics at the current step, counting no step: this rank's record only."""
+        """Metrics at the current step, counting no step: this rank's record only, after the
+        record of its step (the step's exchange is collected first)."""
         names, values = numeric_metrics(metrics, reserved=RESERVED_METRICS | {"loss", "lr"})
+        self.settle()
         progress = self._worker.progress
         self._worker.outbox.put(StepRecord(
             step=progress.step, loss=None, world_size=self.world_size, time=time.time(),
             samples_seen=progress.samples_seen, global_batch=self._global_batch,
             metrics=dict(zip(names, values, strict=True)), generation=self._plan.generation, kind="log"))
 
-    def _keep_record(self, metrics: dict[str, float], lr: float | None, loss: float | None,
-                     compute_s: tuple[float, ...]) -> None:
-        progress = self._worker.progress
-        if lr is not None:
-            metrics = {**metrics, "lr": lr}
+    def _keep_record(self, step: _Step, shared: torch.Tensor, *, check: bool = True) -> None:
+        """The record of `step` from its exchange's table (one row per rank that answered)."""
+        names, ranks = step.names, shared.shape[0]
+        if check and bool((shared[:, 4] != shared[0, 4]).any()):
+            raise StateError(f"ctx.report() at step {step.step}: the ranks reported different metric names "
+                             f"(rank {self.rank}: {list(names)}); report the same names on every rank, and "
+                             f"rank-local values through ctx.log()")
+        means = shared[:, _HEADER:_HEADER + len(names)].mean(dim=0).tolist()
+        metrics = dict(zip(names, means, strict=True))
+        if step.lr is not None:
+            metrics["lr"] = step.lr
+        mean_loss = float(shared[:, 0].sum()) / ranks if step.has_loss else None
+        # Every rank keeps the record (same all-gathered values): if rank 0 dies before the
+        # controller polls it, a survivor still has the step. The per-rank compute times (for
+        # straggler scoring) ride on rank 0's only: on every rank's, the controller would take
+        # in N² floats a step (906 MB at 10,000 ranks). The intake scores a step's times from
+        # whichever record carries them, in whatever tick it arrives.
+        carries = ranks > 1 and self.rank == 0
+        compute_s = tuple(round(float(c), 6) for c in shared[:, 3]) if carries else ()
         self._worker.outbox.put(StepRecord(
-            step=progress.step, loss=loss, world_size=self.world_size, time=time.time(),
-            samples_seen=progress.samples_seen, global_batch=self._global_batch, metrics=metrics,
-            compute_s=compute_s, data_order=progress.data_order, generation=self._plan.generation,
-            accum_steps=self.accum_steps))
+            step=step.step, loss=mean_loss, world_size=self.world_size, time=step.time,
+            samples_seen=step.samples_seen, global_batch=step.global_batch, metrics=metrics,
+            compute_s=compute_s, data_order=step.data_order, generation=self._plan.generation,
+            accum_steps=step.accum_steps))
         if not self._first_step_announced:
             # The generation's first step ends a recovery: the controller hears it at once,
             # not when the held poll would have come back anyway.
             self._first_step_announced = True
             self._worker.outbox.news.set()
+        if check and mean_loss is not None and not math.isfinite(mean_loss):
+            self._worker.checkpoints.nonfinite_step = step.step
+            if self._spec.on_nonfinite_loss == "fail":
+                # Every rank raises the same error (the values are all-gathered).
+                raise NonFiniteLossError(
+                    f"the loss of step {step.step} is {mean_loss} (mean over {self.world_size} ranks); no "
+                    f"checkpoint was committed from it. Lower the learning rate, clip gradients or check the "
+                    f"data; FailureConfig.on_nonfinite_loss='ignore' trains on")
+
+
+class _Step(NamedTuple):
+    """What a step's record needs besides its exchange, as it was when the step ended."""
+
+    step: int
+    time: float
+    samples_seen: int
+    global_batch: int
+    data_order: str | None
+    lr: float | None
+    names: tuple[str, ...]
+    has_loss: bool
+    accum_steps: int
+
+
+def _own_table(host: list[float], on_device: dict[int, torch.Tensor]) -> torch.Tensor:
+    row = torch.tensor(host, dtype=torch.float64)
+    for slot, value in on_device.items():
+        row[slot] = float(value.detach())
+    return row.unsqueeze(0)
+
+
+def report_values(metrics: dict[str, Any], *, skip: frozenset[str]) -> tuple[tuple[str, ...],
+                                                                             list[float | torch.Tensor]]:
+    """Like `numeric_metrics`, but one-element tensors are kept as tensors: report() reads them
+    only when the step's exchange is collected (on a GPU, never at their step)."""
+    names, _ = _numeric_names(metrics, skip=skip, reserved=RESERVED_METRICS)
+    return names, [_scalar(metrics[n]) for n in names]
+
+
+def _scalar(value: Any) -> float | torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.detach().reshape(())
+    return float(value)
 
 
 def numeric_metrics(metrics: dict[str, Any], *, skip: frozenset[str] = frozenset(),
                     reserved: frozenset[str] = RESERVED_METRICS) -> tuple[tuple[str, ...], list[float]]:
     """The numeric keywords (numbers, one-element tensors) by sorted name, and their values;
     `skip`: names handled apart (report's loss and lr); `reserved`: names refused."""
+    names, _ = _numeric_names(metrics, skip=skip, reserved=reserved)
+    return names, [float(as_float(metrics[n]) or 0.0) for n in names]
+
+
+def _numeric_names(metrics: dict[str, Any], *, skip: frozenset[str],
+                   reserved: frozenset[str]) -> tuple[tuple[str, ...], None]:
     clash = sorted(set(metrics) & reserved)
     if clash:
         raise StateError(f"metric names {clash} are metrics.jsonl's own; rename them")
@@ -216,4 +338,4 @@ def numeric_metrics(metrics: dict[str, Any], *, skip: frozenset[str] = frozenset
     if len(names) > MAX_METRICS:
         raise StateError(f"{len(names)} metrics in one call; at most {MAX_METRICS} besides loss and lr "
                          f"(split them over report() and ctx.log())")
-    return tuple(names), [float(as_float(metrics[n]) or 0.0) for n in names]
+    return tuple(names), None

@@ -3,24 +3,28 @@
 Straggler scoring (elastic._controller.stragglers) needs what this rank costs the group, and step time
 cannot tell: in synchronous training every rank's step takes as long as the slowest rank's.
 
-With DDP the gradient all-reduce of a bucket is launched by a communication hook the moment
-the bucket's gradients are ready on this rank; the last launch is the end of this rank's
-backward. Waiting happens after that (in the reducer's final wait), so compute time is the time
-from the previous step boundary to the last launch: data, forward and backward, all local.
-Compression hooks (bf16, PowerSGD; elastic._worker.wrap) run inside the timed hook, after its stamp:
-their collectives never count as compute; the compression arithmetic of the buckets launched
-before the last one does (it runs on the training thread between stamps), alike on every rank.
-Without a hook (FSDP, or a model that is not wrapped) it falls back to the time until the rank
-enters the step-boundary collective; for FSDP that includes waits in its all-gathers, which
-evens the ranks out: a slow FSDP rank goes unflagged rather than a healthy one flagged.
+With DDP, this rank's backward launches every bucket's all-reduce as the bucket's gradients are
+ready; waiting for the peers happens after that, in the reducer's final callback (which waits for
+the buckets' all-reduces). So compute time is the time from the previous step boundary to the end
+of this rank's backward graph: data, forward and backward, all local. `stamp_end_of_backward`
+takes that stamp with one Python call per backward, not one per bucket: a tensor hook on the
+wrapped model's output (its gradient is the first thing backward computes) queues an engine
+callback, and the engine runs its final callbacks in the order queued, so ours runs before the
+reducer's own (queued when the last bucket is launched), that is before any wait for a peer.
+Compression hooks (bf16, PowerSGD; elastic._worker.wrap) run during backward: the compression
+arithmetic of every bucket counts as compute, alike on every rank; their collectives do not.
+Without the stamp (FSDP, a model that is not wrapped, an output the loss does not use) it falls
+back to the time until the rank enters the step boundary; for FSDP that includes waits in its
+all-gathers, which evens the ranks out: a slow FSDP rank goes unflagged rather than a healthy one
+flagged.
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
-import torch.distributed as dist
+import torch
+from torch import nn
 
 
 class StepTimer:
@@ -29,7 +33,7 @@ class StepTimer:
         self._compute_done: float | None = None
 
     def start(self) -> None:
-        """At a step boundary, after the collective that ends the previous step."""
+        """At a step boundary, once the previous step is closed."""
         self._start = time.perf_counter()
         self._compute_done = None
 
@@ -41,17 +45,37 @@ class StepTimer:
         return max(0.0, end - self._start)
 
 
-def timed_comm_hook(timer: StepTimer, hook: Callable[[Any, dist.GradBucket], Any] | None = None):
-    """A DDP communication hook that stamps the launch of each bucket, then runs `hook`
-    (default: DDP's own all-reduce, averaged over the world size)."""
-    if hook is None:
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-        hook = allreduce_hook
+def _first_grad_tensor(output: Any) -> torch.Tensor | None:
+    """The first tensor in a module's output (tensor, sequence, mapping, dataclass-like) that
+    backward will reach."""
+    if isinstance(output, torch.Tensor):
+        return output if output.requires_grad else None
+    if isinstance(output, dict):
+        output = list(output.values())
+    elif hasattr(output, "to_tuple"):       # ModelOutput-like containers
+        output = output.to_tuple()
+    if isinstance(output, (list, tuple)):
+        for item in output:
+            found = _first_grad_tensor(item)
+            if found is not None:
+                return found
+    return None
 
-    # No annotations: DDP checks them against dist.GradBucket, and postponed evaluation
-    # (from __future__ import annotations) turns them into strings it rejects.
-    def timed(state, bucket):
-        timer.mark_compute_done()
-        return hook(state, bucket)
 
-    return timed
+def stamp_end_of_backward(model: nn.Module, timer: StepTimer) -> None:
+    """Stamp `timer` when a backward through `model`'s output ends on this rank (see the module
+    docstring): a forward hook, one tensor hook and one engine callback per step."""
+    queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+
+    def on_output_grad(grad: torch.Tensor) -> torch.Tensor:
+        queue_callback(timer.mark_compute_done)
+        return grad
+
+    def after_forward(module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        tensor = _first_grad_tensor(output)
+        if tensor is not None:
+            tensor.register_hook(on_output_grad)
+
+    model.register_forward_hook(after_forward)

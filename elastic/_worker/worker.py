@@ -151,6 +151,9 @@ class TrainWorker:
         import torch
 
         from elastic._worker.state import WorkerState
+        from elastic.config import LOG_LEVEL_ENV
+        # LoggingConfig's level, from the driver through the runtime env.
+        logging.getLogger("elastic").setLevel(os.environ.get(LOG_LEVEL_ENV, "INFO"))
         self._spec = spec
         self._loop, self._loop_config = spec.load_user_code()
         self._lock = threading.Lock()
@@ -192,6 +195,16 @@ class TrainWorker:
         timer.start()
 
     # ---- controller-facing API ---------------------------------------------------------
+    def preempt(self) -> None:
+        """`elastic stop`: commit at the next step boundary and leave the loop, the path a
+        preemption notice takes (without its deadline: the controller ends the run). Outside a
+        running generation there is nothing to commit, and nothing to do."""
+        if self._phase != WorkerPhase.RUNNING or self._preempted.is_set():
+            return
+        log.warning("stop requested: checkpoint at the next step, then leave")
+        self._preempted.set()
+        self._announce()
+
     def info(self) -> WorkerInfo:
         import ray
         context = ray.get_runtime_context()
@@ -283,6 +296,7 @@ class TrainWorker:
 
         from elastic._determinism import mix_seed
         from elastic.context import RescaleInterrupt, TrainContext
+        ctx: TrainContext | None = None
         try:
             self._join_group(plan)
             ctx = TrainContext(plan=plan, spec=self._spec, worker=self._state, loop_config=self._loop_config,
@@ -307,6 +321,9 @@ class TrainWorker:
                 return
             self._set_phase(WorkerPhase.INTERRUPTED)
         except BaseException as error:  # noqa: BLE001 - every outcome is reported, none raised here
+            if ctx is not None:
+                # The steps this rank completed keep their records (their exchange may be pending).
+                ctx._abandon()
             if classify_error(error) == "comm":
                 self._state.checkpoints.settle(peers_alive=False)
                 # Close this rank's connections now: a peer waiting on us (not on the dead rank)

@@ -1,8 +1,13 @@
 """Wrapping a rank's model for ScalingConfig: DDP with an optional compression hook, or FSDP2
 with its precision and memory options.
 
-Every DDP hook is composed with `timed_comm_hook`, so straggler scoring still sees only this
-rank's compute (the hook's launch marks the end of backward) whatever the hook sends.
+Every DDP model gets `stamp_end_of_backward`, so straggler scoring sees only this rank's compute
+(the end of its backward, before any wait for a peer) whatever hook sends the gradients. Without
+compression no Python comm hook is registered: DDP's built-in C++ all-reduce runs.
+
+The bucket layout is fixed at wrap time (see `_fix_bucket_layout`), without
+`find_unused_parameters`: a recovered generation reduces every step in the layout the fault-free
+run used, and no step pays the unused-parameter search (nor prints DDP's warning about it).
 
 PowerSGD's state (error feedback, warm-start P/Q matrices, iteration count) is per rank and
 only valid for the group it was built in: a rank's residual is the part of *its* gradients the
@@ -22,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from elastic._worker.step_timer import StepTimer, timed_comm_hook
+from elastic._worker.step_timer import StepTimer, stamp_end_of_backward
 from elastic.config import ScalingConfig
 
 log = logging.getLogger("elastic.wrap")
@@ -112,28 +117,45 @@ def wrap_model(model: nn.Module, *, device: torch.device, world_size: int, scali
                             shard_modules=shard_modules), None
     from torch.nn.parallel import DistributedDataParallel
     device_ids = [device.index] if device.type == "cuda" else None
-    # DDP normally re-buckets gradients by their ready order after a wrapper's first step.
-    # Every generation builds a new wrapper, so a recovered run would reduce one step with the
-    # initial layout where the fault-free run used the rebuilt one; with 3+ ranks the ring
-    # allreduce then sums elements in another order and the models drift apart.
-    # find_unused_parameters turns the rebuild off: one fixed layout in every generation.
-    # Not with PowerSGD: find_unused adds an all-reduce of the used-parameter map per step, issued
-    # from the autograd thread, while PowerSGD issues its second all-reduce from a future's
-    # callback; their order then differs between ranks and gloo aborts on the mismatched sizes
-    # (seen with 3 ranks). PowerSGD restarts with each generation anyway, so a recovered run is
-    # not bitwise the fault-free one with it, whatever the bucket layout.
-    ddp = DistributedDataParallel(model, device_ids=device_ids,
-                                  find_unused_parameters=scaling.grad_compression != "powersgd")
+    ddp = DistributedDataParallel(model, device_ids=device_ids)
     compression = None
     if scaling.grad_compression == "bf16":
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
-        ddp.register_comm_hook(None, timed_comm_hook(timer, bf16_compress_hook))
+
+        # Registered through a function of our own: DDP refuses bf16_compress_hook itself (by
+        # identity) without CUDA and NCCL, though the hook runs on gloo. No annotations: DDP
+        # checks them against dist.GradBucket, and postponed evaluation turns them into strings.
+        def bf16_hook(state, bucket):
+            return bf16_compress_hook(state, bucket)
+        ddp.register_comm_hook(None, bf16_hook)
     elif scaling.grad_compression == "powersgd":
         compression = PowerSGDCompression(scaling, seed)
-        ddp.register_comm_hook(compression.state, timed_comm_hook(timer, compression.hook))
-    else:
-        ddp.register_comm_hook(None, timed_comm_hook(timer))
+        ddp.register_comm_hook(compression.state, compression.hook)
+    if compression is None:
+        # PowerSGD restarts with each generation, so a recovered run is not bitwise the
+        # fault-free one with it whatever the layout; its restored residuals rely on DDP's own
+        # rebuild after the first step (PowerSGDCompression.hook).
+        _fix_bucket_layout(ddp)
+    stamp_end_of_backward(ddp, timer)
     return ddp, compression
+
+
+def _fix_bucket_layout(ddp: nn.Module) -> None:
+    """One gradient-bucket layout in every generation, a function of the parameters alone.
+
+    DDP re-buckets gradients by the order they became ready in its wrapper's first backward.
+    Every generation builds a new wrapper, so a recovered run would reduce its first step in the
+    initial layout where the fault-free run used the rebuilt one; with 3+ ranks the ring
+    all-reduce then sums elements in another order and the models drift apart. The earlier fix,
+    `find_unused_parameters=True`, turns the rebuild off, but costs every step a traversal of the
+    autograd graph and an all-reduce of the used-parameter map (and DDP warns about it when no
+    parameter is unused). Instead the reducer is handed every parameter, in parameter order, as
+    its "rebuilt" order now (what DDP's own Join hook does for ranks that joined early): it
+    rebuilds once, at the first forward, into the same layout in every generation, and never
+    again. Parameters unused in the forward still fail DDP's check at the next step, as in any
+    DDP job without find_unused_parameters.
+    """
+    ddp.reducer._push_all_rebuilt_params()   # type: ignore[union-attr,operator]
 
 
 def _fully_shard(model: nn.Module, *, device: torch.device, world_size: int, scaling: ScalingConfig,

@@ -1,25 +1,14 @@
-"""Fixtures of the GPU suite (`make test-gpu`): a one-rank NCCL process group in this process,
-a local Ray instance with one GPU, and the integration suite's fault helpers (faults.py).
+"""Fixtures of the GPU suite (`make test-gpu`): a one-rank NCCL process group in this process
+and a local Ray instance with one GPU (the fault helpers are tests/support.py's).
 
 Every module here is skipped where CUDA is missing; nothing in this file touches CUDA until a
 fixture runs, so the suite collects (and skips) on a CPU machine.
 """
 import datetime
-import os
-import socket
-import sys
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))     # faults.py: read_json, SignalAtStep
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from chaos.services import free_port
 
 
 @pytest.fixture

@@ -19,7 +19,6 @@ from __future__ import annotations
 import datetime
 import functools
 import json
-import socket
 import sys
 import threading
 import time
@@ -29,17 +28,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from chaos.services import free_port
 from checkpointing import CheckpointManager
 from elastic._worker.group_sockets import GroupSockets
 from elastic._worker.worker import TrainWorker
 
 CUDA = torch.device("cuda", 0)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def form(manager: CheckpointManager):

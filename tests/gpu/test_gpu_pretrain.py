@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from faults import read_json
+from support import read_json
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(420),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (make test-gpu)")]

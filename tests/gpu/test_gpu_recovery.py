@@ -11,7 +11,7 @@ import torch
 
 import gpt
 from elastic import CheckpointConfig, ElasticTrainer, FailureConfig, ScalingConfig
-from faults import SignalAtStep, pid_alive, read_json
+from support import SignalAtStep, pid_alive, read_json
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (make test-gpu)")]

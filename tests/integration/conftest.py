@@ -1,13 +1,10 @@
 """Integration fixtures: one local Ray instance for the session, shut down even on failure."""
 import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 import uuid
 
 import pytest
+
+from chaos.services import MOTO_CREDENTIALS, MotoServer, ensure_bucket
 
 
 @pytest.fixture(scope="session")
@@ -51,53 +48,23 @@ def _no_stray_stopped_workers():
                 break
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def moto_endpoint(tmp_path_factory):
     """A real S3 endpoint: moto's server on loopback, in its own process; always stopped."""
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("moto") / "moto.log"
-    endpoint = f"http://127.0.0.1:{port}"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                                stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).close()
-                break
-            except OSError as error:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"moto server did not start: {log_path.read_text()[-2000:]}") from error
-                time.sleep(0.1)  # polling interval of the readiness loop
-        yield endpoint
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+    with MotoServer(str(tmp_path_factory.mktemp("moto") / "moto.log")) as moto:
+        yield moto.endpoint
 
 
 @pytest.fixture
 def s3_env(moto_endpoint, monkeypatch):
     """Standard AWS variables pointing at the moto endpoint, and a fresh bucket."""
-    env = {"AWS_ENDPOINT_URL": moto_endpoint, "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    env = {"AWS_ENDPOINT_URL": moto_endpoint, **MOTO_CREDENTIALS}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
         monkeypatch.delenv(k, raising=False)
-    import boto3
     bucket = f"ckpt-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=moto_endpoint).create_bucket(Bucket=bucket)
+    ensure_bucket(f"s3://{bucket}", moto_endpoint)
     return {"env": env, "bucket": bucket}
 
 

@@ -11,7 +11,7 @@ import pytest
 import classifier
 from checkpointing import export_model_state
 from elastic._determinism import state_sha256
-from faults import SignalAtStep
+from support import SignalAtStep
 
 pytestmark = [pytest.mark.integration]
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from elastic import CheckpointConfig, ElasticTrainer, FailureConfig, ScalingConfig
-from faults import read_json
+from support import read_json
 
 pytestmark = [pytest.mark.integration]
 

@@ -19,7 +19,7 @@ import torch
 
 import gpt
 from elastic import CheckpointConfig, ElasticTrainer, FailureConfig, LRScalingConfig, ScalingConfig
-from faults import SignalAtStep
+from support import SignalAtStep
 from test_runtime import expected_data_order
 
 pytestmark = [pytest.mark.integration]

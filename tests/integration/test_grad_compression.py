@@ -11,7 +11,7 @@ import pytest
 
 import gpt
 from elastic import CheckpointConfig, ElasticTrainer, FailureConfig, ScalingConfig
-from faults import SignalAtStep
+from support import SignalAtStep
 
 pytestmark = [pytest.mark.integration]
 

@@ -4,28 +4,28 @@ succeeding with the recovery recorded in summary.json.
 
 The cluster is this test's alone: its own temp dir, ports and token (RAY_AUTH_MODE=token with a
 fresh RAY_AUTH_TOKEN), and it is stopped by killing exactly its own processes (every process
-whose environment carries this cluster's marker). `ray stop` is not used: it stops every Ray
-process on the machine, other users' clusters included.
+whose environment carries this cluster's marker, and its raylets' agents). `ray stop` is not
+used: it stops every Ray process on the machine, other users' clusters included.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
 import uuid
 
 import pytest
 
-from faults import pid_alive, read_json, wait_for
+from chaos.services import free_port, wait_until
+from support import pid_alive, read_json, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.exclusive, pytest.mark.timeout(480)]
 
@@ -34,42 +34,48 @@ BIN = os.path.dirname(sys.executable)        # the venv's bin: ray, python
 MARKER = "ELASTIC_TEST_RAY_CLUSTER"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _cluster_pids(marker: str) -> list[int]:
+def _cluster_pids(marker: str, marked: set[int]) -> list[int]:
     """Processes whose environment holds MARKER=marker: everything `ray start` spawned
-    (GCS, raylet, dashboard, agents, workers) and their children (the job's driver and actors)."""
+    (GCS, raylet, dashboard, workers) and their children (the job's driver and actors); and the
+    raylets' agents (dashboard agent, runtime env agent), which Ray starts with an environment of
+    their own that names only their raylet (RAY_RAYLET_PID). `marked` keeps every pid seen with
+    the marker, so an agent whose raylet has gone is still known; a pid is the cluster's only by
+    what its environment says now."""
     needle = f"{MARKER}={marker}".encode()
-    found = []
+    found, by_raylet = [], {}
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == os.getpid():
             continue
         try:
             with open(f"/proc/{name}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    found.append(int(name))
+                environ = f.read().split(b"\0")
         except OSError:   # gone, or not ours to read
             continue
-    return found
+        if needle in environ:
+            found.append(int(name))
+        raylet = next((v.split(b"=", 1)[1] for v in environ if v.startswith(b"RAY_RAYLET_PID=")), b"")
+        if raylet.isdigit():
+            by_raylet[int(name)] = int(raylet)
+    marked.update(found)
+    return found + [pid for pid, raylet in by_raylet.items() if raylet in marked and pid not in found]
 
 
 def _stop_cluster(marker: str, grace_s: float = 5.0) -> list[int]:
     """SIGTERM every process of this cluster, SIGKILL what is left after `grace_s` (GCS, raylet
     and the agents were seen to outlive SIGTERM for 10 s); returns the pids still alive (none)."""
+    marked: set[int] = set()
+
+    def alive() -> list[int]:
+        return [p for p in _cluster_pids(marker, marked) if pid_alive(p)]
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 15.0)):
-        for pid in _cluster_pids(marker):
+        for pid in alive():
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline and [p for p in _cluster_pids(marker) if pid_alive(p)]:
-            time.sleep(0.2)   # polling interval of the exit condition
-    return [p for p in _cluster_pids(marker) if pid_alive(p)]
+        with contextlib.suppress(TimeoutError):   # what is left gets the next signal, or is returned
+            wait_until(lambda: not alive(), wait_s, "the test cluster's processes to exit", interval_s=0.2)
+    return alive()
 
 
 class Head:
@@ -183,7 +189,7 @@ def test_job_submit_survives_a_killed_worker(ray_head, tmp_path):
     try:
         wait_for(lambda: _job(head, submission_id).get("status") in ("SUCCEEDED", "FAILED", "STOPPED"), 300,
                  "the job to end")
-    except AssertionError as error:   # say where it stood: the cluster and its logs go at teardown
+    except TimeoutError as error:   # say where it stood: the cluster and its logs go at teardown
         raise AssertionError(f"{error}\nstatus.json: {read_json(storage, 'status.json')}\n{logs()}") from None
     job = _job(head, submission_id)
     assert job["status"] == "SUCCEEDED", f"{job}\n{logs()}"

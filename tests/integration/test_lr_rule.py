@@ -10,7 +10,7 @@ import pytest
 
 import gpt
 from elastic import CheckpointConfig, ElasticTrainer, FailureConfig, LRScalingConfig, ScalingConfig
-from faults import SignalAtStep
+from support import SignalAtStep
 
 pytestmark = [pytest.mark.integration]
 

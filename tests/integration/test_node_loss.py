@@ -8,7 +8,7 @@ import pytest
 
 import gpt
 from elastic import CheckpointConfig, ElasticTrainer, FailureConfig, ScalingConfig
-from faults import read_json, wait_for
+from support import read_json, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.exclusive]
 

@@ -19,7 +19,7 @@ import pytest
 
 import gpt
 from elastic import DatasetError, ParquetTokens, write_token_shards
-from faults import SignalAtStep, read_json
+from support import SignalAtStep, read_json
 from test_runtime import expected_data_order
 
 pytestmark = [pytest.mark.integration]

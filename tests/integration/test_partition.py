@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from faults import pid_alive, read_json, wait_for
+from support import pid_alive, read_json, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.exclusive]
 

@@ -1,14 +1,14 @@
 """The run's metrics on Ray's own Prometheus endpoint (ray.util.metrics)."""
 from __future__ import annotations
 
-import socket
 import urllib.request
 
 import pytest
 
 import gpt
+from chaos.services import free_port
 from elastic import CheckpointConfig, ElasticTrainer, ScalingConfig
-from faults import wait_for
+from support import wait_for
 
 pytestmark = [pytest.mark.integration]
 
@@ -17,9 +17,7 @@ pytestmark = [pytest.mark.integration]
 def ray_with_metrics_port():
     import ray
     ray.shutdown()                      # one Ray per driver: leave the shared local instance
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING",
              _metrics_export_port=port, _system_config={"metrics_report_interval_ms": 1000})
     try:

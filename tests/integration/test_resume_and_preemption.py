@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 
 import pytest
 
 import gpt
 from elastic import CheckpointConfig, ElasticTrainer, FailureConfig, ScalingConfig
-from faults import SignalAtStep, pid_alive, wait_for
+from support import SignalAtStep, pid_alive, wait_for
 
 pytestmark = [pytest.mark.integration]
 
@@ -65,3 +66,34 @@ def test_corrupt_newest_checkpoint_falls_back_and_the_summary_says_so(ray_sessio
     # The second run is a newer generation: its step-20 shards do not touch the first run's.
     assert json.load(open(os.path.join(run_dir, "checkpoints", "FENCE")))["generation"] == 1
     assert os.path.isdir(os.path.join(newest, "g000001"))
+
+
+@pytest.mark.timeout(240)
+def test_elastic_stop_commits_where_it_stopped_and_a_resume_goes_on_from_there(ray_session, run_dir):
+    from elastic.stop_request import request_stop
+    from support import read_json
+
+    def stop_at_step_20():
+        wait_for(lambda: (read_json(run_dir, "status.json") or {}).get("step", 0) >= 20, 120, "step 20")
+        request_stop(run_dir, reason="maintenance")
+
+    def fit(steps):
+        return ElasticTrainer(gpt.train_loop, train_loop_config=TINY, total_steps=steps, seed=0,
+                              scaling=ScalingConfig(min_workers=2, max_workers=2),
+                              checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=1000, keep=None)).fit()
+
+    stopper = threading.Thread(target=stop_at_step_20, daemon=True)
+    stopper.start()
+    stopped = fit(400)
+    stopper.join(timeout=5)
+    assert stopped.status == "stopped" and stopped.error is None, stopped.error_traceback
+    step = stopped.summary["final_step"]
+    assert 20 <= step < 400 and stopped.summary["checkpoints"] == [step]     # committed where it stopped
+    assert read_json(run_dir, "status.json")["state"] == "stopped"
+    assert os.path.exists(os.path.join(run_dir, "STOP"))
+    resumed = fit(step + 10)                     # the next start takes the old STOP away: it trains on
+    assert resumed.ok and resumed.summary["resumed_from"] == step and resumed.summary["final_step"] == step + 10
+    assert not os.path.exists(os.path.join(run_dir, "STOP"))
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        steps = [json.loads(line)["step"] for line in f if '"step"' in line]
+    assert sorted(set(steps)) == list(range(1, step + 11))                   # no step lost, none twice

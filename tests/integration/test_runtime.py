@@ -13,7 +13,8 @@ import torch
 
 import gpt
 from elastic import CheckpointConfig, ElasticTrainer, FailureConfig, ScalingConfig
-from faults import SignalAtStep, pid_alive, read_json, wait_for
+from run_file_schemas import validate_run
+from support import SignalAtStep, pid_alive, read_json, wait_for
 
 pytestmark = [pytest.mark.integration]
 
@@ -97,12 +98,15 @@ def test_sigkill_of_rank_0_recovers_warm_loses_no_metrics_line_then_grows_back(r
     # Exactly once through 3 -> 2 -> 3: the consumed samples are the global order's first ones.
     assert s["samples_consumed"] == 24 * _steps_at(s, 3) + 16 * _steps_at(s, 2)
     assert s["data_order_sha256"] == expected_data_order(s["samples_consumed"])
+    # The files others parse fit the JSON Schemas that ship in the package, after a recovery ...
+    assert validate_run(run_dir) == {"status.json": 1, "summary.json": 1, "metrics.jsonl": 500}
     # Running again on the same storage resumes, although the fence moved on with the recoveries.
     again = fit_with_fault(run_dir, None, workers=(2, 3), steps=520, every=100)
     assert again.ok and again.summary["resumed_from"] == 500 and again.final_step == 520
     assert again.summary["samples_consumed"] == s["samples_consumed"] + 24 * _steps_at(again.summary, 3) \
         + 16 * _steps_at(again.summary, 2)
     assert again.summary["data_order_sha256"] == expected_data_order(again.summary["samples_consumed"])
+    assert validate_run(run_dir)["metrics.jsonl"] == 520                 # ... and after a resume
 
 
 def metrics_steps(run_dir):

@@ -16,7 +16,7 @@ import pytest
 
 import gpt
 from elastic import CheckpointConfig, ElasticTrainer, FailureConfig, ScalingConfig, ScalingPolicy
-from faults import SlowDown
+from support import SlowDown
 
 pytestmark = [pytest.mark.integration, pytest.mark.exclusive]
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from torch import nn
 
 from elastic import Callback, CheckpointConfig, ElasticTrainer, FailureConfig, ScalingConfig, TensorBoardCallback
 from elastic._determinism import state_sha256
-from faults import SignalAtStep, read_json
+from support import SignalAtStep, read_json
 
 pytestmark = [pytest.mark.integration]
 
@@ -75,8 +74,6 @@ def gan_loop(ctx):
                 ctx.log(val_score=float(critic.module(gen.module(batch)).mean()))
         if ctx.step == cfg.get("stop_at"):
             return
-        if ctx.step == (cfg.get("hold_at") or [None])[0]:
-            _hold_until(cfg["hold_at"][1])
     if ctx.rank == 0:
         hashes = {name: state_sha256(_flat(obj.state_dict()))
                   for name, obj in {"gen": gen.module, "critic": critic.module, "opt_g": opt_g, "opt_c": opt_c,
@@ -85,14 +82,6 @@ def gan_loop(ctx):
                       counter=counter.samples, step=ctx.step)
         with open(cfg["out"], "w") as f:
             json.dump(hashes, f)
-
-
-def _hold_until(gate: str) -> None:
-    """The fault's gate (see faults.SignalAtStep): wait on every rank until the file exists.
-    (Not gpt.hold_until_released: this module travels to the workers by value, gpt would not.)"""
-    deadline = time.monotonic() + 300
-    while not os.path.exists(gate) and time.monotonic() < deadline:
-        time.sleep(0.01)   # polling a file the test creates
 
 
 def _flat(tree, prefix=""):

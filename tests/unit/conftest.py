@@ -2,19 +2,18 @@
 TrainContext over it, which covers most of the worker side."""
 from __future__ import annotations
 
-import socket
 import threading
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from chaos.services import free_port
+
 
 @pytest.fixture
 def one_rank_group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     store = dist.TCPStore("127.0.0.1", port, 1, True)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:

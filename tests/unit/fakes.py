@@ -35,6 +35,7 @@ class FakeGroup:
         self.generations: list[dict[int, GenerationPlan]] = []
         self.stops: list[tuple[list[int], int]] = []
         self.cuts: list[bool] = []              # request_stop's cut_group, per call
+        self.preempted: list[list[int]] = []    # request_preemption's workers, per call
         self.shut_down = False
         self._next = 0
 
@@ -64,6 +65,9 @@ class FakeGroup:
     def request_stop(self, wids: list[int], generation: int, cut_group: bool = False) -> None:
         self.stops.append((list(wids), generation))
         self.cuts.append(cut_group)
+
+    def request_preemption(self, wids: list[int]) -> None:
+        self.preempted.append(list(wids))
 
     def kill(self, wid: int, reason: str) -> None:
         self.killed.append((wid, reason))
@@ -158,6 +162,7 @@ class FakeCheckpoints:
     def __init__(self, latest: int | None = None, fence: int | None = None):
         self.latest = latest
         self.fences: list[int] = [] if fence is None else [fence]
+        self.stop: dict | None = None          # a STOP request (elastic stop), as read
 
     def latest_step(self) -> int | None:
         return self.latest
@@ -174,3 +179,6 @@ class FakeCheckpoints:
 
     def current_fence(self) -> int | None:
         return self.fences[-1] if self.fences else None
+
+    def stop_request(self) -> dict | None:
+        return self.stop

@@ -46,14 +46,13 @@ def gloo_timeouts() -> list[BaseException]:
     """The errors of a real gloo collective that times out (its peer never joins), and of the next
     collective on the same group: two ranks of one process-less group, in threads."""
     import datetime
-    import socket
     import threading
 
     import torch
     import torch.distributed as dist
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+
+    from chaos.services import free_port
+    port = free_port()
     groups = [None, None]
 
     def form(rank):

@@ -29,7 +29,8 @@ def loop(ctx):
     ({"resources_per_worker": {"CPU": -1}}, "resources_per_worker"),
     ({"startup_wait_s": -1}, "startup_wait_s"),
     ({"max_workers": 3, "spare_workers": -1}, "spare_workers"),
-    ({"spare_workers": 1}, "spare_workers needs max_workers"),
+    ({"spare_workers": 1, "max_workers": ScalingConfig.UNLIMITED}, "spare_workers needs a bounded max_workers"),
+    ({"min_workers": 2, "max_workers": "unlimited"}, r"max_workers must be .*ScalingConfig.UNLIMITED"),
 ])
 def test_scaling_config_rejects(kwargs, field):
     with pytest.raises(ConfigError, match=field):
@@ -38,7 +39,27 @@ def test_scaling_config_rejects(kwargs, field):
 
 def test_scaling_defaults():
     config = ScalingConfig(min_workers=2)
-    assert config.max_workers is None and config.strategy == "ddp" and config.cpus_per_worker == 1.0
+    assert config.max_workers == 2 and config.strategy == "ddp" and config.cpus_per_worker == 1.0
+
+
+def test_max_workers_defaults_to_min_workers_and_unlimited_is_spelled_out():
+    # Not given: a fixed size, so no placement request stays pending for workers never asked for.
+    assert ScalingConfig().max_workers == 1
+    assert ScalingConfig(min_workers=3).max_workers == 3
+    assert ScalingConfig(min_workers=2, spare_workers=1).max_workers == 2     # spares work with the default
+    # Unlimited: the name, or None written out (the default is no longer None, so None is a choice).
+    assert ScalingConfig.UNLIMITED is None
+    assert ScalingConfig(min_workers=2, max_workers=ScalingConfig.UNLIMITED).max_workers is None
+    assert ScalingConfig(min_workers=2, max_workers=None).max_workers is None
+    assert ScalingConfig(min_workers=2, max_workers=5).max_workers == 5
+    # The resolved bound is what a copy carries and what summary.json's config shows.
+    import dataclasses
+
+    from elastic.config import to_jsonable
+    assert dataclasses.replace(ScalingConfig(min_workers=2), strategy="fsdp").max_workers == 2
+    assert to_jsonable(ScalingConfig(min_workers=2))["max_workers"] == 2
+    assert to_jsonable(ScalingConfig(max_workers=ScalingConfig.UNLIMITED))["max_workers"] is None
+    assert "UNLIMITED" not in {f.name for f in dataclasses.fields(ScalingConfig)}     # a name, not a field
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -101,3 +122,13 @@ def test_effective_config_hides_secrets(tmp_path):
 def test_errors_pickle_with_type_and_message(error):
     copy = pickle.loads(pickle.dumps(error))
     assert type(copy) is type(error) and str(copy) == str(error) and isinstance(copy, ElasticError)
+
+
+def test_logging_config_takes_a_level_name_in_any_case():
+    from elastic.config import LoggingConfig
+    assert LoggingConfig().level == "INFO" and LoggingConfig(level="warning").level == "WARNING"
+    with pytest.raises(ConfigError, match="LoggingConfig.level must be one of"):
+        LoggingConfig(level="LOUD")
+    with pytest.raises(ConfigError, match="logging_config must be an elastic.LoggingConfig"):
+        ElasticTrainer(loop, scaling=ScalingConfig(), total_steps=5, checkpoint=CheckpointConfig(storage="/tmp/x"),
+                       logging_config="DEBUG")

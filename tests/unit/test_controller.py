@@ -1,7 +1,7 @@
 """The controller's state machine, driven by a fake worker group (no Ray)."""
 import pytest
 
-from elastic._controller.controller import Controller
+from elastic._controller.controller import Controller, run_loop
 from elastic._controller.states import RunState
 from elastic._controller.worker_group import READY, STARTING
 from elastic._protocol import WorkerPhase
@@ -50,7 +50,7 @@ def test_happy_path_every_transition_is_announced():
     controller.tick()
     assert controller.state.state == RunState.FINISHED and controller.step == 100
     assert [t[1] for t in transitions] == [RunState.STARTING, RunState.RUNNING, RunState.FINISHED]
-    controller.run(sleep=lambda s: None)
+    run_loop(controller, sleep=lambda s: None)
     assert group.shut_down
 
 
@@ -418,3 +418,37 @@ def test_a_grow_stops_at_the_scaling_policys_target_world_size():
         group.set_report(wid, WorkerPhase.INTERRUPTED, generation=controller.generation, step=3)
     controller.tick()
     assert controller.state.state == RunState.RUNNING and len(controller.state.members) == 3
+
+
+def test_a_stop_request_preempts_every_member_and_ends_the_run_stopped():
+    controller, group, clock, transitions = make()
+    members = start(controller, group)
+    group.complete_steps(members[0], 1, 7, 3)
+    controller.tick()
+    controller.checkpoints.stop = {"format": 1, "reason": "maintenance"}
+    controller.tick()
+    assert controller.state.state == RunState.STOPPING and group.preempted == [members]
+    assert not group.killed
+    # Ranks 0 and 1 committed step 8 and left; rank 2 is still at its boundary: wait for it.
+    for rank, wid in enumerate(members[:2]):
+        group.set_report(wid, WorkerPhase.FINISHED, generation=0, rank=rank, step=8)
+    controller.tick()
+    assert controller.state.state == RunState.STOPPING
+    group.set_report(members[2], WorkerPhase.FINISHED, generation=0, rank=2, step=8)
+    controller.tick()
+    assert controller.state.state == RunState.STOPPED and controller.done and not group.killed
+    assert controller.state.reason == "maintenance"
+    run_loop(controller, sleep=lambda s: None)
+    assert group.shut_down
+
+
+def test_a_member_still_training_at_the_stops_deadline_is_killed():
+    controller, group, clock, _ = make()
+    members = start(controller, group)
+    controller.checkpoints.stop = {"format": 1}
+    controller.tick()
+    assert controller.state.state == RunState.STOPPING
+    clock.advance(36)                      # collective + heartbeat timeouts
+    controller.tick()
+    assert controller.state.state == RunState.STOPPED
+    assert sorted(w for w, _ in group.killed) == sorted(members)

@@ -3,8 +3,6 @@ rescale unwinds the loop mid-epoch, the next generation restores warm and reads 
 run consumes exactly the samples of a clean run, with no worker process left behind."""
 from __future__ import annotations
 
-import multiprocessing
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +11,7 @@ import torch
 from elastic._data import ElasticLoader
 from elastic._determinism import DATA_ORDER_START, chain_sample_ids
 from elastic.context import RescaleInterrupt
+from support import no_children
 from test_data_workers import Noisy
 
 pytestmark = pytest.mark.timeout(120)
@@ -43,15 +42,6 @@ def train(ctx, stop_after: int | None = None) -> list[list[int]]:
 def expected_order(samples: int) -> str:
     loader = ElasticLoader(SimpleNamespace(seed=0, world_size=1, total_steps=1), Noisy(), batch_size=1)
     return chain_sample_ids(DATA_ORDER_START, [loader._dataset_index(g) for g in range(samples)])
-
-
-def no_children(deadline_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + deadline_s
-    while multiprocessing.active_children():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def test_a_rescale_then_a_warm_resume_with_workers_consumes_exactly_a_clean_runs_samples(generations):

@@ -11,17 +11,18 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import numpy
 import pytest
 import torch
 
+from chaos.services import wait_until
 from elastic._accumulation import Accumulation
 from elastic._data import ElasticLoader
 from elastic._determinism import DATA_ORDER_START, chain_sample_ids, mix_seed
 from elastic.context import RescaleInterrupt
 from elastic.errors import ConfigError, ElasticError
+from support import no_children, pid_alive
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -83,15 +84,6 @@ def run(ctx, **options) -> tuple[list[dict], list[tuple]]:
         draws.append(drawn())
         ctx.report()
     return batches, draws
-
-
-def no_children(deadline_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + deadline_s
-    while multiprocessing.active_children():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def test_workers_change_neither_the_batches_nor_the_randomness():
@@ -301,7 +293,7 @@ def test_bad_options_are_config_errors_that_say_why(options, match):
 KILLED_PARENT = textwrap.dedent("""
     import multiprocessing, os, signal, sys
     sys.path.insert(0, sys.argv[1])
-    sys.path.insert(0, os.path.join(sys.argv[1], "tests", "unit"))
+    sys.path[:0] = [os.path.join(sys.argv[1], "tests"), os.path.join(sys.argv[1], "tests", "unit")]
     from test_data_workers import Ctx, Noisy
     from elastic._data import ElasticLoader
     it = iter(ElasticLoader(Ctx(total_steps=100), Noisy(), 4, num_workers=2))
@@ -318,15 +310,5 @@ def test_the_workers_of_a_killed_rank_die_with_it():
     assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
     pids = [int(p) for p in done.stdout.split()]
     assert len(pids) == 2
-    deadline = time.monotonic() + 2.0
-    while any(alive(p) for p in pids):
-        assert time.monotonic() < deadline, "the workers outlived their killed parent"
-        time.sleep(0.01)
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    wait_until(lambda: not any(pid_alive(p) for p in pids), 2.0, "the workers to end after their parent was killed",
+               interval_s=0.01)

@@ -54,9 +54,8 @@ class FakeController:
         self.error = {"type": "StorageError", "message": "disk full", "traceback": None, "exception": None,
                       "ranks": []}
         self.step, self.total_steps, self.model_sha256 = 1, 10, None
-
-    def run(self):
-        pass
+        self.done = True                              # run_loop ticks nothing, then shuts the group down
+        self.group = SimpleNamespace(shutdown=lambda graceful: None)
 
     def flush_logs(self):
         pass

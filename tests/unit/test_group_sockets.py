@@ -12,6 +12,7 @@ import threading
 
 import pytest
 
+from chaos.services import free_port
 from elastic._worker.group_sockets import GroupSockets
 
 pytestmark = pytest.mark.timeout(120)
@@ -60,12 +61,6 @@ RANK = textwrap.dedent("""
     except OSError as error:
         print("user connection broken:", error, flush=True)
 """ % COLLECTIVE_TIMEOUT_S)  # noqa: UP031 - the program's own f-strings use braces
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # Gloo connects each pair from the higher rank to the lower one's listener: rank 0 cuts a

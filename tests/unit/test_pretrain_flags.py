@@ -3,6 +3,7 @@ ScalingConfig; bad values fail before any Ray."""
 import pytest
 
 import pretrain
+from elastic._worker.fault_gate import HoldAt
 from elastic.config import ConfigError
 
 pytestmark = pytest.mark.timeout(30)
@@ -45,8 +46,8 @@ def test_main_refuses_a_global_batch_that_does_not_divide(tmp_path, capsys):
     assert code == 2 and "warmup_steps" in capsys.readouterr().err
 
 
-def test_hold_at_names_a_step_and_a_file():
-    assert args("--hold-at", "30:/tmp/gate").hold_at == (30, "/tmp/gate")
+def test_hold_at_names_a_step_and_a_file_for_the_frameworks_gate():
+    assert args("--hold-at", "30:/tmp/gate").hold_at == HoldAt(30, "/tmp/gate")
     assert args().hold_at is None
     for bad in ("30", "0:/tmp/gate", "x:/tmp/gate", "30:"):
         with pytest.raises(SystemExit):

@@ -114,3 +114,22 @@ def test_a_poll_that_raises_replaces_the_worker_instead_of_ending_the_tick(fake_
     assert views[0].status == DEAD and "cannot pickle the report" in views[0].death
     assert fake_ray.killed == [broken]
     assert views[1].status == READY and views[1].report.step == 3
+
+
+def test_a_placement_that_never_comes_is_said_once(fake_ray, monkeypatch, caplog):
+    fake_ray.wait = lambda refs, num_returns=1, timeout=None: ([], list(refs))     # the cluster is full
+    fake_ray.available_resources = lambda: {"CPU": 0.5, "node:10.0.0.1": 1.0}
+    now = [100.0]
+    monkeypatch.setattr(ray_group.time, "monotonic", lambda: now[0])
+    group = RayWorkerGroup(None, ScalingConfig(min_workers=1, max_workers=1, spare_workers=1),
+                           FailureConfig(heartbeat_timeout_s=5.0))
+    group._slots[1] = _Slot(wid=1, pg=None, pg_ready=Ref(None), created_at=90.0)      # the spare's placement
+    with caplog.at_level("WARNING", logger="elastic.group"):
+        group.tick()                      # 10 s: not yet
+        assert not caplog.records
+        now[0] = 200.0
+        group.tick()                      # 110 s: said ...
+        now[0] = 300.0
+        group.tick()                      # ... once
+    (record,) = caplog.records
+    assert "max_workers + spare_workers = 2" in record.getMessage() and "'CPU': 0.5" in record.getMessage()

@@ -4,6 +4,7 @@ import time
 
 import pytest
 
+from chaos.services import wait_until
 from elastic._controller.status_writer import StatusWriter
 
 pytestmark = pytest.mark.timeout(30)
@@ -36,13 +37,6 @@ class Sink:
         self.events.append("flush")
 
 
-def wait_until(condition, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)          # polling interval under the deadline
-
-
 def test_writes_are_throttled_to_min_interval_except_forced_ones():
     clock, sink = Clock(), Sink()
     writer = StatusWriter(sink.write, sink.flush, min_interval_s=1.0, clock=clock, wall_clock=lambda: 1234.0)
@@ -69,7 +63,7 @@ def test_a_callable_field_is_called_by_the_writers_thread_when_it_writes():
         return 4
     writer = StatusWriter(sink.write, sink.flush, background=True)
     writer.update(force=True, state="running", last_committed_step=newest_commit)
-    wait_until(lambda: sink.statuses)
+    wait_until(lambda: sink.statuses, 10, "the first status write", interval_s=0.01)
     writer.close()
     assert sink.statuses[0]["last_committed_step"] == 4
     assert seen[0] == "run-record-writer"
@@ -101,9 +95,9 @@ def test_a_failed_flush_in_the_background_is_logged_and_the_next_write_retries(c
     writer = StatusWriter(sink.write, flush, background=True, name="s3://b/run")
     writer.update(force=True, step=1)
     wait_until(lambda: any("could not write the run record under s3://b/run" in r.getMessage()
-                           for r in caplog.records))
+                           for r in caplog.records), 10, "the warning about the stalled write", interval_s=0.01)
     writer.update(force=True, step=2)
-    wait_until(lambda: "flush" in sink.events)
+    wait_until(lambda: "flush" in sink.events, 10, "the metrics flush", interval_s=0.01)
     writer.close()
     assert sink.statuses[-1]["step"] == 2
 

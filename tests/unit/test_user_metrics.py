@@ -38,8 +38,8 @@ def test_every_reported_metric_is_in_the_step_line_after_the_framework_keys(tmp_
     rec.flush_metrics()
     (line,) = lines(tmp_path)
     assert line["grad_norm"] == 2.5 and line["tokens_per_s"] == 1000.0 and line["lr"] == 0.1
-    assert list(line)[:9] == ["step", "loss", "world_size", "time", "lr", "global_batch", "accum_steps",
-                              "samples_seen", "compute_s"]
+    assert list(line)[:10] == ["format", "step", "loss", "world_size", "time", "lr", "global_batch", "accum_steps",
+                               "samples_seen", "compute_s"]
 
 
 def test_a_user_metric_never_overwrites_a_framework_key(tmp_path, caplog):
@@ -51,7 +51,7 @@ def test_a_user_metric_never_overwrites_a_framework_key(tmp_path, caplog):
     first, second, logged = lines(tmp_path)
     assert first["world_size"] == 2 and first["samples_seen"] == 16 and "kind" not in first
     assert second["world_size"] == 2 and second["acc"] == 0.6
-    assert logged == {"step": 2, "kind": "log", "time": 102.5, "val": 0.25}
+    assert logged == {"format": 1, "step": 2, "kind": "log", "time": 102.5, "val": 0.25}
     assert "world_size" not in rec.user_metrics()["last"]
     warned = [r.getMessage() for r in caplog.records if "framework key" in r.getMessage()]
     assert len(warned) == 5          # once per name: world_size, samples_seen, kind, step, time
@@ -66,7 +66,7 @@ def test_log_values_get_a_line_of_their_own_at_their_step_and_count_no_step(tmp_
     rec.flush_metrics()
     rows = lines(tmp_path)
     assert [(r["step"], r.get("kind")) for r in rows] == [(1, None), (2, None), (2, "log"), (3, None)]
-    assert rows[2] == {"step": 2, "kind": "log", "time": 102.5, "val_loss": 0.75}
+    assert rows[2] == {"format": 1, "step": 2, "kind": "log", "time": 102.5, "val_loss": 0.75}
     assert sorted(rec.summary.step_seconds) == [1, 2, 3] and rec.last_loss == 1.0    # no step, no loss of its own
 
 

@@ -137,3 +137,13 @@ def failure_then_fallback(rank, world, url):
     mgr.close()
     return {"outcomes": outcomes, "error": error, "loaded": result.step,
             "skipped": [s["step"] for s in result.skipped], "equal_to_step1": same}
+
+
+def save_replicated(rank, world, url, step=3):
+    """Save a state of two replicated tensors (fewer items than ranks at world 4): DCP gives
+    every item to one rank, so most ranks have nothing to write."""
+    mgr = CheckpointManager(url, keep=None)
+    mgr.save(step, {"w": torch.arange(64.0), "b": torch.ones(8)}, generation=1)
+    info = mgr.wait()
+    mgr.close()
+    return {"committed": info is not None and info.step == step, "files": info.files if info else None}

@@ -7,24 +7,19 @@ per rank, waits with a deadline, and always kills what is left. Each program is 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from chaos.services import free_port, wait_until
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
 SUITE = HERE.parents[1] / "unit" / "ckpt"  # ckpt_conformance.py (shared helpers)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn_ranks(program: str, world: int, kwargs: dict, out_dir: str, env: dict | None = None):
@@ -55,12 +50,10 @@ def run_ranks(program: str, world: int, timeout: float = 90, env: dict | None = 
     """Results of `program` per rank; raises with every rank's output if any rank fails."""
     with tempfile.TemporaryDirectory() as out_dir:
         procs = spawn_ranks(program, world, kwargs, out_dir, env)
-        deadline = time.monotonic() + timeout
         try:
-            while any(p.poll() is None for p in procs):
-                if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
-                    break
-                time.sleep(0.05)  # polling interval of the deadline loop, not synchronisation
+            with contextlib.suppress(TimeoutError):   # a rank still running then is reported below
+                wait_until(lambda: all(p.poll() is not None for p in procs) or any(p.poll() for p in procs),
+                           timeout, f"{program}'s ranks to end", interval_s=0.05)
         finally:
             running = [p for p in procs if p.poll() is None]
             kill_all(procs)

@@ -1,14 +1,30 @@
-"""Faults for the runtime tests, injected from outside like an operator would: the target's
-pid comes from status.json, the signal from os.kill."""
+"""Test-only helpers shared by the unit, integration and GPU suites (`from support import ...`:
+pytest puts tests/ on sys.path, see pyproject.toml's `pythonpath`).
+
+What a test needs from a service (a free port, a moto S3 server and its bucket, waiting on a
+condition with a deadline) is chaos.services', the shipped code the chaos suite runs with; this
+module holds what only tests use:
+- reading a run's files as they are being written (`read_json`);
+- faults injected from outside, like an operator would: the target's pid comes from
+  status.json, the signal from os.kill (`SignalAtStep`, with the framework's fault gate, and
+  `SlowDown`);
+- checks on processes (`pid_alive`, `no_children`).
+"""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import threading
 import time
+from collections.abc import Callable
+
+from chaos.services import wait_until
+from elastic._worker.fault_gate import HoldAt
 
 
+# ---- a run's files ------------------------------------------------------------------------------
 def read_json(run_dir: str, name: str) -> dict | None:
     """A JSON file of the run's storage (a local path, or a URL read with this process's AWS
     variables); None while it is missing or half-written."""
@@ -27,17 +43,48 @@ def read_json(run_dir: str, name: str) -> dict | None:
         return None
 
 
+def wait_for(condition: Callable[[], object], timeout_s: float, what: str) -> None:
+    """chaos.services.wait_until at the runtime tests' 50 ms poll (TimeoutError naming `what`)."""
+    wait_until(condition, timeout_s, what, interval_s=0.05)
+
+
+# ---- processes ----------------------------------------------------------------------------------
+def pid_alive(pid: int) -> bool:
+    """The process exists and is no zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:     # it ended between the two looks
+        return False
+
+
+def no_children(deadline_s: float = 10.0) -> bool:
+    """Every child process of this one (DataLoader workers, ...) has ended within `deadline_s`."""
+    try:
+        wait_until(lambda: not multiprocessing.active_children(), deadline_s, "the child processes to end",
+                   interval_s=0.01)
+    except TimeoutError:
+        return False
+    return True
+
+
+# ---- faults injected from outside ---------------------------------------------------------------
 class SignalAtStep(threading.Thread):
     """Send `sig` to the worker with `rank` once status.json shows the run past `at_step`.
 
-    Pass `hold_config()` in the example loop's config and the run holds every rank after
-    `at_step` until the signal is sent (the gate file is created after it, and always when this
-    thread ends): the fault lands at exactly that step however fast the machine. Without the
-    hold it lands wherever the run is when the controller next reports (about once a second),
-    and a short run may finish first."""
+    Pass `hold_config()` in the run's `train_loop_config` and the framework's fault gate
+    (elastic/_worker/fault_gate.py) holds every rank after `at_step` until the signal is sent (the
+    gate file is created after it, and always when this thread ends): the fault lands at exactly
+    that step however fast the machine. The examples' `--hold-at {at_step}:{gate}` sets the same
+    gate. Without the hold it lands wherever the run is when the controller next reports (about
+    once a second), and a short run may finish first."""
 
     def __init__(self, run_dir: str, at_step: int, sig: int, rank: int, timeout_s: float = 120.0,
-                 gate: str | None = None, when=lambda status: True):
+                 gate: str | None = None, when: Callable[[dict], bool] = lambda status: True):
         super().__init__(daemon=True)
         self.when = when                  # a further condition on status.json (e.g. a spare is ready)
         self.run_dir, self.at_step, self.sig, self.rank, self.timeout_s = run_dir, at_step, sig, rank, timeout_s
@@ -49,7 +96,8 @@ class SignalAtStep(threading.Thread):
         self.status_seen: dict | None = None       # status.json as it was when the signal went
 
     def hold_config(self) -> dict:
-        return {"hold_at": [self.at_step, self.gate]}
+        """The `train_loop_config` entry that sets the framework's hold at this fault's step."""
+        return HoldAt(self.at_step, self.gate).as_config()
 
     def run(self) -> None:
         try:
@@ -74,24 +122,6 @@ class SignalAtStep(threading.Thread):
 
     def fired(self) -> bool:
         return self.pid is not None
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(")")[1].split()[0] != "Z"
-
-
-def wait_for(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 class SlowDown(threading.Thread):
