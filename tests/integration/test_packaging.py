@@ -19,9 +19,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGES = ("elastic", "checkpointing", "chaos")
-EXTRAS = {"plot", "chaos", "tensorboard", "bench", "test"}
+EXTRAS = {"plot", "chaos", "tensorboard", "bench", "progress", "test"}
 # Only some users need these; none may be a requirement of the base install.
-NOT_IN_BASE = {"moto", "matplotlib", "pytest", "pytest-timeout", "pytest-xdist", "tensorboard", "ruff", "mypy"}
+NOT_IN_BASE = {"moto", "matplotlib", "pytest", "pytest-timeout", "pytest-xdist", "tensorboard", "ruff", "mypy",
+               "rich", "jsonschema"}
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +86,8 @@ def test_each_extra_brings_what_it_is_for(wheel):
     assert "ray[train]" in names("bench")
     assert {"pytest", "ruff", "mypy"} <= names("test")
     # The suite exercises every other extra (a self-reference that pip resolves).
-    assert "elastic-train[bench,chaos,plot,tensorboard]" in names("test")
+    assert names("progress") == {"rich"}
+    assert "elastic-train[bench,chaos,plot,progress,tensorboard]" in names("test") and "jsonschema" in names("test")
 
 
 def test_the_base_install_needs_no_optional_dependency(wheel):
