@@ -14,8 +14,8 @@ from elastic.policies import Cause
 
 
 class FakeClock:
-    def __init__(self):
-        self.now = 1000.0
+    def __init__(self, now: float = 1000.0):
+        self.now = now
 
     def __call__(self) -> float:
         return self.now

@@ -7,16 +7,10 @@ import re
 import pytest
 
 from elastic.progress import ProgressDisplay, StepRate
+from fakes import FakeClock
 
 pytestmark = pytest.mark.timeout(30)
 
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
 
 
 def snap(step, total=100, **extra):
@@ -42,7 +36,7 @@ def test_step_rate_and_eta_follow_the_window_and_restart_after_lost_steps():
 
 
 def test_plain_line_shows_rate_eta_and_the_runs_state_every_period():
-    out, clock = io.StringIO(), Clock()
+    out, clock = io.StringIO(), FakeClock(0.0)
     display = ProgressDisplay(stream=out, clock=clock, plain_every_s=5.0)
     assert not display.rich                       # no terminal: the plain line
     for t in range(0, 11):
@@ -70,7 +64,7 @@ class Terminal(io.StringIO):
 def test_rich_bar_routes_log_records_through_its_console_and_puts_the_handlers_back(monkeypatch):
     pytest.importorskip("rich")
     monkeypatch.setenv("COLUMNS", "240")                        # the whole line on one row
-    out, clock = Terminal(), Clock()
+    out, clock = Terminal(), FakeClock(0.0)
     root = logging.getLogger()
     plain = logging.StreamHandler(__import__("sys").stderr)      # one made before the bar: it would tear it
     root.addHandler(plain)

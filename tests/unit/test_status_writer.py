@@ -6,16 +6,10 @@ import pytest
 
 from chaos.services import wait_until
 from elastic._controller.status_writer import StatusWriter
+from fakes import FakeClock
 
 pytestmark = pytest.mark.timeout(30)
 
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
 
 
 class Sink:
@@ -38,7 +32,7 @@ class Sink:
 
 
 def test_writes_are_throttled_to_min_interval_except_forced_ones():
-    clock, sink = Clock(), Sink()
+    clock, sink = FakeClock(0.0), Sink()
     writer = StatusWriter(sink.write, sink.flush, min_interval_s=1.0, clock=clock, wall_clock=lambda: 1234.0)
     writer.update(state="running", step=1)              # the first write goes
     clock.now = 0.5
