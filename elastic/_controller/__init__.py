@@ -4,8 +4,11 @@ Nothing here imports torch or the user's code (tests/unit/test_controller_import
 whole folder): the controller's actor starts before any worker, on the critical path of every
 start. What to read first to understand a recovery, in order:
 
-- `controller.py`  the state machine: each tick's handler decides, the policies advise;
-- `states.py`      its states, one payload class each;
+- `states.py`      the states, one frozen payload class each;
+- `controller.py`  the state machine: each tick's handler asks its judge, then acts;
+- `running.py`, `recovering.py`, `scheduling.py`  the judges: what a tick's views say (verdicts);
+- `forming.py`     a generation's fence, plans and restore (warm source or checkpoint);
+- `failure_budget.py`, `storage_retry.py`, `slots.py`  the budget, storage retries, slot counts;
 - `ledgers.py`     the kept steps, and the recovery that is open until the re-formed group steps;
 - `intake.py`      what the workers' reports add to the ledgers and the run record;
 - `worker_group.py` the Ray actors, their placement groups, polls, kills;

@@ -5,7 +5,9 @@
 - `train_state.py`     the one state contract, saved and loaded by warm broadcasts and checkpoints;
 - `restore.py`         the recovery ladder's rungs, carried out on a rank;
 - `step_boundary.py`   what happens between two steps (the loader opens, report closes);
+- `step_exchange.py`   the step's values gathered across ranks off the critical path (read a step later);
 - `checkpoint_session.py`  the rules around commits;
+- `fault_gate.py`      the tests' hold at a step (inactive unless the config names it);
 - `broadcast.py`, `group_sockets.py`, `precision.py`, `wrap.py`, `step_timer.py`,
   `checkpoint_io.py`: the mechanisms those use.
 
