@@ -216,6 +216,16 @@ def prepare_corpus(args: argparse.Namespace) -> str:
     return url
 
 
+def storage_refused(error: Exception) -> int:
+    """The exit code (and the line on stderr) of a run its storage refused: another live run holds
+    it (RunConflictError), or it cannot be written (StorageConfigError, a ConfigError)."""
+    if isinstance(error, RunConflictError):
+        print(f"storage in use: {error}", file=sys.stderr)
+        return EXIT_STORAGE_IN_USE
+    print(f"configuration error: {error}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -247,12 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         trainer.claim_storage()      # refused in seconds, before a local Ray is started for nothing
-    except RunConflictError as error:
-        print(f"storage in use: {error}", file=sys.stderr)
-        return EXIT_STORAGE_IN_USE
-    except ConfigError as error:     # StorageConfigError: the storage cannot be written
-        print(f"configuration error: {error}", file=sys.stderr)
-        return 2
+    except (RunConflictError, ConfigError) as error:
+        return storage_refused(error)
     if not os.environ.get("RAY_ADDRESS"):
         import ray
         gpus = None     # Ray counts them itself
@@ -274,12 +280,8 @@ def main(argv: list[str] | None = None) -> int:
                  num_gpus=gpus, include_dashboard=False)
     try:
         result = trainer.fit()
-    except RunConflictError as error:
-        print(f"storage in use: {error}", file=sys.stderr)
-        return EXIT_STORAGE_IN_USE
-    except ConfigError as error:     # StorageConfigError: the storage cannot be written
-        print(f"configuration error: {error}", file=sys.stderr)
-        return 2
+    except (RunConflictError, ConfigError) as error:
+        return storage_refused(error)
     s = result.summary
     print()
     print(json.dumps({k: s.get(k) for k in ("status", "final_step", "loss_first", "loss_last", "world_size_history",
