@@ -4,10 +4,16 @@ Measures, per trial, the seconds from the signal to the next completed step (the
 the restored one, from metrics.jsonl) and the steps lost, then prints one JSON line.
 
     python benchmarks/recovery.py --workers 4 --trials 3 [--signal STOP --heartbeat-timeout 3]
+    python benchmarks/recovery.py --strategy fsdp --model-size base --workers 3 --in-memory-every 1 \
+        [--storage s3]     # FSDP from memory; --in-memory-every none: from the checkpoint
+
+`--storage s3` runs against moto's S3 server on loopback (started here), `file` (the default) on
+a local temporary folder.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -17,20 +23,39 @@ import sys
 import tempfile
 import threading
 import time
+from itertools import pairwise
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 import gpt  # noqa: E402
-from _peer_common import read_json  # noqa: E402
+from chaos.services import MOTO_CREDENTIALS, MotoServer, ensure_bucket  # noqa: E402
 from elastic import CheckpointConfig, ElasticTrainer, FailureConfig, ScalingConfig  # noqa: E402
+
+
+def run_file(url: str, name: str) -> str | None:
+    """A file of the run's storage (a local folder or an s3:// URL); None while it is missing."""
+    from checkpointing import CheckpointError
+    from checkpointing.storage import Storage
+    storage = Storage(url)
+    try:
+        return storage.read_bytes(storage.path(name)).decode()
+    except (CheckpointError, FileNotFoundError):
+        return None
+
+
+def read_status(url: str) -> dict:
+    try:
+        return json.loads(run_file(url, "status.json") or "{}")
+    except json.JSONDecodeError:      # half-written: read again
+        return {}
 
 
 def inject(run_dir: str, at_step: int, sig: int, rank: int, out: dict) -> None:
     """From outside, like an operator: the pid from status.json, then os.kill."""
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
-        status = read_json(os.path.join(run_dir, "status.json")) or {}
+        status = read_status(run_dir)
         if status.get("state") == "running" and status.get("step", 0) >= at_step:
             pid = next(w["pid"] for w in status["workers"] if w["rank"] == rank)
             out["signal_time"] = time.time()
@@ -49,8 +74,10 @@ def trial(args: argparse.Namespace, run_dir: str) -> dict:
     injector.start()
     result = ElasticTrainer(
         gpt.train_loop, train_loop_config={"model_size": args.model_size, "batch_size": args.batch_size},
-        scaling=ScalingConfig(min_workers=max(1, args.workers // 2), max_workers=args.workers),
-        checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=args.checkpoint_every),
+        scaling=ScalingConfig(min_workers=max(1, args.workers // 2), max_workers=args.workers,
+                              strategy=args.strategy),
+        checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=args.checkpoint_every,
+                                    in_memory_every_n_steps=args.in_memory_every),
         failure=FailureConfig(heartbeat_timeout_s=args.heartbeat_timeout),
         total_steps=args.steps, seed=0).fit()
     if "stopped_pid" in fault:
@@ -64,14 +91,28 @@ def trial(args: argparse.Namespace, run_dir: str) -> dict:
         raise SystemExit(f"trial did not produce a recovery: status={result.status} fault={fault} "
                          f"recoveries={summary['recoveries']} error={result.error!r}")
     recovery = failures[0]
-    metrics = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    metrics = [json.loads(line) for line in (run_file(run_dir, "metrics.jsonl") or "").splitlines() if line.strip()]
     next_step = next(m for m in metrics if m["step"] == recovery["step"] + 1)
     before = [m for m in metrics if m["time"] < fault["signal_time"]]
-    step_s = statistics.median(b["time"] - a["time"] for a, b in zip(before[-21:-1], before[-20:], strict=False))
-    return {"recovery_s": round(next_step["time"] - fault["signal_time"], 3),
+    step_s = statistics.median(b["time"] - a["time"] for a, b in pairwise(before[-21:]))
+    return {"recovery_s": round(next_step["time"] - fault["signal_time"], 3), "recover_s": recovery["recover_s"],
             "lost_steps": recovery["lost_steps"], "detect_s": recovery["detect_s"], "rung": recovery["rung"],
             "cause": recovery["cause"], "from_world": recovery["from_world"], "to_world": recovery["to_world"],
-            "step_s": round(step_s, 4), "restored_step": recovery["step"], "signal_time": fault["signal_time"]}
+            "step_s": round(step_s, 4), "restored_step": recovery["step"], "signal_time": fault["signal_time"],
+            "time_ledger": recovery.get("time_ledger")}
+
+
+@contextlib.contextmanager
+def storage(kind: str):
+    """None: a local folder per trial; else the s3:// URL of a bucket on moto's server, with this
+    process's AWS variables (which the run hands its workers) pointing at it."""
+    if kind == "file":
+        yield None
+        return
+    with MotoServer(os.devnull) as moto:
+        os.environ.update(AWS_ENDPOINT_URL=moto.endpoint, **MOTO_CREDENTIALS)
+        ensure_bucket("s3://bench", moto.endpoint)
+        yield "s3://bench"
 
 
 def main() -> int:
@@ -86,6 +127,10 @@ def main() -> int:
     p.add_argument("--kill-step", type=int, default=40)
     p.add_argument("--checkpoint-every", type=int, default=50)
     p.add_argument("--heartbeat-timeout", type=float, default=10.0)
+    p.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp")
+    p.add_argument("--in-memory-every", type=lambda v: None if v == "none" else int(v), default=1,
+                   help="FSDP: CheckpointConfig.in_memory_every_n_steps ('none': recover from the checkpoint)")
+    p.add_argument("--storage", choices=("file", "s3"), default="file")
     p.add_argument("--verbose", action="store_true", help="show the workers' and controller's logs")
     args = p.parse_args()
 
@@ -95,16 +140,20 @@ def main() -> int:
              logging_level="WARNING", log_to_driver=args.verbose)
     trials = []
     try:
-        for i in range(args.trials):
-            with tempfile.TemporaryDirectory(prefix="r1-") as run_dir:
-                trials.append(trial(args, os.path.join(run_dir, "run")))
-                print(f"trial {i}: {trials[-1]}", file=sys.stderr, flush=True)
+        with storage(args.storage) as base:
+            for i in range(args.trials):
+                with tempfile.TemporaryDirectory(prefix="r1-") as run_dir:
+                    url = os.path.join(run_dir, "run") if base is None else f"{base}/trial{i}"
+                    trials.append(trial(args, url))
+                    print(f"trial {i}: {trials[-1]}", file=sys.stderr, flush=True)
     finally:
         ray.shutdown()
     recovery = [t["recovery_s"] for t in trials]
     print(json.dumps({
         "benchmark": "R1" if args.signal == "KILL" else "R2", "system": "elastic", "signal": f"SIG{args.signal}",
         "workers": args.workers, "model_size": args.model_size, "trials": len(trials),
+        "strategy": args.strategy, "in_memory_every": args.in_memory_every, "storage": args.storage,
+        "recover_s_median": statistics.median(t["recover_s"] for t in trials),
         "recovery_s_median": statistics.median(recovery), "recovery_s_max": max(recovery),
         "lost_steps_max": max(t["lost_steps"] for t in trials),
         "heartbeat_timeout_s": args.heartbeat_timeout, "step_s_median": statistics.median(t["step_s"] for t in trials),

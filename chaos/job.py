@@ -21,6 +21,7 @@ class JobSpec:
     checkpoint_every: int = 25
     seed: int = 0
     model_size: str | None = "tiny"
+    strategy: str = "ddp"                      # the job's --strategy
     heartbeat_timeout_s: float | None = 10.0
     script: str = DEFAULT_SCRIPT
     extra_args: tuple[str, ...] = ()
@@ -32,6 +33,8 @@ class JobSpec:
                 "--seed", str(self.seed), "--quiet"]
         if self.model_size:
             argv += ["--model-size", self.model_size]
+        if self.strategy != "ddp":
+            argv += ["--strategy", self.strategy]
         if self.heartbeat_timeout_s is not None:
             argv += ["--heartbeat-timeout", str(self.heartbeat_timeout_s)]
         if self.fail_at is not None:

@@ -1,7 +1,9 @@
 """chaos_report.json and chaos_report.png: what was done, what the run did, and the verdicts.
 
 The JSON lists every scheduled fault (injected or skipped, with its heal and the recovery it was
-matched to), every recovery, the invariant verdicts and the goodput. The PNG shows loss and
+matched to), every recovery, the invariant verdicts, the goodput, the attempts' time ledgers summed
+(summary.json `time_ledger`: seconds per part of the wall time) and the mean seconds lost per
+fault kind, from the time ledgers of the recoveries the faults were matched to. The PNG shows loss and
 world size over time, with each fault marked from injection to heal.
 """
 from __future__ import annotations
@@ -74,11 +76,44 @@ def build_report(*, scenario, seed, spec, schedule, evidence: Evidence, verdicts
             # Time the fault-free run needed over the time the chaos run needed: 1.0 is free.
             "vs_reference": round(ref["wall_s"] / chaos_wall, 3) if ref and ref.get("wall_s") and chaos_wall else None,
         },
+        "time_ledger": _summed_ledger(evidence.attempts),
+        "lost_per_kind": lost_per_kind(injected),
         "model_sha256": {"run": (last or {}).get("model_sha256"), "reference": (ref or {}).get("model_sha256")},
         "reference": {k: (evidence.reference or {}).get(k) for k in ("url", "reused")} if evidence.reference else None,
         "proxy_counts": proxy_counts,
         "schedule": schedule.to_dict(),
     }
+
+
+def _summed_ledger(attempts: list[dict]) -> dict[str, float] | None:
+    """The attempts' time ledgers (summary.json `time_ledger`), part by part; None: none had one."""
+    total: dict[str, float] = {}
+    for a in attempts:
+        for part, seconds in ((a.get("summary") or {}).get("time_ledger") or {}).items():
+            total[part] = round(total.get(part, 0.0) + (seconds or 0.0), 3)
+    return total or None
+
+
+def lost_per_kind(faults: list[dict]) -> dict[str, dict[str, Any]]:
+    """Per fault kind: faults injected, and the mean seconds each cost, by part and in all, from
+    the time ledger of the recovery it was matched to (summary.json `recoveries[].time_ledger`).
+    A recovery counts once, for the first fault matched to it; a fault that shared another's
+    recovery, or needed none, cost nothing of its own."""
+    counted: set[int] = set()
+    per_kind: dict[str, list[dict[str, float]]] = {}
+    for fault in faults:
+        recovery = fault.get("recovery") or {}
+        own: dict[str, float] = {}
+        if str(fault.get("outcome", "")).startswith("recovered") and id(recovery) not in counted:
+            counted.add(id(recovery))
+            own = {part: seconds or 0.0 for part, seconds in (recovery.get("time_ledger") or {}).items()}
+        per_kind.setdefault(fault["kind"], []).append(own)
+    out = {}
+    for kind, costs in sorted(per_kind.items()):
+        parts = sorted({part for cost in costs for part in cost})
+        mean = {part: round(sum(c.get(part, 0.0) for c in costs) / len(costs), 3) for part in parts}
+        out[kind] = {"faults": len(costs), "mean_lost_s": round(sum(mean.values()), 3), "mean_parts_s": mean}
+    return out
 
 
 def _attempt(a: dict) -> dict[str, Any]:
@@ -112,6 +147,11 @@ def summarize(report: dict) -> str:
     g = report["goodput"]
     lines.append(f"  goodput {g.get('campaign')} (per attempt {g['per_attempt']}); reference/chaos wall time "
                  f"{g['vs_reference']}")
+    if report.get("time_ledger"):
+        lines.append("  time ledger " + ", ".join(f"{p} {s:.1f}s" for p, s in report["time_ledger"].items()))
+    for kind, lost in (report.get("lost_per_kind") or {}).items():
+        parts = ", ".join(f"{p} {s:.2f}" for p, s in lost["mean_parts_s"].items())
+        lines.append(f"  {kind}: {lost['faults']} faults, {lost['mean_lost_s']:.2f}s lost per fault ({parts})")
     return "\n".join(lines)
 
 

@@ -72,7 +72,8 @@ def run(opts: RunOptions) -> Outcome:
             os.remove(os.path.join(opts.out_dir, name))
     spec = JobSpec(storage=opts.storage, workers=opts.workers or sc.workers, steps=steps,
                    checkpoint_every=sc.checkpoint_every, heartbeat_timeout_s=sc.heartbeat_timeout_s,
-                   model_size=sc.model_size, extra_args=tuple(opts.extra_args), script=opts.script or DEFAULT_SCRIPT)
+                   model_size=sc.model_size, strategy=sc.strategy, extra_args=tuple(opts.extra_args),
+                   script=opts.script or DEFAULT_SCRIPT)
     history = History(os.path.join(opts.out_dir, "history.jsonl"))
     history.record("schedule", scenario=sc.name, seed=opts.seed, schedule=schedule.to_dict(), job=spec.argv())
     try:

@@ -39,6 +39,7 @@ class Scenario:
     checkpoint_every: int = 25
     heartbeat_timeout_s: float = 10.0
     model_size: str = "tiny"
+    strategy: str = "ddp"                     # the job's --strategy
     nodes: int | None = None                  # runner-owned Ray cluster of this many 1-CPU nodes
     namespaced: bool = False                  # ... each node in its own network namespace
     restarts: int = 0                         # job restarts allowed after a typed failure
@@ -163,4 +164,10 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              # one (the gate), so the interval bounds how close faults can come.
              build=_mixed, steps=2000, model_size="small", checkpoint_every=20, nodes=4, namespaced=True,
              restarts=4, job_timeout_s=3600),
+    # The same faults on FSDP: a lost rank's shards come back from its neighbour's memory
+    # (CheckpointConfig.in_memory_every_n_steps), two neighbours lost or a rotted shard take the
+    # checkpoint; the invariants are the same.
+    Scenario(name="mixed-fsdp", description="mixed's faults on an FSDP job (shards restored from peers' memory)",
+             build=_mixed, steps=2000, model_size="small", checkpoint_every=20, nodes=4, namespaced=True,
+             restarts=4, job_timeout_s=3600, strategy="fsdp"),
 )}

@@ -49,10 +49,12 @@ class _Stager:
         local = src._local_tensor
         prev_local = prev._local_tensor if _is_dtensor(prev) and prev._spec == src._spec else None
         staged = self.tensor(local, prev_local)
-        if prev_local is not None and staged is prev_local:
-            return prev
-        # Same sharding spec (mesh, placements, global shape) around a host copy of the local
-        # shard. DTensor.from_local would move the copy back to the mesh's device.
+        # Always the source's own spec around the host copy, never the previous copy's: specs
+        # compare meshes by their ranks, not by this process's place in them, so after the
+        # group re-formed with this rank at another index (a rescale), the previous save's spec
+        # compares equal and would write this rank's shard at its old rank's offset. (The
+        # buffer may be reused all the same: its shape and dtype are checked.) DTensor.from_local
+        # would move the copy back to the mesh's device.
         return DTensor(staged, src._spec, requires_grad=False)
 
     def value(self, src: Any, prev: Any) -> Any:

@@ -5,7 +5,8 @@
     elastic report URL [--json] [--plot [PATH]]   the summary and the recoveries table of a
                                    finished run; exit 0 finished, 1 otherwise, 2 no summary or a
                                    storage error; --plot draws loss, world size and LR over time
-                                   (default PATH: <URL>/report.png)
+                                   and the time ledger as a stacked bar (default PATH:
+                                   <URL>/report.png)
                                    (status and report take --option KEY=VALUE: fsspec storage
                                    options; credentials and endpoint also come from AWS_*)
     elastic stop URL [--reason TEXT]   ask the live run to commit a checkpoint at its next step
@@ -135,8 +136,8 @@ def _write_plot(url: str, summary: dict | None, target: str, options: dict | Non
     else:
         with open(target, "wb") as f:
             f.write(png)
-    print(f"plot: {target} ({drawn['points']} steps, {len(drawn['recoveries_marked'])} recoveries marked)",
-          file=sys.stderr)
+    print(f"plot: {target} ({drawn['points']} steps, {len(drawn['recoveries_marked'])} recoveries marked"
+          f"{', time ledger' if drawn.get('time_ledger') else ''})", file=sys.stderr)
     return 0
 
 
@@ -156,12 +157,17 @@ def cmd_report(args: argparse.Namespace) -> int:
           f"wall {summary['wall_s']:.1f}s  goodput {summary['goodput']}  resumed from {summary['resumed_from']}")
     print(f"loss {summary['loss_first']} -> {summary['loss_last']}  model_sha256 {summary['model_sha256']}")
     print(f"world size history {summary['world_size_history']}  checkpoints {summary['checkpoints']}")
+    ledger = summary.get("time_ledger")
+    if ledger:
+        print("time ledger  " + "  ".join(f"{part} {seconds:.1f}s" for part, seconds in ledger.items()))
     recoveries = summary.get("recoveries", [])
     if recoveries:
         columns = ("cause", "rung", "detect_s", "recover_s", "lost_steps", "from_world", "to_world", "step")
-        print("\n" + "  ".join(f"{c:>11}" for c in columns))
+        parts = ("detection", "reform", "restore", "redone")     # each recovery's own time ledger
+        print("\n" + "  ".join(f"{c:>11}" for c in columns + parts))
         for r in recoveries:
-            print("  ".join(f"{str(r.get(c)):>11}" for c in columns))
+            own = r.get("time_ledger") or {}
+            print("  ".join([f"{str(r.get(c)):>11}" for c in columns] + [f"{str(own.get(p, '')):>11}" for p in parts]))
     if summary.get("error"):
         print(f"\nerror: {summary['error']['type']}: {summary['error']['message']}")
     return 0 if summary["status"] == "finished" else 1

@@ -39,6 +39,12 @@ class StepRecord:
     # "step": a completed step (counts one); "log": `ctx.log(...)` values recorded at `step`,
     # counting no step (validation metrics). Only one rank's log record of a step is kept.
     kind: str = "step"
+    # Durations measured on the rank that built the record (no clock is compared across nodes),
+    # for the run's time ledger (elastic._controller.time_ledger): the seconds its report() was
+    # blocked saving a checkpoint since its previous step, and, on a generation's first step,
+    # the seconds its ctx.restore took.
+    checkpoint_stall_s: float = 0.0
+    restore_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,46 @@ class WorkerReport:
     resumed_from: int | None = None
     samples_seen: int = 0                # global samples consumed by the state in memory
     data_order: str | None = None        # its data-order hash
+    replicas: ReplicaHeld | None = None  # FSDP: the shards this worker holds copies of (in host memory)
+    position: PositionReport | None = None   # where its training thread is (elastic._worker.thread_position)
+
+
+class ThreadPlace(enum.StrEnum):
+    """Where a rank's training thread is (elastic._worker.thread_position marks it)."""
+
+    JOINING = "joining"        # forming the group, preparing the model, until ctx.restore
+    RESTORING = "restoring"    # in ctx.restore, and the generation's first step after it
+    COMPUTING = "computing"    # data, forward and backward of the step in hand
+    SYNC = "sync"              # backward done: in DDP's gradient all-reduce (waits for the others), then the optimizer
+    EXCHANGE = "exchange"      # in the step boundary's all-gather: waits for the others
+    BOUNDARY = "boundary"      # the exchange is over: the boundary's own work (checkpoint rules, copies)
+    CHECKPOINT = "checkpoint"  # in a checkpoint save
+    HELD = "held"              # in the tests' fault gate (elastic._worker.fault_gate)
+
+
+@dataclass(frozen=True)
+class PositionReport:
+    """Where a rank's training thread was when it answered a poll. Ages are measured on the
+    worker's own monotonic clock: the controller compares them with its receive times, never
+    with another node's clock."""
+
+    generation: int
+    place: ThreadPlace
+    step: int                  # steps completed when it got there: the step in hand is step + 1
+    nth: int                   # index of the step in hand within the generation (1: its first)
+    age_s: float               # seconds it has been there
+    step_times: tuple[float, ...] = ()   # its steps' durations since its previous answer (see thread_position)
+
+
+@dataclass(frozen=True)
+class ReplicaHeld:
+    """The FSDP shards one worker holds in host memory (elastic._worker.replicas): the state of
+    ranks `ranks` of generation `generation` (of `world_size` ranks) after step `step`."""
+
+    generation: int
+    world_size: int
+    step: int
+    ranks: tuple[int, ...]
 
 
 class RestoreKind(enum.StrEnum):
@@ -70,7 +116,18 @@ class RestoreKind(enum.StrEnum):
 
     FRESH = "fresh"            # nothing to load: step 0
     BROADCAST = "broadcast"    # a survivor's memory (warm)
+    MEMORY = "memory"          # FSDP: the shards' copies in the members' host memory, resharded
     CHECKPOINT = "checkpoint"  # the newest committed checkpoint
+
+
+@dataclass(frozen=True)
+class ReplicaSource:
+    """A MEMORY restore's sources: the shards of the `world_size` ranks of generation
+    `generation`, rank j's held by the new generation's rank `holders[j]`."""
+
+    generation: int
+    world_size: int
+    holders: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -80,9 +137,22 @@ class RestorePlan:
     kind: RestoreKind
     source_rank: int | None = None
     step: int = 0
+    replica: ReplicaSource | None = None       # MEMORY: who holds which old rank's shards
+    reason: str = ""                           # why this rung (the recovery record says it)
+    # BROADCAST: the new ranks that hold the full state of `step` (each sends a slice, and
+    # receives nothing: elastic._worker.warm_slices); `source_rank` is the first of them.
+    # Empty: `source_rank` alone (a plan of an earlier controller).
+    sources: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", RestoreKind(self.kind))
+
+    @property
+    def warm_sources(self) -> tuple[int, ...]:
+        """BROADCAST: the ranks that hold the state and send it, in slice order."""
+        if self.sources:
+            return self.sources
+        return (self.source_rank,) if self.source_rank is not None else ()
 
 
 @dataclass(frozen=True)
@@ -148,6 +218,7 @@ class RunSpec:
     lr: LRScalingConfig | None = None
     scaling: ScalingConfig | None = None      # precision, compression, FSDP options (None: defaults)
     on_nonfinite_loss: str = "fail"           # FailureConfig.on_nonfinite_loss
+    in_memory_every: int | None = None        # FSDP's copies in host memory (elastic._worker.replicas)
     # The driver's storage credentials (AWS_ACCESS_KEY_ID, ...): an actor argument, which Ray does
     # not display, unlike runtime_env (see elastic._credentials). Each actor applies them first.
     storage_env: dict[str, str] = field(default_factory=dict, repr=False)

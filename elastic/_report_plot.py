@@ -1,5 +1,6 @@
 """The picture behind `elastic report URL --plot`: loss, world size and learning rate over wall
-time from `<storage>/metrics.jsonl`, with every recovery of summary.json marked.
+time from `<storage>/metrics.jsonl`, with every recovery of summary.json marked, and below them
+summary.json's time ledger as one stacked bar (seconds per part of the wall time).
 
 Internal. matplotlib is imported only here and only when a plot is asked for (it is not a runtime
 dependency of training); the Agg canvas is used directly, so no GUI backend or global pyplot
@@ -32,8 +33,15 @@ def _time_of_step(rows: list[dict], step: int, t0: float) -> float:
     return (before[-1] if before else rows[0]["time"]) - t0
 
 
+# The ledger's parts in the bar's order (useful work first, then what recoveries and saves cost).
+LEDGER_COLORS = {"productive": "#2ca02c", "checkpoint_stall": "#9467bd", "startup": "#7f7f7f",
+                 "waiting": "#c7c7c7", "detection": "#d62728", "reform": "#ff7f0e", "restore": "#1f77b4",
+                 "redone": "#8c564b"}
+
+
 def render(rows: list[dict], summary: dict | None, *, title: str = "") -> tuple[bytes, dict[str, Any]]:
-    """PNG bytes of the three panels, and what was drawn (points, recoveries marked)."""
+    """PNG bytes of the three panels (and the time ledger's bar when summary.json has one), and
+    what was drawn (points, recoveries marked, the ledger's seconds per part)."""
     if not rows:
         raise ValueError("metrics.jsonl has no step lines to plot")
     try:
@@ -45,9 +53,14 @@ def render(rows: list[dict], summary: dict | None, *, title: str = "") -> tuple[
 
     t0 = rows[0]["time"]
     t = [r["time"] - t0 for r in rows]
-    fig = Figure(figsize=(10, 7.5))
+    ledger = {part: seconds for part, seconds in ((summary or {}).get("time_ledger") or {}).items()
+              if isinstance(seconds, (int, float))}
+    fig = Figure(figsize=(10, 8.5 if ledger else 7.5))
     FigureCanvasAgg(fig)
-    ax_loss, ax_world, ax_lr = fig.subplots(3, 1, sharex=True, gridspec_kw={"height_ratios": [3, 1.2, 1.5]})
+    grid = fig.add_gridspec(4 if ledger else 3, 1, height_ratios=[3, 1.2, 1.5, 0.9][:4 if ledger else 3])
+    ax_loss: Any = fig.add_subplot(grid[0])
+    ax_world: Any = fig.add_subplot(grid[1], sharex=ax_loss)
+    ax_lr: Any = fig.add_subplot(grid[2], sharex=ax_loss)
     losses = [(x, r["loss"]) for x, r in zip(t, rows, strict=True) if r.get("loss") is not None]
     ax_loss.plot([x for x, _ in losses], [y for _, y in losses], lw=0.9, color="C0")
     ax_loss.set_ylabel("loss")
@@ -72,6 +85,8 @@ def render(rows: list[dict], summary: dict | None, *, title: str = "") -> tuple[
         ax_loss.annotate(label, (x, 1.0), xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right",
                          fontsize=7, color="red" if failure else "grey")
         marked.append({"step": rec["step"], "x": round(x, 3), "cause": rec.get("cause")})
+    if ledger:
+        _ledger_bar(fig.add_subplot(grid[3]), ledger)
     status = ""
     if summary:
         status = f"  [{summary['status']}, step {summary.get('final_step')}/{summary.get('total_steps')}]"
@@ -79,4 +94,22 @@ def render(rows: list[dict], summary: dict | None, *, title: str = "") -> tuple[
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
-    return buf.getvalue(), {"points": len(rows), "recoveries_marked": marked}
+    return buf.getvalue(), {"points": len(rows), "recoveries_marked": marked, "time_ledger": ledger}
+
+
+def _ledger_bar(ax: Any, ledger: dict[str, float]) -> None:
+    """One horizontal bar of the wall time, stacked by part, each labelled with its seconds."""
+    total = sum(ledger.values())
+    left = 0.0
+    order = [p for p in LEDGER_COLORS if p in ledger] + [p for p in ledger if p not in LEDGER_COLORS]
+    for part in order:
+        seconds = ledger[part]
+        if seconds <= 0:
+            continue
+        ax.barh([0], [seconds], left=left, color=LEDGER_COLORS.get(part, "black"), edgecolor="white",
+                label=f"{part} {seconds:.1f}s ({seconds / total:.0%})" if total else part)
+        left += seconds
+    ax.set_yticks([])
+    ax.set_xlim(0, max(total, 1e-9))
+    ax.set_xlabel("seconds of wall time, by part (summary.json time_ledger)")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.55), ncol=4, fontsize=7, frameon=False)

@@ -336,6 +336,14 @@ class CheckpointConfig:
     """Stage state in host memory at the step boundary and upload in the background."""
     max_consecutive_failures: int = 3
     """Failed saves in a row before the run fails with a CheckpointError."""
+    in_memory_every_n_steps: int | None = 1
+    """FSDP only (DDP ranks hold full replicas already): every this many steps each rank copies
+    its shards (parameters, optimizer state) and the run's progress to host memory, and keeps a
+    copy of its ring neighbour's. A lost rank's state then comes back from its neighbour's memory,
+    resharded to the new world size, with no storage read and at most this many steps redone
+    (the checkpoint remains for two neighbours lost together). Costs two copies of each rank's
+    share of the model and optimizer state in host memory, and one copy's worth of network per
+    rank every this many steps. None turns it off."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     """Extra fsspec options (for s3: endpoint_url, key, secret); AWS_* variables also work. Shown
     (repr, summary.json) with every secret-named key masked at any depth."""
@@ -352,6 +360,7 @@ class CheckpointConfig:
         _flag("CheckpointConfig.async_save", self.async_save)
         _flag("CheckpointConfig.takeover", self.takeover)
         _count("CheckpointConfig.max_consecutive_failures", self.max_consecutive_failures, 1)
+        _count("CheckpointConfig.in_memory_every_n_steps", self.in_memory_every_n_steps, 1, none="off")
         _require(isinstance(self.storage_options, Mapping) and all(isinstance(k, str) for k in self.storage_options),
                  f"CheckpointConfig.storage_options must be a dict of fsspec option name -> value, "
                  f"got {_got(mask_secrets(self.storage_options))}")
@@ -420,6 +429,30 @@ class FailureConfig:
     dead data service, a deadlock), which no heartbeat sees. "auto": 100 smoothed step times,
     at least 600 s (an evaluation between steps counts against it); None turns it off."""
 
+    hang_timeout_s: float | str | None = "auto"
+    """How long the other ranks may wait for one in the step boundary (or in DDP's gradient sync)
+    before that rank is declared hung and replaced: one that is silent, or whose training thread
+    has not moved since they began to wait (a hung kernel, a dead data service, a frozen process:
+    found in seconds instead of heartbeat_timeout_s or the collective timeout). "auto": learned
+    from the run, HANG_FACTOR (4) x the p99 of the last 200 step times, at least HANG_FLOOR_S
+    (2 s); judged only once 20 step times are known, never on a generation's first 2 steps nor on
+    a rank in a checkpoint save or ctx.restore. A number pins the bound; None turns it off (then
+    heartbeat_timeout_s, the collective timeout and step_timeout_s remain). Work one rank does
+    alone between steps (a rank-0 evaluation) longer than the bound counts as a hang: pin it
+    above that, or None."""
+
+    HANG_FACTOR: ClassVar[float] = 4.0
+    """hang_timeout_s="auto": the bound is this many p99 step times, and at least HANG_FLOOR_S."""
+    HANG_FLOOR_S: ClassVar[float] = 2.0
+    """hang_timeout_s="auto": the least bound, above the scheduling noise of a loaded machine."""
+
+    def hang_timeout(self, p99_step_s: float | None) -> float | None:
+        """The hang bound in force, given the p99 step time learned so far (None: too few steps
+        yet; "auto" then judges nothing)."""
+        if isinstance(self.hang_timeout_s, str):      # "auto": __post_init__ refuses any other string
+            return None if p99_step_s is None else max(self.HANG_FLOOR_S, self.HANG_FACTOR * p99_step_s)
+        return self.hang_timeout_s
+
     def step_timeout(self, step_s: float) -> float | None:
         """The bound in force, given the smoothed step time (0 before any step)."""
         if isinstance(self.step_timeout_s, str):      # "auto": __post_init__ refuses any other string
@@ -456,6 +489,11 @@ class FailureConfig:
             and 0 < self.step_timeout_s < float("inf")),
                  f"FailureConfig.step_timeout_s must be a finite number of seconds > 0, \"auto\" or None "
                  f"(off), got {self.step_timeout_s!r}")
+        _require(self.hang_timeout_s is None or self.hang_timeout_s == "auto" or (
+            isinstance(self.hang_timeout_s, (int, float)) and not isinstance(self.hang_timeout_s, bool)
+            and 0 < self.hang_timeout_s < float("inf")),
+                 f"FailureConfig.hang_timeout_s must be a finite number of seconds > 0, \"auto\" (learned from the "
+                 f"step times) or None (off), got {self.hang_timeout_s!r}")
         _number("FailureConfig.straggler_threshold (a ratio to the other ranks)", self.straggler_threshold,
                 above=1.0, none="scoring off")
 

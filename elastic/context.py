@@ -13,6 +13,7 @@ user's face only; the work is done by the worker-side parts it holds:
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,7 @@ from elastic._determinism import mix_seed, state_sha256
 from elastic._protocol import GenerationPlan, RunSpec
 from elastic._worker import checkpoint_io as _checkpoint_io
 from elastic._worker import fault_gate as _fault_gate
+from elastic._worker import thread_position as _thread_position
 from elastic._worker import wrap as _wrap
 from elastic._worker.precision import Precision
 from elastic._worker.restore import Restorer, named_objects
@@ -195,10 +197,18 @@ class TrainContext:
         Warm: broadcast from the survivor the controller chose. Checkpoint: the newest committed
         checkpoint, resharded to this world size. Fresh: nothing to load.
         """
+        _thread_position.mark(_thread_position.ThreadPlace.RESTORING)   # never judged hung here (hang_watch)
         state = TrainState(named_objects(self._models, self._optimizers, model, optimizer, more),
                            progress=self._worker.progress, precision=self._precision)
+        started = time.monotonic()
         self._restorer.restore(state, self._compression)
         self._state = state
+        if self.step > 0 and self._spec.in_memory_every is not None:
+            # The restored state is this generation's first copy in memory (at step 0 there is
+            # nothing to lose, and a fresh optimizer's state would be made up: see replicas).
+            self._copy_to_memory()
+        # The generation's first step record carries it (the run's time ledger: restore).
+        self._boundary.restore_s = time.monotonic() - started
         return self.step
 
     def _require_state(self, where: str) -> TrainState:
@@ -211,15 +221,19 @@ class TrainContext:
 
     def save_checkpoint(self, *, wait: bool = False) -> None:
         """Collective: commit a checkpoint of the current step (async unless `wait`)."""
+        _thread_position.mark(_thread_position.ThreadPlace.CHECKPOINT)   # never judged hung here (hang_watch)
         state = self._require_state("ctx.save_checkpoint()")
         # The steps' losses are known before their state is saved: a non-finite one is never committed.
         self._boundary.settle()
+        started = time.monotonic()
         payload, meta = state.checkpoint_payload(_wrap.compression_extra(self._compression, self.rank),
                                                  world_size=self.world_size)
         self._worker.checkpoints.save(self._spec, self.step, payload, generation=self.generation, wait=wait,
                                       meta=meta)
         if self.rank == 0:
             self._worker.checkpoints.export_commit(self._spec.storage)
+        # What the loop was blocked for: the next step's record carries it (the run's time ledger).
+        self._boundary.checkpoint_stall_s += time.monotonic() - started
 
     def _commit_before_leaving(self) -> None:
         """Commit this step and make sure it is committed: the group is about to change and this
@@ -249,20 +263,36 @@ class TrainContext:
         if outcome is None:
             return
         session, step = self._worker.checkpoints, self.step
-        every = self._spec.checkpoint_every
+        every, in_memory = self._spec.checkpoint_every, self._spec.in_memory_every
         if every is not None and step % every == 0 and step < self.total_steps:
             self.save_checkpoint()
+        leaving = outcome.stop or outcome.preempted
+        if in_memory is not None and (step % in_memory == 0 or leaving) and step < self.total_steps:
+            # FSDP's copies (every rank at the same steps: the swap is a collective); a group that
+            # leaves together takes them at the step it leaves from, which the next one restores.
+            # The loop waits for them like for a checkpoint save (the run's time ledger says so).
+            started = time.monotonic()
+            self._copy_to_memory()
+            self._boundary.checkpoint_stall_s += time.monotonic() - started
         if outcome.preempted and session.last_saved_step != step:
             # A rank got its preemption notice: commit this step before it leaves.
             self._commit_before_leaving()
-        if outcome.stop or outcome.preempted:
-            if not self._worker.warm.capable and session.last_saved_step != step:
-                # FSDP shards cannot be re-broadcast after the group changes: commit them first.
+        if leaving:
+            if not self._worker.warm.capable and in_memory is None and session.last_saved_step != step:
+                # FSDP shards without copies in memory cannot be rebuilt after the group changes:
+                # commit them first.
                 self._commit_before_leaving()
             self._boundary.settle()   # this step's record, before the loop unwinds
             raise RescaleInterrupt()
         _fault_gate.hold_after(step, self._loop_config, settle=self._boundary.settle)   # tests only: see fault_gate
         self._boundary.timer.start()
+
+    def _copy_to_memory(self) -> None:
+        """Collective: this rank's state into host memory, and a copy to its ring neighbour."""
+        assert self._state is not None
+        self._worker.replicas.refresh(self._state, generation=self.generation, rank=self.rank,
+                                      world_size=self.world_size, step=self.step,
+                                      device=self.device if self._spec.use_gpu else torch.device("cpu"))
 
     def _abandon(self) -> None:
         """The loop failed (a broken group, the user's error): keep the records of the steps

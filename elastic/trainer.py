@@ -194,7 +194,8 @@ class ElasticTrainer:
                        keep=c.keep, async_save=c.async_save, max_consecutive_failures=c.max_consecutive_failures,
                        cpus_per_worker=self.scaling.cpus_per_worker,
                        collective_timeout_s=self.failure.collective_timeout_s, lr=self.lr, scaling=self.scaling,
-                       on_nonfinite_loss=self.failure.on_nonfinite_loss, storage_env=dict(storage_env or {}))
+                       on_nonfinite_loss=self.failure.on_nonfinite_loss, storage_env=dict(storage_env or {}),
+                       in_memory_every=c.in_memory_every_n_steps if self.scaling.strategy == "fsdp" else None)
 
     def _pickled_user_code(self) -> bytes:
         """The loop and its config as bytes for the workers (see RunSpec): pickled here, so an

@@ -119,6 +119,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds before a silent worker is declared hung")
     p.add_argument("--cpus-per-worker", type=float, default=1.0)
     p.add_argument("--sync-checkpoints", action="store_true", help="block training while a checkpoint uploads")
+    p.add_argument("--in-memory-every", type=lambda v: None if v == "none" else int(v), default=1, metavar="K|none",
+                   help="FSDP: copy the shards to a neighbour's host memory every K steps ('none': off)")
     p.add_argument("--quiet", action="store_true",
                    help="no live progress (else a bar with steps/s and ETA on a terminal with rich installed, "
                         "a line every 5 s otherwise)")
@@ -249,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
                                HOLD_AT_KEY: args.hold_at, "loader_workers": args.loader_workers},
             scaling=scaling_config(args),
             checkpoint=CheckpointConfig(storage=args.storage, every_n_steps=args.checkpoint_every,
-                                        async_save=not args.sync_checkpoints, takeover=args.takeover),
+                                        async_save=not args.sync_checkpoints, takeover=args.takeover,
+                                        in_memory_every_n_steps=args.in_memory_every),
             failure=FailureConfig(heartbeat_timeout_s=args.heartbeat_timeout),
             lr=lr_config(args), total_steps=args.steps, seed=args.seed, progress=ProgressDisplay(quiet=args.quiet))
     except ConfigError as error:

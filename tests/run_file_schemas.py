@@ -24,14 +24,29 @@ def validate(name: str, doc: Any) -> None:
             f"  at {'/'.join(map(str, e.absolute_path)) or '(top)'}: {e.message}" for e in errors))
 
 
+def check_time_ledger(summary: dict) -> None:
+    """Every second of the run in one part of its time ledger: the parts sum to `wall_s` within
+    2 % (a run's summary.json; every integration run that validates its files checks it)."""
+    ledger, wall_s = summary.get("time_ledger"), summary["wall_s"]
+    assert ledger is not None, "summary.json has no time_ledger"
+    total = sum(ledger.values())
+    assert abs(total - wall_s) <= 0.02 * wall_s + 0.01, \
+        f"time_ledger sums to {total:.3f}s, wall_s is {wall_s}s: {ledger}"
+    for recovery in summary["recoveries"]:
+        assert "time_ledger" in recovery, f"a recovery without its time_ledger: {recovery}"
+
+
 def validate_run(url: str, options: dict | None = None) -> dict[str, int]:
     """Validate status.json, summary.json and every line of metrics.jsonl under `url`; returns how
     many documents of each were checked (so a caller can assert that the files were there)."""
     storage = Storage(url, options)
     checked = {}
     for name in ("status.json", "summary.json"):
-        validate(name, json.loads(storage.read_bytes(storage.path(name))))
+        doc = json.loads(storage.read_bytes(storage.path(name)))
+        validate(name, doc)
         checked[name] = 1
+        if name == "summary.json":
+            check_time_ledger(doc)
     lines = read_log(storage, storage.path("metrics.jsonl")).decode().splitlines()
     for line in lines:
         validate("metrics.jsonl", json.loads(line))

@@ -7,13 +7,15 @@ start. What to read first to understand a recovery, in order:
 - `states.py`      the states, one frozen payload class each;
 - `controller.py`  the state machine: each tick's handler asks its judge, then acts;
 - `running.py`, `recovering.py`, `scheduling.py`  the judges: what a tick's views say (verdicts);
-- `forming.py`     a generation's fence, plans and restore (warm source or checkpoint);
+- `hang_watch.py`  running's judge of a rank that holds the others up (a bound learned from the steps);
+- `forming.py`     a generation's fence, plans and restore (warm source, FSDP copies, checkpoint);
 - `failure_budget.py`, `storage_retry.py`, `slots.py`  the budget, storage retries, slot counts;
 - `ledgers.py`     the kept steps, and the recovery that is open until the re-formed group steps;
 - `intake.py`      what the workers' reports add to the ledgers and the run record;
 - `worker_group.py` the Ray actors, their placement groups, polls, kills;
 - `actor.py`       the Ray actor that hosts all of it and writes the summary;
-- `run_record.py`  (with `metrics_log.py`, `status_writer.py`, `run_summary.py`) the run's files.
+- `run_record.py`  (with `metrics_log.py`, `status_writer.py`, `run_summary.py`, `time_ledger.py`)
+                   the run's files.
 """
 from elastic._controller.controller import Controller
 

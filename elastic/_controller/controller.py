@@ -237,7 +237,8 @@ class Controller:
         # survivors cut theirs, so none waits out the collective timeout on it.
         self.group.request_stop(survivors, self.generation, cut_group=bool(fault.lost))
         self.group.scale_to(self.slots.target(self.views))
-        self.recoveries.begin(failure.cause, len(members), reached, fault.detect_s, list(failure.ranks))
+        self.recoveries.begin(failure.cause, len(members), reached, fault.detect_s, list(failure.ranks),
+                              why=failure.message)
         self._begin_recovery(Recovering(self.generation, survivors, self._recovery_deadline()),
                              f"{failure.cause} on ranks {list(failure.ranks)}; {decision.reason}")
 
@@ -293,8 +294,10 @@ class Controller:
         ok, plan = self.former.reform_plan(members, settled)
         if not ok or plan is None:
             return
-        if plan.kind != RestoreKind.BROADCAST and recovery.rung != Rung.COLD:
-            recovery.rung = Rung.CHECKPOINT
+        if recovery.rung != Rung.COLD:
+            recovery.rung = {RestoreKind.BROADCAST: Rung.WARM, RestoreKind.MEMORY: Rung.MEMORY}.get(
+                plan.kind, Rung.CHECKPOINT)
+        recovery.reason = plan.reason
         self.intake.step = plan.step
         self._transition(Starting(members, plan),
                          f"re-forming with {len(survivors)} survivor(s) and {len(members) - len(survivors)} new")

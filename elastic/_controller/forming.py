@@ -3,8 +3,9 @@
 `GenerationFormer` counts generations (they keep growing across runs on the same storage, or the
 fence would refuse a later run's checkpoints as a zombie's), reads where the run resumes from,
 chooses a re-formed group's restore (a warm broadcast from the survivor furthest ahead that
-holds its state, else the newest committed checkpoint), writes the fence and hands every member
-its plan, and resets what counts per generation. Who the members are is the controller's
+holds its state; else, under FSDP, the shards' copies in the members' host memory when every old
+rank's copy survives and no checkpoint is newer; else the newest committed checkpoint), writes the
+fence and hands every member its plan, and resets what counts per generation. Who the members are is the controller's
 choice; it forms only what it is handed. Storage calls go through the controller's retrying
 `storage` call, which fails the run when an error outlasts its retries.
 """
@@ -21,7 +22,7 @@ from elastic._controller.running import RunningWatch
 from elastic._controller.states import Running, Starting
 from elastic._controller.stragglers import StragglerDetector
 from elastic._controller.worker_group import WorkerView
-from elastic._protocol import GenerationPlan, RestoreKind, RestorePlan, WorkerReport, placement
+from elastic._protocol import GenerationPlan, ReplicaSource, RestoreKind, RestorePlan, WorkerReport, placement
 from elastic.config import FailureConfig
 from elastic.errors import WorkerLostError
 
@@ -65,17 +66,31 @@ class GenerationFormer:
         return RestorePlan(RestoreKind.CHECKPOINT, step=latest)
 
     def reform_plan(self, members: list[int], settled: dict[int, WorkerReport]) -> tuple[bool, RestorePlan | None]:
-        """A re-formed group's restore: warm from the member furthest ahead that holds its state,
-        else from the newest committed checkpoint (or fresh when there is none)."""
-        source = next((w for w in members if w in settled and settled[w].has_state), None)
-        if source is not None:
-            return True, RestorePlan(RestoreKind.BROADCAST, source_rank=members.index(source),
-                                     step=settled[source].step)
+        """A re-formed group's restore: warm from every member that holds the state of the newest
+        step any member holds (a slice from each); else from the members' in-memory copies (FSDP)
+        unless a checkpoint is newer; else from the newest committed checkpoint (or fresh when
+        there is none)."""
+        holders = [w for w in members if w in settled and settled[w].has_state]
+        if holders:
+            # Every member holding the newest step sends a slice; one holding an older step receives.
+            newest = max(settled[w].step for w in holders)
+            rank_of = {w: rank for rank, w in enumerate(members)}      # no list scan per holder (10,000 ranks)
+            sources = tuple(rank_of[w] for w in holders if settled[w].step == newest)
+            return True, RestorePlan(RestoreKind.BROADCAST, source_rank=sources[0], sources=sources, step=newest,
+                                     reason=f"{len(sources)} survivor(s) hold the full state of step {newest}")
+        memory = memory_source(members, settled)
         ok, latest = self._storage("list the committed checkpoints", self._checkpoints().latest_step)
         if not ok:
             return False, None
-        return True, RestorePlan(RestoreKind.CHECKPOINT, step=latest) if latest is not None \
-            else RestorePlan(RestoreKind.FRESH)
+        if isinstance(memory, RestorePlan):
+            if latest is None or memory.step >= latest:
+                return True, memory
+            why = f"the newest checkpoint (step {latest}) is ahead of the copies in memory (step {memory.step})"
+        else:
+            why = memory
+        if latest is None:
+            return True, RestorePlan(RestoreKind.FRESH, reason=f"{why}, and no checkpoint is committed")
+        return True, RestorePlan(RestoreKind.CHECKPOINT, step=latest, reason=why)
 
     def form(self, st: Starting, views: dict[int, WorkerView]) -> tuple[Running, WorkerLostError | None] | None:
         """Fence the storage for the next generation and start it on `st.members`. None: storage
@@ -105,3 +120,34 @@ class GenerationFormer:
         self.stragglers.reset(world)
         self.running.begin()
         return Running(self.generation, st.members, started_at=self._clock()), start_error
+
+
+def memory_source(members: list[int], settled: dict[int, WorkerReport]) -> RestorePlan | str:
+    """A MEMORY restore from the members' copies (elastic._worker.replicas), or why there is none.
+
+    Copies count only by (generation, step): a rebuild needs every rank of one generation at one
+    step. Of the (generation, step)s that every old rank has a holder for, the newest step wins;
+    each old rank is read from the member holding its own copy where it survives."""
+    held = {rank: settled[w].replicas for rank, w in enumerate(members) if w in settled and settled[w].replicas}
+    if not held:
+        return "no member holds a copy of the state in memory"
+    by_key: dict[tuple[int, int, int], dict[int, int]] = {}     # (step, generation, world) -> old rank -> holder
+    for new_rank, replica in held.items():
+        assert replica is not None
+        holders = by_key.setdefault((replica.step, replica.generation, replica.world_size), {})
+        for position, old_rank in enumerate(replica.ranks):
+            if position == 0 or old_rank not in holders:     # a rank's own copy first
+                holders[old_rank] = new_rank
+    complete = [key for key, holders in by_key.items() if len(holders) == key[2]]
+    if not complete:
+        step, generation, world = max(by_key)
+        lost = sorted(set(range(world)) - set(by_key[(step, generation, world)]))
+        return (f"the copies of rank(s) {lost} of generation {generation} were lost with their holders "
+                f"(neighbours lost together)")
+    step, generation, world = max(complete)
+    holders = by_key[(step, generation, world)]
+    return RestorePlan(RestoreKind.MEMORY, step=step,
+                       replica=ReplicaSource(generation=generation, world_size=world,
+                                             holders=tuple(holders[r] for r in range(world))),
+                       reason=f"every rank of generation {generation} has a copy in a member's memory "
+                              f"(step {step}); no storage read")

@@ -21,6 +21,7 @@ class Rung(enum.StrEnum):
     """The rung of the recovery ladder a recovery took (summary.json `rung`)."""
 
     WARM = "warm"              # survivors kept their state; one broadcast it
+    MEMORY = "memory"          # FSDP: shards rebuilt from the copies in the members' host memory
     CHECKPOINT = "checkpoint"  # every rank loaded the last committed checkpoint
     COLD = "cold"              # survivors that could not leave were killed and replaced, then a load
 
@@ -35,6 +36,7 @@ class OpenRecovery:
     from_world: int
     max_step: int              # newest step any member had reached: what is lost is counted from it
     rung: Rung = Rung.WARM
+    reason: str = ""           # why this rung (e.g. why not from memory)
     to_world: int = 0
     restored_step: int = 0
     failures: list[dict] = field(default_factory=list)   # every failure it absorbed: {cause, ranks, detected_at}
@@ -54,21 +56,24 @@ class RecoveryLedger:
         return self.open
 
     def begin(self, cause: Cause, from_world: int, max_step: int, detect_s: float = 0.0,
-              failed_ranks: list[int] | None = None) -> OpenRecovery:
+              failed_ranks: list[int] | None = None, why: str = "") -> OpenRecovery:
         """A failure (with its ranks) or a resize (without): opens a recovery, or is absorbed
         by the open one (the re-formed group has not completed a step yet)."""
         if self.open is None:
             self.open = OpenRecovery(cause, self._clock(), round(detect_s, 3), from_world, max_step)
         self.open.max_step = max(self.open.max_step, max_step)
         if failed_ranks is not None:
-            self.note(cause, failed_ranks)
+            self.note(cause, failed_ranks, why)
         return self.open
 
-    def note(self, cause: Cause, ranks: list[int]) -> None:
-        """A further failure while the recovery is open (a survivor lost meanwhile)."""
+    def note(self, cause: Cause, ranks: list[int], why: str = "") -> None:
+        """A further failure while the recovery is open (a survivor lost meanwhile); `why`: how
+        it was found (e.g. which hang rule fired), when known."""
         if self.open is not None:
-            self.open.failures.append({"cause": cause, "ranks": ranks,
-                                       "detected_at": round(self.wall(self._clock()), 3)})
+            entry: dict[str, Any] = {"cause": cause, "ranks": ranks, "detected_at": round(self.wall(self._clock()), 3)}
+            if why:
+                entry["why"] = why
+            self.open.failures.append(entry)
 
     def close(self, generation: int) -> dict[str, Any] | None:
         """The re-formed group completed its first step (or finished): the summary.json entry."""
@@ -76,7 +81,8 @@ class RecoveryLedger:
         if recovery is None:
             return None
         now = self._clock()
-        return {"cause": recovery.cause, "rung": recovery.rung, "detect_s": recovery.detect_s,
+        return {"cause": recovery.cause, "rung": recovery.rung, "reason": recovery.reason,
+                "detect_s": recovery.detect_s,
                 "recover_s": round(now - recovery.detected_at, 3),
                 "lost_steps": max(0, recovery.max_step - recovery.restored_step),
                 "from_world": recovery.from_world, "to_world": recovery.to_world,

@@ -3,7 +3,8 @@ Prometheus endpoint next to Ray's, tagged with the run's storage URL.
 
 Controller side: `RayMetricsListener` listens to the run record (a `RunListener` of
 elastic._controller.run_record, called on the controller's thread) and exports what it is told (world size,
-step rate, steps, recoveries by cause, recovery seconds). Worker side: rank 0 calls
+step rate, steps, recoveries by cause, recovery seconds, and the run's time ledger: seconds per
+part of the wall time, a gauge tagged `part`). Worker side: rank 0 calls
 `checkpoint_committed` when it learns of a commit (checkpoint seconds and bytes). Metric names
 start with `elastic_`; Prometheus adds Ray's `ray_` prefix.
 """
@@ -34,6 +35,9 @@ def _metrics() -> dict[str, Any]:
         "checkpoint_s": Histogram("elastic_checkpoint_seconds", "Seconds from save to commit",
                                   CHECKPOINT_BUCKETS_S, tags),
         "checkpoint_bytes": Counter("elastic_checkpoint_bytes", "Bytes of committed checkpoints", tags),
+        "time_ledger": Gauge("elastic_time_ledger_seconds",
+                             "Seconds of the run's wall time so far, by part (productive, redone, detection, "
+                             "reform, restore, checkpoint_stall, startup, waiting)", ("run", "part")),
     }
 
 
@@ -60,6 +64,10 @@ class RayMetricsListener:
         tags = {**self._tags, "cause": recovery["cause"]}
         self._metrics["recoveries"].inc(1, tags=tags)
         self._metrics["recovery_s"].observe(recovery["recover_s"], tags=tags)
+
+    def on_time_ledger(self, parts: dict[str, float]) -> None:
+        for part, seconds in parts.items():
+            self._metrics["time_ledger"].set(seconds, tags={**self._tags, "part": part})
 
 
 def checkpoint_committed(run: str, seconds: float, nbytes: int) -> None:

@@ -6,7 +6,14 @@ parts, one role each, and hands each event to the parts it concerns, then to the
 - `MetricsLog` (elastic._controller.metrics_log): metrics.jsonl and the run's metrics (Result.metrics);
 - `StatusWriter` (elastic._controller.status_writer): status.json, throttled, and when the lines are flushed,
   on a thread of its own with `background=True`;
-- `RunSummary` (elastic._controller.run_summary): the pure accumulator behind summary.json.
+- `RunSummary` (elastic._controller.run_summary): the pure accumulator behind summary.json, with
+  the run's time ledger (elastic._controller.time_ledger).
+
+The time ledger needs one event the controller tells nobody else: the end of the wait for workers.
+It is read from the status the controller hands over at each transition (`write_status`'s
+`state`): the first state after `scheduling`. A recovery is told to the feed and the listeners
+when it closes; its own time ledger is known only at the re-formed group's first step (it
+reaches summary.json, and the listeners' `on_time_ledger` then).
 
 status.json and summary.json are rewritten whole and atomically (one PUT on S3), so a reader
 never sees a torn file. Every file here is strict JSON: a non-finite value is written `null`, and
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
@@ -62,18 +70,31 @@ class RunListener(Protocol):
         """A completed step (the kept attempt so far: a step may be told again when redone)."""
 
     def on_recovery(self, recovery: dict[str, Any]) -> None:
-        """A closed recovery, as summary.json lists it (`cause`, `recover_s`, ...)."""
+        """A closed recovery, as summary.json lists it (`cause`, `recover_s`, ...; its own
+        `time_ledger` comes later, at the re-formed group's first step)."""
+
+    def on_time_ledger(self, parts: dict[str, float]) -> None:
+        """The run's time ledger so far (seconds per part; see elastic._controller.time_ledger),
+        when a recovery's parts are known, every LEDGER_EVERY_S of steps and at the end.
+        Optional: the record skips a listener without it."""
+
+
+LEDGER_EVERY_S = 10.0     # how often the listeners hear the time ledger while steps go on
 
 
 class RunRecorder:
     def __init__(self, url: str, storage_options: dict | None, *, total_steps: int,
                  config: dict[str, Any], min_interval_s: float = 1.0, background: bool = False,
-                 feed: RunFeed | None = None, listeners: Iterable[RunListener] = (), run_id: str | None = None):
+                 feed: RunFeed | None = None, listeners: Iterable[RunListener] = (), run_id: str | None = None,
+                 clock: Callable[[], float] = time.time):
         self._url = url
         self._run_id = run_id                          # in every status.json: the storage lease's holder
         self._storage = Storage(url, storage_options)      # shared by the parts that write
         self.metrics_log = MetricsLog(self._storage)
-        self.summary = RunSummary(total_steps=total_steps, config=config)
+        self._clock = clock                            # wall clock: the summary's and its time ledger's
+        self.summary = RunSummary(total_steps=total_steps, config=config, clock=clock)
+        self._scheduling = True                        # the controller has not left SCHEDULING yet
+        self._ledger_told_at = -float("inf")
         self.status_writer = StatusWriter(self._write_status_file, self.metrics_log.flush,
                                           min_interval_s=min_interval_s, background=background, name=url)
         self._feed = feed                             # the driver's callbacks' events (None: no callbacks)
@@ -114,11 +135,14 @@ class RunRecorder:
 
     def on_step(self, record: StepRecord) -> None:
         line = self.metrics_log.append_step(record)
-        self.summary.on_step(record)
+        if self.summary.on_step(record) is not None:
+            self._tell_ledger()            # a recovery's time is known: the run's parts moved
         if self._feed is not None:
             self._feed.put(FeedKind.STEP, dict(line))
         for listener in self._listeners:
             _tell(listener, listener.on_step, record)
+        if self._clock() - self._ledger_told_at >= LEDGER_EVERY_S:
+            self._tell_ledger()
 
     def on_log(self, record: StepRecord) -> None:
         """`ctx.log(...)` values at `record.step`: a line of their own, counting no step."""
@@ -132,14 +156,26 @@ class RunRecorder:
         self.summary.rollback_to(step)
 
     def on_final_data(self, samples_consumed: int, data_order: str | None) -> None:
+        """The run finished (rank 0's data): a recovery still open ends here."""
         self.summary.on_final_data(samples_consumed, data_order)
+        self.summary.settle()
 
     def on_recovery(self, recovery: dict[str, Any]) -> None:
+        """A closed recovery (its `time_ledger` is added to it at the re-formed group's first step)."""
         self.summary.on_recovery(recovery)
         if self._feed is not None:
             self._feed.put(FeedKind.RECOVERY, dict(recovery))
         for listener in self._listeners:
             _tell(listener, listener.on_recovery, recovery)
+
+    def _tell_ledger(self, parts: dict[str, float] | None = None) -> None:
+        self._ledger_told_at = self._clock()
+        parts = self.summary.time_ledger if parts is None else parts
+        for listener in self._listeners:
+            # Optional: a listener written before the ledger existed has no such hook.
+            hook = getattr(listener, "on_time_ledger", None)
+            if hook is not None:
+                _tell(listener, hook, parts)
 
     def on_commits(self, steps: list[int]) -> None:
         """The committed steps as listed now: the feed announces those newer than any before.
@@ -168,6 +204,9 @@ class RunRecorder:
         """status.json's newest fields (see StatusWriter.update: throttled unless `force`)."""
         if self._run_id is not None:
             status.setdefault("run_id", self._run_id)
+        if self._scheduling and status.get("state", "scheduling") != "scheduling":
+            self._scheduling = False
+            self.summary.on_placed()
         self.status_writer.update(force=force, **status)
 
     def flush_metrics(self) -> None:
@@ -183,6 +222,7 @@ class RunRecorder:
         summary = self.summary.build(status=status, final_step=final_step, checkpoints=checkpoints,
                                      model_sha256=model_sha256, error=error,
                                      metrics=self.user_metrics()["last"])
+        self._tell_ledger(summary["time_ledger"])
         # The last metrics lines go first (a reader that sees summary.json finds them all), but
         # only best effort: a storage that fails them (full disk, lost credentials) must not
         # cost the run its summary, nor make the controller raise instead of returning it.

@@ -3,9 +3,11 @@
 One role: a pure accumulator. It keeps the world size of each generation, the closed recoveries,
 the stragglers flagged, the checkpoint fallbacks, the losses, the data consumed, the step a
 resume started from, and how long the kept attempt of each step took (the goodput), and builds
-summary.json's fields from them (with its `format`: elastic.schemas). It touches no storage and
-runs no thread: the controller's thread feeds it through the run record
-(elastic._controller.run_record), which writes what `build` returns.
+summary.json's fields from them (with its `format`: elastic.schemas). The time ledger
+(elastic._controller.time_ledger: seconds per part of the wall time, for the run and for each
+recovery) is fed from the same events, on the same clock. It touches no storage and runs no
+thread: the controller's thread feeds it through the run record (elastic._controller.run_record),
+which writes what `build` returns.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from elastic._controller.time_ledger import TimeLedger
 from elastic._protocol import StepRecord
 from elastic.schemas import SUMMARY_FORMAT
 
@@ -36,6 +39,9 @@ class RunSummary:
         self._fallbacks: list[dict[str, Any]] = []
         self._data: tuple[int, str | None] | None = None   # (samples_seen, data_order) after the newest step
         self.resumed_from: int | None = None        # the step the run resumed from (None: a fresh start)
+        self._ledger = TimeLedger(self._started_at)
+        # The newest recovery, until the re-formed group's first step gives its time ledger.
+        self._unsettled: dict[str, Any] | None = None
 
     @property
     def last_loss(self) -> float | None:
@@ -46,18 +52,32 @@ class RunSummary:
         """step -> seconds of its kept attempt (a copy)."""
         return dict(self._step_seconds)
 
+    @property
+    def time_ledger(self) -> dict[str, float]:
+        """Seconds per part of the wall time accounted so far (summary.json's when the run ends)."""
+        return self._ledger.parts()
+
+    def on_placed(self) -> None:
+        """The controller left SCHEDULING: the wait for workers is over."""
+        self._ledger.placed(self._clock())
+
     def on_generation_start(self, step: int, world_size: int) -> None:
         self._world_size_history.append([step, world_size])
         self._last_step_time = self._clock()
+        self._ledger.generation_started(self._last_step_time)
 
     def correct_generation_start(self, step: int) -> None:
         """The generation really started from `step` (its restore fell back to an older one)."""
         if self._world_size_history:
             self._world_size_history[-1][0] = step
 
-    def on_step(self, record: StepRecord) -> None:
+    def on_step(self, record: StepRecord) -> dict[str, Any] | None:
+        """A kept step. Returns the recovery it ended, now with its time ledger, if any."""
         if record.step <= self._newest_step:          # a step redone: the attempts from it on were lost
             self.rollback_to(record.step - 1)
+        # A worker's clock ahead of this one's must not push the ledger past the present.
+        parts = self._ledger.step(record.step, min(record.time, self._clock()),
+                                  stall_s=record.checkpoint_stall_s, restore_s=record.restore_s)
         self._newest_step = record.step
         self._data = (record.samples_seen, record.data_order)
         previous = self._last_step_time or record.time
@@ -65,6 +85,7 @@ class RunSummary:
         self._last_step_time = record.time
         if record.loss is not None:
             self._losses.append(record.loss)
+        return self._settled(parts)
 
     def rollback_to(self, step: int) -> None:
         """The steps after `step` were lost: their time does not count as goodput (rare: only
@@ -72,13 +93,35 @@ class RunSummary:
         for lost in [s for s in self._step_seconds if s > step]:
             del self._step_seconds[lost]
         self._newest_step = min(self._newest_step, step)
+        self._ledger.rollback_to(step)
 
     def on_final_data(self, samples_consumed: int, data_order: str | None) -> None:
         """The finished run's data as rank 0 holds it (authoritative over step records)."""
         self._data = (samples_consumed, data_order)
 
-    def on_recovery(self, recovery: dict[str, Any]) -> None:
+    def on_recovery(self, recovery: dict[str, Any]) -> dict[str, Any] | None:
+        """A closed recovery (ledgers.RecoveryLedger's entry). Its `time_ledger` is added when
+        the re-formed group's first step comes (`on_step`), or when the run ends (`settle`).
+        Returns the recovery before it if that one was still waiting (it ends now)."""
+        previous = self.settle()
         self._recoveries.append(recovery)
+        detected_at = recovery.get("detected_at")
+        self._ledger.recovery_closed(self._clock() if detected_at is None else detected_at,
+                                     recovery.get("detect_s") or 0.0)
+        self._unsettled = recovery
+        return previous
+
+    def settle(self, at: float | None = None) -> dict[str, Any] | None:
+        """No step will end the newest recovery (the run finished or ends): it ends now (`at`).
+        Returns it, with its time ledger, if it was waiting."""
+        return self._settled(self._ledger.settle(self._clock() if at is None else at))
+
+    def _settled(self, parts: dict[str, float] | None) -> dict[str, Any] | None:
+        recovery, self._unsettled = self._unsettled, (None if parts is not None else self._unsettled)
+        if parts is None or recovery is None:
+            return None
+        recovery["time_ledger"] = parts
+        return recovery
 
     def on_straggler(self, flag: dict[str, Any]) -> None:
         self._stragglers.append(flag)
@@ -93,8 +136,11 @@ class RunSummary:
     def build(self, *, status: str, final_step: int, checkpoints: list[int], model_sha256: str | None,
               error: dict[str, Any] | None, metrics: dict[str, Any]) -> dict[str, Any]:
         """summary.json's fields; `metrics` is the last value of each of the run's metrics."""
-        wall_s = self._clock() - self._started_at
+        now = self._clock()
+        wall_s = now - self._started_at
         kept = sum(self._step_seconds.values())
+        self.settle(now)
+        time_ledger = self._ledger.close(now, status)
         return {
             "format": SUMMARY_FORMAT,
             "status": status, "final_step": final_step, "total_steps": self._total_steps,
@@ -102,7 +148,7 @@ class RunSummary:
             "checkpoints": checkpoints,
             "loss_first": self._losses[0] if self._losses else None,
             "loss_last": self._losses[-1] if self._losses else None,
-            "model_sha256": model_sha256, "wall_s": round(wall_s, 3),
+            "model_sha256": model_sha256, "wall_s": round(wall_s, 3), "time_ledger": time_ledger,
             "metrics": metrics,
             "goodput": round(min(1.0, kept / wall_s), 4) if wall_s > 0 else None,
             "resumed_from": self.resumed_from, "stragglers": self._stragglers,

@@ -5,13 +5,16 @@ resize worth asking for, or nothing.
 changes no state (the controller acts on the verdict). It keeps what it must remember between
 ticks of one generation (since when a broken group is suspected, when the last step came, which
 straggler the scaling policy was last asked about) and, across generations, the errors of
-earlier broken groups (a loop's bug breaks the group again at the same step).
+earlier broken groups (a loop's bug breaks the group again at the same step). A rank that holds
+the others up beyond the bound learned from the step times is judged by its own part,
+elastic._controller.hang_watch; its verdict is a HANG fault like a heartbeat timeout's.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from elastic._controller.hang_watch import HangWatch
 from elastic._controller.recurrence import ErrorSighting, RecurringErrors
 from elastic._controller.states import Running
 from elastic._controller.stragglers import StragglerDetector
@@ -55,6 +58,7 @@ class RunningWatch:
     def __init__(self, clock: Callable[[], float]):
         self._clock = clock
         self._recurring = RecurringErrors(attempts=2)   # broken groups with no lost peer: a fault, or the loop's bug
+        self.hangs = HangWatch(clock)                    # its step times outlive a generation (not its size)
         self.begin()
 
     def begin(self) -> None:
@@ -65,6 +69,7 @@ class RunningWatch:
 
     def assess(self, st: Running, views: dict[int, WorkerView], failure: FailureConfig,
                step_s: float) -> RunningVerdict:
+        self.hangs.learn(st, views)
         lost: list[tuple[int, Cause, float]] = []
         preempted: list[int] = []
         # Reports of this generation by rank: failed, interrupted (a broken collective), finished.
@@ -109,6 +114,9 @@ class RunningWatch:
             if self._clock() - self._suspect_since > failure.heartbeat_timeout_s:
                 return self._broken_group(comm)
             return None
+        hung = self.hangs.assess(st, views, failure)
+        if hung is not None:
+            return Fault(Failure(Cause.HANG, hung.ranks, hung.reason), hung.lost, hung.detect_s)
         stalled = self._stalled(st, views, failure, step_s)
         if stalled is not None:
             return stalled

@@ -13,8 +13,14 @@ before it (the integration tests' shared instance). Without the entry nothing wa
 The injector watches status.json until the run is past the step, acts on a worker, then creates
 the file; the collectives after the hold re-align the ranks, each released within one poll. So
 that the controller hears of the held step, its record is settled (its exchange collected,
-elastic._worker.step_boundary) before the ranks wait: that step only, the others keep the
-boundary's pace.
+elastic._worker.step_boundary) before the ranks wait, and the hold is announced (the place HELD,
+elastic._worker.thread_position): that step only, the others keep the boundary's pace.
+
+`StuckAt` (the entry STUCK_AT_KEY) is the other hook: one rank's training thread stops moving
+after a step, as if the next step's compute hung (a hung kernel, a dead data service), while its
+process and its poll thread go on answering. Nothing releases it: the controller must find it
+(elastic._controller.hang_watch) and replace the worker. A marker file disarms it once fired, so
+a replacement that trains through the same step again is not stuck too.
 """
 from __future__ import annotations
 
@@ -24,9 +30,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from elastic._protocol import ThreadPlace
+from elastic._worker import thread_position
 from elastic.errors import ConfigError, ElasticError
 
 HOLD_AT_KEY = "elastic_hold_at"
+STUCK_AT_KEY = "elastic_stuck_at"
 HOLD_LIMIT_S = 300.0    # the injector's whole run: a fault that never comes fails the run, not the test's timeout
 POLL_S = 0.01           # polling a file the injector creates; the hold ends within one poll of it
 
@@ -77,10 +86,62 @@ class HoldAt:
             time.sleep(POLL_S)
 
 
+@dataclass(frozen=True)
+class StuckAt:
+    """After step `step` (steps counted from 1), the training thread of rank `rank` stops moving
+    for `limit_s` seconds, then raises HoldTimeoutError (a fault that is never found fails the run,
+    not the test's timeout). The first rank to get there creates `marker_file`, which disarms the
+    hook for every later generation and process (a path every worker sees)."""
+
+    step: int
+    rank: int
+    marker_file: str
+    limit_s: float = HOLD_LIMIT_S
+
+    def __post_init__(self) -> None:
+        if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 1:
+            raise ConfigError(f"StuckAt.step must be an int >= 1 (the step after which the rank is stuck), "
+                              f"got {self.step!r}")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
+            raise ConfigError(f"StuckAt.rank must be an int >= 0, got {self.rank!r}")
+        if not isinstance(self.marker_file, str) or not self.marker_file:
+            raise ConfigError(f"StuckAt.marker_file must be a path, got {self.marker_file!r}")
+
+    def as_config(self) -> dict[str, StuckAt]:
+        """The `train_loop_config` entry that sets this fault."""
+        return {STUCK_AT_KEY: self}
+
+    def stick(self, rank: int) -> None:
+        """On rank `rank` (the first time only): stop moving, as a hung compute would."""
+        if rank != self.rank:
+            return
+        try:
+            os.close(os.open(self.marker_file, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+        thread_position.mark(ThreadPlace.COMPUTING)    # the next step's compute began, and hangs
+        deadline = time.monotonic() + self.limit_s
+        while time.monotonic() < deadline:
+            time.sleep(POLL_S * 10)
+        raise HoldTimeoutError(f"rank {rank} was stuck after step {self.step} for {self.limit_s:.0f} s and no one "
+                               f"replaced it ({STUCK_AT_KEY}): hang detection missed it")
+
+
 def hold_after(step: int, loop_config: Any, settle: Callable[[], None] | None = None) -> None:
     """At the boundary after step `step`: wait if the driver's loop config holds the run there,
-    after `settle()` (which hands the step's record over for the controller)."""
-    hold = loop_config.get(HOLD_AT_KEY) if isinstance(loop_config, Mapping) else None
+    after `settle()` (which hands the step's record over for the controller); or stop moving
+    there on the rank a StuckAt names."""
+    if not isinstance(loop_config, Mapping):
+        return
+    stuck = loop_config.get(STUCK_AT_KEY)
+    if stuck is not None:
+        if not isinstance(stuck, StuckAt):
+            raise ConfigError(f"train_loop_config[{STUCK_AT_KEY!r}] must be an elastic._worker.fault_gate.StuckAt "
+                              f"(StuckAt(step, rank, marker_file).as_config()), got {type(stuck).__name__}")
+        if step == stuck.step:
+            # The rank, as the framework set it for this generation (torchrun's variable).
+            stuck.stick(int(os.environ.get("RANK", "-1")))
+    hold = loop_config.get(HOLD_AT_KEY)
     if hold is None:
         return
     if not isinstance(hold, HoldAt):
@@ -89,4 +150,5 @@ def hold_after(step: int, loop_config: Any, settle: Callable[[], None] | None = 
     if step == hold.step:
         if settle is not None:
             settle()
+        thread_position.mark(ThreadPlace.HELD)
         hold.wait()

@@ -1,5 +1,6 @@
 """The rungs of the recovery ladder, on one rank: load a generation's TrainState from a
-survivor's memory (warm), from the newest committed checkpoint, or start fresh.
+survivor's memory (warm), from the FSDP copies in the members' host memory (elastic._worker.replicas),
+from the newest committed checkpoint, or start fresh.
 
 Which rung a generation takes is the controller's decision (`GenerationPlan.restore`); this
 module only carries it out, the same way on every rank, and names what it did in its errors.
@@ -14,11 +15,13 @@ from torch import nn
 
 from checkpointing import CheckpointError
 from elastic._lr import ScaleRamp
-from elastic._protocol import GenerationPlan, RestorePlan, RunSpec
+from elastic._protocol import GenerationPlan, ReplicaSource, RestoreKind, RestorePlan, RunSpec
 from elastic._worker import wrap as _wrap
 from elastic._worker.broadcast import broadcast_state
+from elastic._worker.replicas import Rebuild
 from elastic._worker.state import WorkerState
 from elastic._worker.train_state import EXTRA, TrainState
+from elastic._worker.warm_slices import send_slices
 from elastic.errors import ElasticError, StateError
 
 log = logging.getLogger("elastic.context")
@@ -61,10 +64,13 @@ class Restorer:
         """Load `state` per the generation's plan; afterwards it is the worker's warm source."""
         plan, worker = self._plan.restore, self._worker
         self._ensure_lr_ramp()
-        if plan.kind == "broadcast":
-            assert plan.source_rank is not None, "a broadcast restore names its source rank"
-            self._warm(state, plan.source_rank)
-        elif plan.kind == "checkpoint":
+        if plan.kind == RestoreKind.BROADCAST:
+            assert plan.warm_sources, "a broadcast restore names its source ranks"
+            self._warm(state, plan.warm_sources)
+        elif plan.kind == RestoreKind.MEMORY:
+            assert plan.replica is not None, "a memory restore names its sources"
+            self._memory(state, plan.replica, plan.step)
+        elif plan.kind == RestoreKind.CHECKPOINT:
             self._checkpoint(state, compression)
         else:
             # Nothing to load (e.g. FSDP lost a rank before its first commit): every rank starts
@@ -80,15 +86,35 @@ class Restorer:
                  self._plan.rank, self._plan.generation, sorted(state.objects), plan.kind, step)
         return plan
 
-    def _warm(self, state: TrainState, src: int) -> None:
-        payload = None
-        if self._plan.rank == src:
+    def _warm(self, state: TrainState, sources: tuple[int, ...]) -> None:
+        """Every source sends a slice to the ranks that lack the state (elastic._worker.warm_slices);
+        a source loads its own copy, the others receive into their new objects' tensors."""
+        rank = self._plan.rank
+        if rank in sources:
             source = self._worker.warm
             if not source.available or source.state is None:
-                raise ElasticError(f"rank {src} was chosen as warm source but holds no state")
-            payload = source.state.state_dict()
-        payload = broadcast_state(payload, src, self._comm_device)
-        state.load_state_dict(payload, source=f"the in-memory state of rank {src}")
+                raise ElasticError(f"rank {rank} was chosen as warm source but holds no state")
+            held = send_slices(source.state.state_dict(), sources, self._comm_device).state
+            state.load_state_dict(held, source=f"this rank's in-memory state (rank {rank})")
+            return
+        payload = send_slices(None, sources, self._comm_device, into=state.state_dict()).state
+        state.load_state_dict(payload, source=f"the in-memory state of ranks {list(sources)}")
+
+    def _memory(self, state: TrainState, source: ReplicaSource, step: int) -> None:
+        """Rebuild this rank's shards from the old generation's copies: each holder broadcasts
+        the copy of one old rank in turn; every rank keeps the rows of its new pieces."""
+        rebuild = Rebuild(state.state_dict())
+        replicas = self._worker.replicas
+        for old_rank, holder in enumerate(source.holders):
+            payload = replicas.copy_of(source.generation, old_rank) if self._plan.rank == holder else None
+            rebuild.take(broadcast_state(payload, holder, self._comm_device))
+        state.load_state_dict(rebuild.result(), source=f"the in-memory copies of generation {source.generation}'s "
+                                                       f"{source.world_size} ranks at step {step}")
+        if self._worker.progress.step != step:
+            raise StateError(f"the in-memory copies hold step {self._worker.progress.step}, the plan said {step}")
+        session = self._worker.checkpoints
+        if session.last_saved_step is not None and session.last_saved_step > step:
+            session.last_saved_step = None      # that save's steps are redone: save them again
 
     def _checkpoint(self, state: TrainState, compression: Any) -> None:
         session = self._worker.checkpoints

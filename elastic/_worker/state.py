@@ -5,6 +5,7 @@ A generation's `TrainContext` is discarded at every rescale; what outlives it is
 - `WarmSource`: the last generation's state, offered to the next one (warm recovery);
 - `CheckpointSession` (elastic._worker.checkpoint_session): the checkpoint manager and what this rank
   knows of its saves and loads;
+- `ReplicaStore` (elastic._worker.replicas): FSDP's copies of this rank's and its neighbour's state;
 - `Outbox`: step records waiting for the controller's poll, and the event that wakes a held poll.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from elastic._protocol import StepRecord
 from elastic._worker.checkpoint_session import CheckpointSession
+from elastic._worker.replicas import ReplicaStore
 from elastic._worker.train_state import Progress
 
 if TYPE_CHECKING:
@@ -68,4 +70,5 @@ class WorkerState:
     warm: WarmSource = field(default_factory=WarmSource)
     checkpoints: CheckpointSession = field(default_factory=CheckpointSession)
     outbox: Outbox = field(default_factory=Outbox)
+    replicas: ReplicaStore = field(default_factory=ReplicaStore)
     grad_scaler: Any = None                    # fp16: the framework's torch.amp.GradScaler

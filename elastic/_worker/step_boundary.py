@@ -42,7 +42,7 @@ from elastic._accumulation import Accumulation, as_float, new_accumulation
 from elastic._determinism import chain_sample_ids, mix_seed
 from elastic._lr import ScaleRamp, rule_lr
 from elastic._protocol import GenerationPlan, RunSpec, StepRecord
-from elastic._worker import step_exchange
+from elastic._worker import step_exchange, thread_position
 from elastic._worker.state import WorkerState
 from elastic._worker.step_timer import StepTimer
 from elastic.errors import NonFiniteLossError, StateError
@@ -87,6 +87,10 @@ class StepBoundary:
         self._pending: deque[tuple[_Step, step_exchange.PendingExchange]] = deque()   # posted, not collected
         self._decisions: dict[int, StepOutcome] = {}   # collected exchanges' flags, by step, not yet acted on
         self._steps_ended = 0                          # steps this generation has ended
+        # Seconds spent outside the steps that this rank's next record carries (the run's time
+        # ledger): in ctx.restore (the generation's first record), blocked in checkpoint saves.
+        self.restore_s = 0.0
+        self.checkpoint_stall_s = 0.0
 
     # ---- what the loader reads (elastic._data.LoaderSide) ---------------------------
     @property
@@ -145,6 +149,7 @@ class StepBoundary:
         accumulation = self.accumulation
         if accumulation is not None and accumulation.defer_report(as_float(metrics.get("loss"))):
             return None
+        thread_position.mark(thread_position.ThreadPlace.EXCHANGE)   # from here it waits for the others (hang_watch)
         names, values = report_values(metrics, skip=frozenset({"loss", "lr"}))
         progress = self._worker.progress
         # The optimizer step has run: the in-memory state is now the state after this step.
@@ -195,6 +200,7 @@ class StepBoundary:
         # group still acts on the flags one step late (below), which keeps that logic ready for
         # the asynchronous exchange. NOTE: issue 18's non-blocking boundary is therefore off.
         self.settle()
+        thread_position.mark(thread_position.ThreadPlace.BOUNDARY)   # the exchange is over: its own work now
         decided = [flags for at, flags in self._decisions.items() if at < progress.step]
         self._decisions = {at: flags for at, flags in self._decisions.items() if at >= progress.step}
         if self.world_size == 1:
@@ -263,11 +269,13 @@ class StepBoundary:
         # whichever record carries them, in whatever tick it arrives.
         carries = ranks > 1 and self.rank == 0
         compute_s = tuple(round(float(c), 6) for c in shared[:, 3]) if carries else ()
+        stall_s, self.checkpoint_stall_s = self.checkpoint_stall_s, 0.0
         self._worker.outbox.put(StepRecord(
             step=step.step, loss=mean_loss, world_size=self.world_size, time=step.time,
             samples_seen=step.samples_seen, global_batch=step.global_batch, metrics=metrics,
             compute_s=compute_s, data_order=step.data_order, generation=self._plan.generation,
-            accum_steps=step.accum_steps))
+            accum_steps=step.accum_steps, checkpoint_stall_s=round(stall_s, 6),
+            restore_s=0.0 if self._first_step_announced else round(self.restore_s, 6)))
         if not self._first_step_announced:
             # The generation's first step ends a recovery: the controller hears it at once,
             # not when the held poll would have come back anyway.

@@ -17,6 +17,12 @@ Without the stamp (FSDP, a model that is not wrapped, an output the loss does no
 back to the time until the rank enters the step boundary; for FSDP that includes waits in its
 all-gathers, which evens the ranks out: a slow FSDP rank goes unflagged rather than a healthy one
 flagged.
+
+The timer also marks the training thread's place for hang detection
+(elastic._worker.thread_position): a step's compute begins at `start`, and at the end of a
+backward whose gradients DDP syncs the rank begins to wait for its peers (SYNC). A backward that
+skips the sync (a non-final micro-batch of gradient accumulation) waits for no one: only its
+compute is stamped.
 """
 from __future__ import annotations
 
@@ -26,19 +32,31 @@ from typing import Any
 import torch
 from torch import nn
 
+from elastic._protocol import ThreadPlace
+from elastic._worker import thread_position
+
 
 class StepTimer:
     def __init__(self) -> None:
         self._start = time.perf_counter()
         self._compute_done: float | None = None
+        # Found now, on the training thread: the end of backward may be stamped from autograd's.
+        self._position = thread_position.current()
 
     def start(self) -> None:
         """At a step boundary, once the previous step is closed."""
         self._start = time.perf_counter()
         self._compute_done = None
+        if self._position is not None:
+            self._position.mark(ThreadPlace.COMPUTING)
 
     def mark_compute_done(self) -> None:
         self._compute_done = time.perf_counter()
+
+    def mark_sync(self) -> None:
+        """This rank's backward ended and DDP now waits for the peers' gradients."""
+        if self._position is not None:
+            self._position.mark(ThreadPlace.SYNC)
 
     def compute_s(self) -> float:
         end = self._compute_done if self._compute_done is not None else time.perf_counter()
@@ -67,15 +85,19 @@ def stamp_end_of_backward(model: nn.Module, timer: StepTimer) -> None:
     docstring): a forward hook, one tensor hook and one engine callback per step."""
     queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
-    def on_output_grad(grad: torch.Tensor) -> torch.Tensor:
-        queue_callback(timer.mark_compute_done)
-        return grad
-
     def after_forward(module: nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled():
             return
         tensor = _first_grad_tensor(output)
         if tensor is not None:
+            # DDP decides at forward whether this backward syncs (accumulation turns it off).
+            syncs = bool(getattr(module, "require_backward_grad_sync", False))
+
+            def on_output_grad(grad: torch.Tensor) -> torch.Tensor:
+                queue_callback(timer.mark_compute_done)
+                if syncs:
+                    queue_callback(timer.mark_sync)
+                return grad
             tensor.register_hook(on_output_grad)
 
     model.register_forward_hook(after_forward)

@@ -166,6 +166,8 @@ class TrainWorker:
         self._error: dict | None = None
         self._model_sha256: str | None = None
         self._group_sockets: GroupSockets | None = None
+        from elastic._worker.thread_position import ThreadPosition
+        self._position = ThreadPosition(completed=lambda: self._state.progress.step, news=self._state.outbox.news)
         torch.set_num_threads(max(1, int(spec.cpus_per_worker)))
         if spec.use_gpu:
             torch.cuda.set_device(0)   # Ray exposes exactly the GPU it assigned as device 0
@@ -265,7 +267,7 @@ class TrainWorker:
         on, at once when it stops going on."""
         state = self._state
         if hold_s > 0:
-            state.outbox.news.wait(hold_s)
+            self._position.hold(hold_s)   # or until its training thread has waited long (thread_position)
         state.outbox.news.clear()
         with self._lock:
             records = state.outbox.drain()
@@ -282,7 +284,8 @@ class TrainWorker:
                 else None,
                 checkpoint_fallbacks=list(session.load_fallbacks),
                 model_sha256=self._model_sha256, resumed_from=session.resumed_from,
-                samples_seen=progress.samples_seen, data_order=progress.data_order)
+                samples_seen=progress.samples_seen, data_order=progress.data_order,
+                replicas=state.replicas.held(), position=self._position.report())
 
     def shutdown(self) -> None:
         try:
@@ -298,6 +301,7 @@ class TrainWorker:
         from elastic.context import RescaleInterrupt, TrainContext
         ctx: TrainContext | None = None
         try:
+            self._position.enter(plan.generation)   # this thread's place, for the hang judge
             self._join_group(plan)
             ctx = TrainContext(plan=plan, spec=self._spec, worker=self._state, loop_config=self._loop_config,
                                stop_requested=self._stop_requested, preempted=self._preempted, device=self._device)

@@ -32,7 +32,8 @@ STEPS, BATCH, BASE = 60, 4, 6          # global batch 24 at every world size: ac
 PARAM_TOLERANCE = 1e-6
 
 
-def fit(run_dir, workers, fault=None, optimizer="sgd", lr=0.05, strategy="ddp", steps=STEPS):
+def fit(run_dir, workers, fault=None, optimizer="sgd", lr=0.05, strategy="ddp", steps=STEPS, spare_workers=0,
+        in_memory_every=None, every=1000):
     if fault is not None:
         fault.start()
     result = ElasticTrainer(
@@ -40,8 +41,9 @@ def fit(run_dir, workers, fault=None, optimizer="sgd", lr=0.05, strategy="ddp", 
                                             **(fault.hold_config() if fault is not None else {})},
         total_steps=steps, seed=0,
         scaling=ScalingConfig(min_workers=workers[0], max_workers=workers[1], strategy=strategy,
-                              startup_wait_s=120),
-        checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=1000), failure=FailureConfig(max_failures=3),
+                              startup_wait_s=120, spare_workers=spare_workers),
+        checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=every, in_memory_every_n_steps=in_memory_every),
+        failure=FailureConfig(max_failures=3),
         lr=LRScalingConfig(base_world_size=BASE, warmup_steps=10, mode="constant_global_batch")).fit()
     if fault is not None:
         fault.join(timeout=5)

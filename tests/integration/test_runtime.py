@@ -23,13 +23,14 @@ TINY = {"model_size": "tiny", "batch_size": 8}
 
 
 def trainer(run_dir, *, workers=(2, 2), steps=40, every=None, strategy="ddp", loop=gpt.train_loop,
-            heartbeat_timeout_s=10.0, max_failures=5, config=TINY, collective_timeout_s=30.0, spare_workers=0):
+            heartbeat_timeout_s=10.0, max_failures=5, config=TINY, collective_timeout_s=30.0, spare_workers=0,
+            in_memory_every=1):
     # startup_wait_s: the tests that rescale from 3 begin with all 3 workers, however slow their start.
     return ElasticTrainer(
         loop, train_loop_config=config, total_steps=steps, seed=0,
         scaling=ScalingConfig(min_workers=workers[0], max_workers=workers[1], strategy=strategy,
                               startup_wait_s=120, spare_workers=spare_workers),
-        checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=every),
+        checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=every, in_memory_every_n_steps=in_memory_every),
         failure=FailureConfig(heartbeat_timeout_s=heartbeat_timeout_s, max_failures=max_failures,
                               collective_timeout_s=collective_timeout_s, rendezvous_timeout_s=60.0))
 
@@ -217,14 +218,18 @@ def test_kill_with_replacement_is_bitwise_identical_to_a_clean_run(ray_session, 
 
 @pytest.mark.exclusive
 @pytest.mark.timeout(180)
-def test_sigstop_is_detected_within_the_heartbeat_timeout_and_replaced(ray_session, run_dir,
-                                                                       _no_stray_stopped_workers):
+def test_sigstop_is_detected_within_the_hang_bound_and_replaced(ray_session, run_dir, _no_stray_stopped_workers):
+    # The default detection (heartbeat_timeout_s 10 s, hang_timeout_s "auto"): the others wait for
+    # the stopped rank in DDP's sync, and it is declared hung after the learned bound (2 s with
+    # these steps), long before the heartbeat timeout (issue 14: <= 3 s with steps <= 0.3 s). Not
+    # held at the step: stopped mid-step, as R2 stops it, detect_s is since it last moved or answered
+    # (stopped in the tests' hold, it would count the hold too).
     fault = SignalAtStep(run_dir, at_step=40, sig=signal.SIGSTOP, rank=1)
-    result = fit_with_fault(run_dir, fault, workers=(3, 3), steps=400, every=50, heartbeat_timeout_s=3.0)
+    result = fit_with_fault(run_dir, fault, hold=False, workers=(3, 3), steps=400, every=50)
     _no_stray_stopped_workers.append(fault.pid)
     assert result.ok and result.final_step == 400
     (recovery,) = result.summary["recoveries"]
-    assert recovery["cause"] == "hang" and recovery["detect_s"] <= 3.0 + 2.0
+    assert recovery["cause"] == "hang" and recovery["detect_s"] <= 3.0, recovery
     assert recovery["rung"] == "warm" and recovery["to_world"] == 3   # the stopped worker was replaced
     # Wake the stopped worker as an operator would: it must not write or commit anything.
     woken_at = time.time()
@@ -243,21 +248,24 @@ def test_sigstop_is_detected_within_the_heartbeat_timeout_and_replaced(ray_sessi
 
 @pytest.mark.timeout(180)
 def test_fsdp_trains_and_recovers_through_a_checkpoint(ray_session, run_dir):
+    # Without copies in memory (tests/integration/test_fsdp_memory.py has them): the checkpoint rung.
     fault = SignalAtStep(run_dir, at_step=30, sig=signal.SIGKILL, rank=1)
-    result = fit_with_fault(run_dir, fault, workers=(2, 2), steps=200, every=10, strategy="fsdp")
+    result = fit_with_fault(run_dir, fault, workers=(2, 2), steps=200, every=10, strategy="fsdp",
+                            in_memory_every=None)
     s = result.summary
     assert result.ok and s["final_step"] == 200 and s["loss_last"] < s["loss_first"]
     (recovery,) = s["recoveries"]
     assert recovery["rung"] == "checkpoint" and recovery["lost_steps"] < 10 + 5
+    assert recovery["reason"] == "no member holds a copy of the state in memory"
     assert recovery["step"] in s["checkpoints"] or recovery["step"] % 10 == 0
 
 
 @pytest.mark.timeout(150)
 def test_fsdp_rank_lost_before_any_commit_starts_every_rank_over(ray_session, run_dir):
-    # No checkpoint and FSDP shards cannot be re-broadcast: the group starts fresh, and the
-    # survivor's counters must start over with the new rank's.
+    # No checkpoint and no copies in memory: the group starts fresh, and the survivor's counters
+    # must start over with the new rank's.
     fault = SignalAtStep(run_dir, at_step=5, sig=signal.SIGKILL, rank=1)
-    result = fit_with_fault(run_dir, fault, workers=(2, 2), steps=20, strategy="fsdp")
+    result = fit_with_fault(run_dir, fault, workers=(2, 2), steps=20, strategy="fsdp", in_memory_every=None)
     s = result.summary
     assert result.ok and s["final_step"] == 20, result.error_traceback
     (recovery,) = s["recoveries"]

@@ -452,3 +452,58 @@ def test_a_member_still_training_at_the_stops_deadline_is_killed():
     controller.tick()
     assert controller.state.state == RunState.STOPPED
     assert sorted(w for w, _ in group.killed) == sorted(members)
+
+
+def _fsdp_interrupt(group, held, generation, step, at):
+    """FSDP survivors (no full state) out of generation `generation` at step `at`, with their
+    copies in memory: `held` maps worker -> the old ranks whose copies it holds, at `step`."""
+    from elastic._protocol import ReplicaHeld
+    for wid, ranks in held.items():
+        group.set_report(wid, WorkerPhase.INTERRUPTED, generation=generation, step=at, has_state=False,
+                         replicas=ReplicaHeld(generation, 3, step, ranks),
+                         error_type="RuntimeError", error_message="gloo: Connection reset by peer")
+
+
+@pytest.mark.parametrize(("latest", "rung"), [(None, "memory"), (8, "memory"), (12, "checkpoint")])
+def test_fsdp_survivors_with_every_ranks_copy_restore_from_memory_unless_a_checkpoint_is_newer(latest, rung):
+    # Copies every 5 steps (the last at 10), a checkpoint maybe at 12, the fault at 13.
+    controller, group, clock, _ = make(capacity=3, latest=latest)
+    members = start(controller, group)
+    group.complete_steps(members[0], 1, 13, 3)
+    group.die(members[1])            # old rank 1: its copy is held by old rank 2
+    group.capacity = 2
+    controller.tick()
+    _fsdp_interrupt(group, {members[0]: (0, 2), members[2]: (2, 1)}, 0, 10, at=13)
+    controller.tick()
+    plans = group.generations[-1]
+    restore = plans[members[0]].restore
+    if rung == "memory":
+        assert restore.kind == "memory" and restore.step == 10 and restore.replica is not None
+        new_rank = {w: p.rank for w, p in plans.items()}
+        assert restore.replica.holders == (new_rank[members[0]], new_rank[members[2]], new_rank[members[2]])
+    else:
+        assert restore.kind == "checkpoint" and restore.step == 12
+    group.complete_steps(members[0], restore.step + 1, restore.step + 1, 2)
+    controller.tick()
+    (recovery,) = controller.recorder.recoveries
+    assert recovery["rung"] == rung and recovery["lost_steps"] == 13 - restore.step
+    assert ("no storage read" in recovery["reason"]) == (rung == "memory")
+    if rung == "checkpoint":
+        assert recovery["reason"] == "the newest checkpoint (step 12) is ahead of the copies in memory (step 10)"
+
+
+def test_fsdp_survivors_missing_two_neighbours_copies_take_the_checkpoint_and_say_why():
+    controller, group, clock, _ = make(min_workers=1, capacity=3, latest=5)
+    members = start(controller, group)
+    group.complete_steps(members[0], 1, 11, 3)
+    group.die(members[1])
+    group.die(members[2])            # old ranks 1 and 2: 1's copy was on 2
+    group.capacity = 1
+    controller.tick()
+    _fsdp_interrupt(group, {members[0]: (0, 2)}, 0, 10, at=11)
+    controller.tick()
+    assert group.generations[-1][members[0]].restore.kind == "checkpoint"
+    group.complete_steps(members[0], 6, 6, 1)
+    controller.tick()
+    (recovery,) = controller.recorder.recoveries
+    assert recovery["rung"] == "checkpoint" and "rank(s) [1]" in recovery["reason"]

@@ -29,7 +29,8 @@ def step(n, t, world=2):
 
 
 def fake_metrics():
-    names = ("world_size", "step_rate", "steps", "recoveries", "recovery_s", "checkpoint_s", "checkpoint_bytes")
+    names = ("world_size", "step_rate", "steps", "recoveries", "recovery_s", "checkpoint_s", "checkpoint_bytes",
+             "time_ledger")
     return {name: FakeMetric() for name in names}
 
 
@@ -45,7 +46,9 @@ def test_steps_and_recoveries_reach_the_record_and_are_exported(tmp_path):
     summary = recorder.write_summary(status="finished", final_step=3, checkpoints=[], model_sha256=None,
                                      error=None)
     assert [s for s, _ in recorder.user_metrics()["history"]["loss"]] == [1, 2, 3]
-    assert summary["recoveries"] == [{"cause": "hang", "recover_s": 4.2}]
+    assert [{k: v for k, v in r.items() if k != "time_ledger"} for r in summary["recoveries"]] == \
+        [{"cause": "hang", "recover_s": 4.2}]
+    assert set(summary["recoveries"][0]["time_ledger"]) == {"detection", "reform", "restore", "redone"}
     assert summary["resumed_from"] == 7 and summary["status"] == "finished"
     run = {"run": "s3://b/run"}
     assert metrics["steps"].calls == [("inc", 1, run)] * 3
@@ -53,6 +56,9 @@ def test_steps_and_recoveries_reach_the_record_and_are_exported(tmp_path):
     assert metrics["step_rate"].calls == [("set", 2.0, run), ("set", 2.0, run)]
     assert metrics["recoveries"].calls == [("inc", 1, {**run, "cause": "hang"})]
     assert metrics["recovery_s"].calls == [("observe", 4.2, {**run, "cause": "hang"})]
+    # The run's time ledger: one gauge per part, last set to summary.json's seconds.
+    last = {tags["part"]: value for _, value, tags in metrics["time_ledger"].calls}
+    assert last == summary["time_ledger"] and len(last) == 8
 
 
 def test_the_listener_is_no_proxy():

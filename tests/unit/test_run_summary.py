@@ -47,7 +47,10 @@ def test_the_summary_fields_come_from_the_events():
     clock.now = 120.0
     built = build(summary)
     assert built["world_size_history"] == [[0, 3], [2, 2]]
-    assert built["recoveries"] == [{"cause": "worker_died", "recover_s": 2.0}]
+    # Its time ledger: the clock stood at 100 while steps 1-3 came (their times are held to it), so
+    # the 10 s to the recovery are the step in flight (redone) with its lost step 3.
+    assert built["recoveries"] == [{"cause": "worker_died", "recover_s": 2.0, "time_ledger": {
+        "detection": 0.0, "reform": 0.0, "restore": 0.0, "redone": 10.0}}]
     assert built["stragglers"] == [{"rank": 1, "step": 3, "score": 1.6}]
     assert built["checkpoint_fallbacks"] == [{"step": 3, "error": "bad shard"}]
     assert built["loss_first"] == 2.0 and built["loss_last"] == 0.5 and summary.last_loss == 0.5

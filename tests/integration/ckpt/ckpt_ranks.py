@@ -2,7 +2,8 @@
 
 `run_ranks("program", world, **kwargs)` starts `python ckpt_ranks.py program rank world port json`
 per rank, waits with a deadline, and always kills what is left. Each program is a function in
-`ckpt_rank_programs.py`; its return value (JSON-able) comes back per rank.
+`ckpt_rank_programs.py` (or "module:function" for a module of tests/unit); its return value
+(JSON-able) comes back per rank.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from chaos.services import free_port, wait_until
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
 SUITE = HERE.parents[1] / "unit" / "ckpt"  # ckpt_conformance.py (shared helpers)
+UNIT = HERE.parents[1] / "unit"            # programs of other suites: "module:function"
 
 
 def spawn_ranks(program: str, world: int, kwargs: dict, out_dir: str, env: dict | None = None):
@@ -29,7 +31,7 @@ def spawn_ranks(program: str, world: int, kwargs: dict, out_dir: str, env: dict 
         cmd = [sys.executable, str(HERE / "ckpt_ranks.py"), program, str(rank), str(world), str(port),
                json.dumps(kwargs), out_dir]
         penv = dict(os.environ, **(env or {}))
-        penv["PYTHONPATH"] = os.pathsep.join([str(REPO), str(HERE), str(SUITE), penv.get("PYTHONPATH", "")])
+        penv["PYTHONPATH"] = os.pathsep.join([str(REPO), str(HERE), str(SUITE), str(UNIT), penv.get("PYTHONPATH", "")])
         with open(Path(out_dir, f"rank{rank}.log"), "wb") as log:
             procs.append(subprocess.Popen(cmd, env=penv, stdout=log, stderr=subprocess.STDOUT))
     return procs
@@ -68,13 +70,15 @@ def run_ranks(program: str, world: int, timeout: float = 90, env: dict | None = 
 def _main() -> None:
     program, rank, world, port, kwargs, out_dir = sys.argv[1:7]
     rank, world = int(rank), int(world)
+    import importlib
+
     import torch.distributed as dist
 
-    import ckpt_rank_programs
-
+    module, _, name = program.rpartition(":")
+    programs = importlib.import_module(module or "ckpt_rank_programs")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        result = getattr(ckpt_rank_programs, program)(rank=rank, world=world, **json.loads(kwargs))
+        result = getattr(programs, name)(rank=rank, world=world, **json.loads(kwargs))
         dist.barrier()
     finally:
         dist.destroy_process_group()

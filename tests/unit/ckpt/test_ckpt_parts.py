@@ -29,6 +29,23 @@ def test_staging_copies_and_reuses_buffers():
     assert state_nbytes(state) == (6 + 2 + 1) * 4
 
 
+def test_a_staged_shard_carries_its_sources_spec_not_an_equal_one_of_an_earlier_group(one_rank_group):
+    """Meshes compare equal by their ranks, whatever this process's index in them: after a
+    re-form that moved this rank, the previous save's spec would place its shard at its old
+    rank's offset (found by the mixed-fsdp chaos campaign: a preempted rank's survivors then
+    failed every save with DCP's "invalid fill" of the global plan)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    old_mesh, new_mesh = init_device_mesh("cpu", (1,)), init_device_mesh("cpu", (1,))
+    assert old_mesh == new_mesh and old_mesh is not new_mesh
+    before = stage_state_dict({"w": DTensor.from_local(torch.ones(4, 2), old_mesh, [Shard(0)])})
+    source = DTensor.from_local(torch.full((4, 2), 2.0), new_mesh, [Shard(0)])
+    after = stage_state_dict({"w": source}, before)
+    assert after["w"].device_mesh is new_mesh and after["w"]._spec is source._spec
+    assert after["w"]._local_tensor is before["w"]._local_tensor      # the buffer is still reused
+    assert torch.equal(after["w"].to_local(), torch.full((4, 2), 2.0))
+
+
 def test_storage_urls_and_s3_options(monkeypatch, tmp_path):
     local = Storage(str(tmp_path / "a"))
     assert local.is_local and local.path("checkpoints", "x") == f"{tmp_path}/a/checkpoints/x"

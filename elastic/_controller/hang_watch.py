@@ -1,0 +1,177 @@
+"""Hangs found from where the training threads are, within a bound learned from the run.
+
+The judge of one question, tick by tick: is a rank holding up the others, and for longer than
+the group's own steps make plausible? Each poll answer carries where the rank's training thread
+is (elastic._worker.thread_position: computing a step, waiting for the others in DDP's gradient
+sync or in the step boundary's exchange, in a checkpoint save or ctx.restore) and since when, as
+an age measured on that worker. Why this and not the heartbeat alone: a frozen process is
+silent, but a training thread stuck in a hung kernel or on a dead data service is not (the
+actor's poll thread answers on), and before this only the collective timeout (about 70 s) or
+step_timeout_s (minutes) found it. A silent process is still found by heartbeat_timeout_s too.
+
+The rule. The *front* is the rank that has waited the longest at the furthest place any
+answering rank has reached (a place is a step and a stage within it). Once its own answer says
+it has waited the bound B, the ranks that have not reached the front's place are *suspects*,
+and a suspect is declared hung when
+- it is silent (no answer for poll_hold_s + SILENCE_MARGIN_S, while answers are held at most
+  poll_hold_s): a frozen or cut-off process; or, when no rank is behind the front, a silent
+  rank at the front's place (stopped inside the sync it was waiting in);
+- or it answers, and it has stayed where it is while the front waited for the bound: its
+  training thread has not moved. The interval is the overlap of two facts, each measured on one
+  worker: the suspect was there from (its answer's receive time - its age) to its answer, and
+  the front has waited since (its answer's time - its wait) up to its answer; when the suspect
+  is the only one behind, the front's answer also proves it had not arrived by then.
+Only facts from answers count (ages at the moment of answering), never an age extrapolated past
+an answer, which could make a wait that already ended look long. The front's answer comes when
+it matters: a worker's held poll returns when its wait crosses HANG_FLOOR_S and half of it.
+
+Never judged (the other rules stand: heartbeat_timeout_s, the collective timeout,
+step_timeout_s): a rank in a checkpoint save, in ctx.restore or joining the group (their length
+is not a step's, and a save may hold the GIL from the poll thread), nor an answering one in the
+boundary's own work after an exchange or in the tests' hold; a front within its
+generation's first FIRST_STEPS steps (group formation, DDP's first buckets, lazy allocations);
+and, with the bound "auto", a run with fewer than MIN_STEP_TIMES step times learned.
+
+The bound: FailureConfig.hang_timeout(p99), that is max(HANG_FACTOR x p99, HANG_FLOOR_S) over
+the last STEP_TIMES_KEPT step times, as the first member measures them (from the compute mark
+of a step to the end of its exchange: checkpoint saves and a generation's first step are not
+in them). Step times are forgotten when the world size changes: a smaller group may take longer
+per step. A number in hang_timeout_s pins the bound; None turns this judge off.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from elastic._controller.states import Running
+from elastic._controller.worker_group import WorkerView
+from elastic._protocol import PositionReport, ThreadPlace, WorkerPhase, WorkerReport
+from elastic.config import FailureConfig
+
+STEP_TIMES_KEPT = 200
+MIN_STEP_TIMES = 20
+FIRST_STEPS = 2
+SILENCE_MARGIN_S = 1.0      # beyond the poll hold: a healthy rank's answer is never this late
+WAKE_SLACK_S = 0.05         # a front that woke at the bound may report a hair less than it
+
+# The order of places within a step (a position's step is the steps completed when it got there:
+# a boundary's work comes after its step is counted, then the next step's compute).
+_ORDER = {ThreadPlace.JOINING: 0, ThreadPlace.RESTORING: 1, ThreadPlace.BOUNDARY: 2, ThreadPlace.CHECKPOINT: 3,
+          ThreadPlace.HELD: 4, ThreadPlace.COMPUTING: 5, ThreadPlace.SYNC: 6, ThreadPlace.EXCHANGE: 7}
+WAITING = frozenset({ThreadPlace.SYNC, ThreadPlace.EXCHANGE})
+# Long work a rank may do while the others wait: never judged. A silent rank is judged in the
+# boundary's own work and in the tests' hold (neither blocks its poll thread), an answering one not.
+NOT_JUDGED_SILENT = frozenset({ThreadPlace.JOINING, ThreadPlace.RESTORING, ThreadPlace.CHECKPOINT})
+NOT_JUDGED = NOT_JUDGED_SILENT | {ThreadPlace.BOUNDARY, ThreadPlace.HELD}
+
+
+@dataclass(frozen=True)
+class Hung:
+    """Ranks `ranks` (worker ids `lost`) held the group up beyond the bound."""
+
+    ranks: tuple[int, ...]
+    lost: list[int]
+    detect_s: float          # since each was last known to move (or to answer), the longest
+    reason: str
+
+
+class _Seen(NamedTuple):
+    """One member's newest answer, as facts on the controller's clock."""
+
+    rank: int
+    wid: int
+    position: PositionReport
+    answered_at: float       # when its answer came (controller clock)
+    there_since: float       # when its thread got where it is (answered_at - its age)
+    silent_s: float
+
+    @property
+    def place(self) -> tuple[int, int]:
+        return self.position.step, _ORDER[self.position.place]
+
+
+class HangWatch:
+    """Learns the hang bound from the run's step times and judges the members' positions."""
+
+    def __init__(self, clock: Callable[[], float]):
+        self._clock = clock
+        self._step_times: deque[float] = deque(maxlen=STEP_TIMES_KEPT)
+        self._world: int | None = None
+        self._fed: WorkerReport | None = None     # the report whose step times were taken last
+
+    def learn(self, st: Running, views: dict[int, WorkerView]) -> None:
+        """Take the step times the first member's newest answer brings (once per answer)."""
+        if len(st.members) != self._world:
+            self._world = len(st.members)
+            self._step_times.clear()
+        report = views[st.members[0]].report
+        if report is None or report is self._fed or report.position is None:
+            return
+        self._fed = report
+        if report.generation == st.generation:
+            self._step_times.extend(report.position.step_times)
+
+    def p99_s(self) -> float | None:
+        """The p99 of the step times kept; None before MIN_STEP_TIMES of them."""
+        if len(self._step_times) < MIN_STEP_TIMES:
+            return None
+        ordered = sorted(self._step_times)
+        return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+    def bound(self, failure: FailureConfig) -> float | None:
+        return failure.hang_timeout(self.p99_s())
+
+    def assess(self, st: Running, views: dict[int, WorkerView], failure: FailureConfig) -> Hung | None:
+        bound = self.bound(failure)
+        if bound is None:
+            return None
+        now = self._clock()
+        fresh_s = failure.poll_hold_s + SILENCE_MARGIN_S
+        seen: list[_Seen] = []
+        front: _Seen | None = None
+        for rank, wid in enumerate(st.members):
+            view = views[wid]
+            report, position = view.report, view.report.position if view.report is not None else None
+            if report is None or position is None or report.generation != st.generation \
+                    or position.generation != st.generation or report.phase != WorkerPhase.RUNNING:
+                return None       # not every member trains this generation: the other rules judge
+            answered_at = now - view.silent_s
+            member = _Seen(rank, wid, position, answered_at, answered_at - position.age_s, view.silent_s)
+            seen.append(member)
+            if position.place in WAITING and view.silent_s <= fresh_s and position.nth > FIRST_STEPS \
+                    and position.age_s + WAKE_SLACK_S >= bound \
+                    and (front is None or member.place > front.place
+                         or (member.place == front.place and member.there_since < front.there_since)):
+                front = member
+        if front is None:
+            return None
+        behind = [m for m in seen if m.place < front.place]
+        hung: list[tuple[_Seen, float, str]] = []
+        for m in seen:
+            if m is front or m.position.place in NOT_JUDGED_SILENT or m.place > front.place:
+                continue
+            if m.silent_s > fresh_s and (m.place < front.place or not behind):
+                hung.append((m, min(m.silent_s, now - m.there_since),
+                             f"rank {m.rank} silent for {m.silent_s:.1f}s (last {m.position.place} at step "
+                             f"{m.position.step + 1})"))
+            elif m.silent_s <= fresh_s and m.place < front.place and m.position.place not in NOT_JUDGED:
+                known_until = max(m.answered_at, front.answered_at if len(behind) == 1 else m.answered_at)
+                stalled = min(known_until, front.answered_at) - max(m.there_since, front.there_since)
+                if stalled + WAKE_SLACK_S >= bound:
+                    hung.append((m, now - m.there_since,
+                                 f"rank {m.rank}'s training thread has not moved for {now - m.there_since:.1f}s "
+                                 f"({m.position.place} at step {m.position.step + 1})"))
+        if not hung:
+            return None
+        wait = front.answered_at - front.there_since
+        p99 = self.p99_s()
+        learned = f"{failure.HANG_FACTOR:g} x p99 step time {p99:.2f}s, at least {failure.HANG_FLOOR_S:g}s" \
+            if p99 is not None and failure.hang_timeout_s == "auto" else "pinned"
+        return Hung(ranks=tuple(m.rank for m, _, _ in hung), lost=[m.wid for m, _, _ in hung],
+                    detect_s=round(max(d for _, d, _ in hung), 3),
+                    reason=(f"rank {front.rank} waited {wait:.1f}s in {front.position.place} at step "
+                            f"{front.position.step + 1}, beyond the hang bound {bound:.1f}s (FailureConfig."
+                            f"hang_timeout_s={failure.hang_timeout_s!r}: {learned}): "
+                            + "; ".join(why for _, _, why in hung)))
