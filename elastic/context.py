@@ -203,10 +203,8 @@ class TrainContext:
         started = time.monotonic()
         self._restorer.restore(state, self._compression)
         self._state = state
-        if self.step > 0 and self._spec.in_memory_every is not None:
-            # The restored state is this generation's first copy in memory (at step 0 there is
-            # nothing to lose, and a fresh optimizer's state would be made up: see replicas).
-            self._copy_to_memory()
+        # No copy in memory here: the survivors' copies of the previous generation stay until
+        # this one's first K-step boundary (see elastic._worker.replicas).
         # The generation's first step record carries it (the run's time ledger: restore).
         self._boundary.restore_s = time.monotonic() - started
         return self.step

@@ -119,7 +119,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds before a silent worker is declared hung")
     p.add_argument("--cpus-per-worker", type=float, default=1.0)
     p.add_argument("--sync-checkpoints", action="store_true", help="block training while a checkpoint uploads")
-    p.add_argument("--in-memory-every", type=lambda v: None if v == "none" else int(v), default=1, metavar="K|none",
+    p.add_argument("--in-memory-every", type=lambda v: None if v == "none" else int(v), default=10, metavar="K|none",
                    help="FSDP: copy the shards to a neighbour's host memory every K steps ('none': off)")
     p.add_argument("--quiet", action="store_true",
                    help="no live progress (else a bar with steps/s and ETA on a terminal with rich installed, "

@@ -10,10 +10,13 @@ lost rank's state then survives on its right neighbour; a group that lost two ne
 back to the checkpoint. Cost: two copies of the rank's state in host memory, and one copy's
 worth of point-to-point traffic per rank every K steps (elastic._worker.broadcast.swap_ring).
 
-When the copies are taken. At the K-step boundaries, at a generation's start once it has a
-state worth keeping (step > 0: a fresh optimizer would have its state made up by DCP's zero
-step, which changes Adam's step count), and when the group leaves the loop together (a resize, a
-preemption): every rank of the group at the same steps, since the swap is a collective.
+When the copies are taken. At the K-step boundaries, and when the group leaves the loop
+together (a resize, a preemption): every rank of the group at the same steps, since the swap is a
+collective. Not when a generation starts: the restore would pay a swap on the critical path of
+every recovery (0.2-0.3 s of the base model's 0.6 s memory restore on 3 CPU ranks), and the
+previous generation's copies still cover the restored step until the first boundary (below).
+(Nor at step 0: a fresh optimizer's state would be made up by DCP's zero step, which would
+change Adam's step count.)
 
 Consistency. A rank keeps one pair of copies, its own and its left neighbour's, of the same
 generation and step; a new swap replaces the pair (the old one is dropped first: steady memory is
@@ -21,7 +24,8 @@ the pair, not two pairs). The controller restores from memory only at a (generat
 which every rank of that generation has a holder among the new group's members
 (elastic._controller.forming); a death inside a swap leaves no such step and the run takes the
 checkpoint. Copies of a generation survive the next generation's start until its own first swap,
-so a group lost again before then still finds them.
+so a group lost again before then still finds them (unless the loss takes a copy's only holder:
+then the checkpoint).
 
 Rebuild at any world size. FSDP2 shards every tensor on dim 0 in `torch.chunk` pieces; a copy
 keeps each piece with its offset in the full tensor. In a new generation the holder of each old
