@@ -128,7 +128,7 @@ def main() -> int:
     p.add_argument("--checkpoint-every", type=int, default=50)
     p.add_argument("--heartbeat-timeout", type=float, default=10.0)
     p.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp")
-    p.add_argument("--in-memory-every", type=lambda v: None if v == "none" else int(v), default=1,
+    p.add_argument("--in-memory-every", type=lambda v: None if v == "none" else int(v), default=10,
                    help="FSDP: CheckpointConfig.in_memory_every_n_steps ('none': recover from the checkpoint)")
     p.add_argument("--storage", choices=("file", "s3"), default="file")
     p.add_argument("--verbose", action="store_true", help="show the workers' and controller's logs")

@@ -117,11 +117,6 @@ class ReplicaStore:
         return ReplicaHeld(generation=own.generation, world_size=own.world_size, step=own.step,
                            ranks=tuple(c.rank for c in pair))
 
-    @property
-    def step(self) -> int | None:
-        pair = self._pair
-        return pair[0].step if pair else None
-
     def copy_of(self, generation: int, rank: int) -> dict[str, Any]:
         for kept in self._pair:
             if (kept.generation, kept.rank) == (generation, rank):
@@ -143,9 +138,6 @@ class ReplicaStore:
         if device.type != "cpu":
             theirs = to_host(theirs)
         self._pair = (own, Copy(generation, world_size, (rank - 1) % world_size, step, theirs))
-
-    def drop(self) -> None:
-        self._pair = ()
 
 
 class Rebuild:

@@ -34,7 +34,7 @@ def test_preemption_notice_commits_the_step_before_the_worker_leaves(ray_session
     # as rank 1 (its staged copy of the notice's commit must not place its shard at rank 2's).
     fault = SignalAtStep(run_dir, at_step=40, sig=signal.SIGTERM, rank=1)
     fault.start()
-    result = ElasticTrainer(gpt.train_loop, train_loop_config=TINY | fault.hold_config(), total_steps=300, seed=0,
+    result = ElasticTrainer(gpt.train_loop, train_loop_config=TINY | fault.hold_config(), total_steps=120, seed=0,
                             scaling=ScalingConfig(min_workers=2, max_workers=3, startup_wait_s=120,
                                                   strategy=strategy),
                             checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=1000, keep=None),
@@ -45,7 +45,7 @@ def test_preemption_notice_commits_the_step_before_the_worker_leaves(ray_session
     assert recovery["lost_steps"] == 0 and recovery["from_world"] == 3 and recovery["to_world"] == 2
     assert recovery["rung"] == {"ddp": "warm", "fsdp": "memory"}[strategy]
     assert recovery["step"] in result.summary["checkpoints"]     # committed at the notice, not on schedule
-    assert result.summary["checkpoints"][-1] == 300
+    assert result.summary["checkpoints"][-1] == 120
     wait_for(lambda: not pid_alive(fault.pid), 10, "the preempted worker to leave")
 
 
