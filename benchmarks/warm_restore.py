@@ -60,7 +60,7 @@ def _rank(rank: int, port: int, reps: int, model_size: str, out: str) -> None:
     import torch.distributed as dist
 
     import gpt
-    from elastic._worker.broadcast import _slots, _split_tree, broadcast_state
+    from elastic._worker.broadcast import _numel, _slots, _split_tree, broadcast_state
     from elastic._worker.precision import Precision
     from elastic._worker.train_state import Progress, TrainState
     from elastic._worker.warm_slices import send_slices
@@ -155,12 +155,6 @@ def _rank(rank: int, port: int, reps: int, model_size: str, out: str) -> None:
     Path(out, f"rank{rank}.json").write_text(json.dumps({"state_bytes": state_bytes, "rows": rows}))
     dist.destroy_process_group()
 
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _digest(state) -> str:

@@ -81,26 +81,15 @@ def broadcast_state(state: Any | None, src: int, device: torch.device) -> Any:
     box = [skeleton]
     dist.broadcast_object_list(box, src=src)
     skeleton = box[0]
-    if is_src:
-        by_index = dict(enumerate(tensors))
-    else:
-        by_index = {}
     slots = _slots(skeleton)
-    for dtype in sorted({s.dtype for s in slots}, key=str):
-        group = [s for s in slots if s.dtype == dtype]
-        numel = sum(_numel(s.shape) for s in group)
-        if is_src:
-            flat = torch.cat([by_index[s.index].reshape(-1).to(device) for s in group])   # never empty
-        else:
-            flat = torch.empty(numel, dtype=dtype, device=device)
+    groups = _dtype_groups(slots)
+    flats = _flatten(groups, tensors, device) if is_src else _empty_flats(groups, device)
+    for flat in flats:
         dist.broadcast(flat, src=src)
-        if not is_src:
-            offset = 0
-            for s in group:
-                n = _numel(s.shape)
-                by_index[s.index] = flat[offset:offset + n].view(s.shape).clone()
-                offset += n
-    return state if is_src else _fill_tree(skeleton, by_index)
+    if is_src:
+        return state
+    # Copies, not views of the flat buffers: each tensor is loaded into an object of its own.
+    return _fill_tree(skeleton, _unflatten(slots, groups, flats, device, copy=True))
 
 
 def swap_ring(state: Any, device: torch.device) -> Any:
@@ -121,31 +110,51 @@ def swap_ring(state: Any, device: torch.device) -> Any:
     theirs = torch.empty(int(their_length.item()), dtype=torch.uint8, device=device)
     _send_and_receive([torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device)], [theirs], right, left)
     skeleton = pickle.loads(theirs.cpu().numpy().tobytes())   # a peer rank of this same run sent it
-    # One buffer per dtype that has elements (both ends skip the same empty ones).
-    mine_slots = _slots(mine)
-    outgoing = [torch.cat([tensors[s.index].reshape(-1).to(device) for s in mine_slots if s.dtype == dtype])
-                for dtype in _dtypes(mine_slots)]
     slots = _slots(skeleton)
-    dtypes = _dtypes(slots)
-    incoming = [torch.empty(sum(_numel(s.shape) for s in slots if s.dtype == dtype), dtype=dtype, device=device)
-                for dtype in dtypes]
-    _send_and_receive(outgoing, incoming, right, left)
-    received: dict[int, torch.Tensor] = {}
-    for dtype, flat in zip(dtypes, incoming, strict=True):
+    groups = _dtype_groups(slots)
+    incoming = _empty_flats(groups, device)
+    _send_and_receive(_flatten(_dtype_groups(_slots(mine)), tensors, device), incoming, right, left)
+    # Views: the received buffers are the copy kept (no second copy of a neighbour's state).
+    return _fill_tree(skeleton, _unflatten(slots, groups, incoming, device, copy=False))
+
+
+def _dtype_groups(slots: list[_TensorSlot]) -> list[tuple[torch.dtype, list[_TensorSlot]]]:
+    """A state's tensors by dtype, in a fixed order, without the dtypes that have no element:
+    both ends of a transfer compute the same groups from the same skeleton, one flat buffer each."""
+    groups: dict[torch.dtype, list[_TensorSlot]] = {}
+    for s in slots:
+        groups.setdefault(s.dtype, []).append(s)
+    return [(dtype, group) for dtype, group in sorted(groups.items(), key=lambda item: str(item[0]))
+            if sum(_numel(s.shape) for s in group) > 0]
+
+
+def _flatten(groups: list[tuple[torch.dtype, list[_TensorSlot]]], tensors: list[torch.Tensor],
+             device: torch.device) -> list[torch.Tensor]:
+    """The sender's flat buffers, one per group."""
+    return [torch.cat([tensors[s.index].reshape(-1).to(device) for s in group]) for _, group in groups]
+
+
+def _empty_flats(groups: list[tuple[torch.dtype, list[_TensorSlot]]], device: torch.device) -> list[torch.Tensor]:
+    """The receiver's flat buffers, one per group."""
+    return [torch.empty(sum(_numel(s.shape) for s in group), dtype=dtype, device=device) for dtype, group in groups]
+
+
+def _unflatten(slots: list[_TensorSlot], groups: list[tuple[torch.dtype, list[_TensorSlot]]],
+               flats: list[torch.Tensor], device: torch.device, *, copy: bool) -> dict[int, torch.Tensor]:
+    """Every slot's tensor out of the received flat buffers (views, or copies with `copy`);
+    empty tensors travel as their shape alone."""
+    tensors: dict[int, torch.Tensor] = {}
+    for (_, group), flat in zip(groups, flats, strict=True):
         offset = 0
-        for s in (s for s in slots if s.dtype == dtype):
+        for s in group:
             n = _numel(s.shape)
-            # Views: the received buffer is the copy kept (no second copy of a neighbour's state).
-            received[s.index] = flat[offset:offset + n].view(s.shape)
+            view = flat[offset:offset + n].view(s.shape)
+            tensors[s.index] = view.clone() if copy else view
             offset += n
     for s in slots:
-        if s.index not in received:       # empty tensors travel as their shape alone
-            received[s.index] = torch.empty(s.shape, dtype=s.dtype, device=device)
-    return _fill_tree(skeleton, received)
-
-
-def _dtypes(slots: list[_TensorSlot]) -> list[torch.dtype]:
-    return sorted({s.dtype for s in slots if _numel(s.shape) > 0}, key=str)
+        if s.index not in tensors:
+            tensors[s.index] = torch.empty(s.shape, dtype=s.dtype, device=device)
+    return tensors
 
 
 def _send_and_receive(outgoing: list[torch.Tensor], incoming: list[torch.Tensor], to: int, source: int) -> None:
