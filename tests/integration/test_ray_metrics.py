@@ -19,7 +19,9 @@ def ray_with_metrics_port():
     ray.shutdown()                      # one Ray per driver: leave the shared local instance
     port = free_port()
     ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING",
-             _metrics_export_port=port, _system_config={"metrics_report_interval_ms": 1000})
+             # 100 ms, not Ray's 10 s: the controller and the workers are killed when the run ends
+             # (a 2 s run here), and what a process recorded after its last push is never pushed.
+             _metrics_export_port=port, _system_config={"metrics_report_interval_ms": 100})
     try:
         yield port
     finally:
@@ -51,11 +53,14 @@ def test_world_size_steps_and_checkpoints_reach_the_prometheus_endpoint(ray_with
 
     def exported() -> bool:
         seen.update(scrape(ray_with_metrics_port))
-        # Ray pushes a process's metrics every report interval (1 s here): what the controller
+        # Ray pushes a process's metrics every report interval (0.1 s here): what the controller
         # and rank 0 recorded in their last interval before the run ended may never be pushed.
         return seen.get("ray_elastic_steps_total", 0) >= 30 and seen.get("ray_elastic_checkpoint_seconds_count", 0) >= 1
 
     # A bound, not a measurement: the metrics agent pushes late on a loaded machine.
-    wait_for(exported, 90, "the run's metrics on the Prometheus endpoint")
+    try:
+        wait_for(exported, 90, "the run's metrics on the Prometheus endpoint")
+    except TimeoutError as timeout:
+        raise AssertionError(f"{timeout}; the endpoint showed {seen}") from timeout
     assert seen["ray_elastic_world_size"] == 2 and seen["ray_elastic_steps_per_second"] > 0
     assert seen["ray_elastic_checkpoint_bytes_total"] > 0
