@@ -145,6 +145,22 @@ class RayWorkerGroup:
                 death=slot.death, death_cause=slot.death_cause, records=records)
         return views
 
+    def wait(self, timeout_s: float) -> None:
+        """Block until a worker may have news for the controller, or `timeout_s` passes: a held
+        poll answered (a held poll answers early only on news, and a death fails it at once), a
+        placement granted, an actor started. Polls that are not held are not waited on: each is
+        answered at once with or without news, and would wake the controller every time."""
+        if timeout_s <= 0:
+            return
+        refs = [s.pg_ready for s in self._slots.values() if s.status == PENDING]
+        refs += [s.info_ref for s in self._slots.values() if s.status == STARTING and s.info_ref is not None]
+        if self.poll_hold_s > 0:
+            refs += [s.poll_ref for s in self._slots.values() if s.status == READY and s.poll_ref is not None]
+        if refs:
+            ray.wait(refs, num_returns=1, timeout=timeout_s)
+        else:
+            time.sleep(timeout_s)
+
     def _drop_dead(self, now: float) -> None:
         for wid in [s.wid for s in self._slots.values() if s.status == DEAD and now - s.died_at > self._dead_kept_s]:
             del self._slots[wid]

@@ -136,11 +136,16 @@ class GroupSockets:
 
     def __init__(self, store_address: Endpoint | None = None) -> None:
         self._before = _sockets()
-        self._store = _resolve(store_address)
-        self._store_port = store_address[1] if store_address else None
         self._lock = threading.Lock()
+        self.store_at(store_address)
         self._mine: dict[int, str] = {}
         self._cut = False
+
+    def store_at(self, store_address: Endpoint | None) -> None:
+        """The group's store is at `store_address` (known after construction when this rank
+        hosts the store: its port is picked when it binds, inside the window)."""
+        self._store = _resolve(store_address)
+        self._store_port = store_address[1] if store_address else None
 
     def capture(self, store: Any = None, rank: int = 0, world_size: int = 1) -> None:
         """Keep the group's connections among the sockets that appeared since construction.

@@ -16,15 +16,15 @@ import logging
 import os
 import re
 import signal
-import socket
 import threading
 import traceback
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from elastic._protocol import GenerationPlan, RunSpec, WorkerInfo, WorkerPhase, WorkerReport
 
 if TYPE_CHECKING:
     from elastic._worker.group_sockets import GroupSockets
+    from elastic._worker.rendezvous import HostedStore
 
 log = logging.getLogger("elastic.worker")
 
@@ -166,6 +166,8 @@ class TrainWorker:
         self._error: dict | None = None
         self._model_sha256: str | None = None
         self._group_sockets: GroupSockets | None = None
+        self._hosted: HostedStore | None = None       # the next generation's store, when this is its rank 0
+        self._store: Any = None                       # the current generation's store (kept with its group)
         from elastic._worker.thread_position import ThreadPosition
         self._position = ThreadPosition(completed=lambda: self._state.progress.step, news=self._state.outbox.news)
         torch.set_num_threads(max(1, int(spec.cpus_per_worker)))
@@ -216,12 +218,13 @@ class TrainWorker:
                           ip=ray.util.get_node_ip_address())
 
     def rendezvous_address(self) -> tuple[str, int]:
-        """An address and a free port on this node for the group's TCP store."""
+        """Open the next generation's store on this worker (its rank 0) and say where it listens
+        (elastic._worker.rendezvous). An earlier one that no generation used is dropped."""
         import ray
-        ip = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind((ip, 0))
-            return ip, s.getsockname()[1]
+
+        from elastic._worker.rendezvous import HostedStore
+        self._hosted = HostedStore(ray.util.get_node_ip_address())
+        return self._hosted.address
 
     def start_generation(self, plan: GenerationPlan) -> None:
         # The previous generation's thread has reported its outcome (the controller acts on that
@@ -363,15 +366,16 @@ class TrainWorker:
     def _join_group(self, plan: GenerationPlan) -> None:
         import torch.distributed as dist
 
-        from elastic._worker.group_sockets import GroupSockets
+        from elastic._worker.rendezvous import join_store
         self._leave_group()
         _set_torchrun_environment(plan)
-        sockets = GroupSockets(store_address=(plan.master_addr, plan.master_port))
+        hosted, self._hosted = self._hosted, None
+        store, sockets = join_store((plan.master_addr, plan.master_port), plan.rank, plan.timeout_s, hosted)
         dist.init_process_group(
-            "nccl" if self._spec.use_gpu else "gloo",
-            init_method=f"tcp://{plan.master_addr}:{plan.master_port}",
+            "nccl" if self._spec.use_gpu else "gloo", store=store,
             rank=plan.rank, world_size=plan.world_size,
             timeout=datetime.timedelta(seconds=plan.timeout_s))
+        self._store = store
         # The checkpoint side group is formed with the main group, inside the capture: a peer
         # lost during the first save then breaks its connections (cut by _leave_group) instead
         # of leaving the survivors waiting on the store for the side group's creation.

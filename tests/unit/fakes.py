@@ -37,6 +37,7 @@ class FakeGroup:
         self.cuts: list[bool] = []              # request_stop's cut_group, per call
         self.preempted: list[list[int]] = []    # request_preemption's workers, per call
         self.shut_down = False
+        self.waits: list[float] = []            # wait()'s timeouts, per call
         self._next = 0
 
     def live(self) -> list[int]:
@@ -52,6 +53,9 @@ class FakeGroup:
         for v in self.views.values():
             v.records = []
         return out
+
+    def wait(self, timeout_s: float) -> None:
+        self.waits.append(timeout_s)            # a scripted run has its news at once
 
     def rendezvous_address(self, wid: int) -> tuple[str, int]:
         return "127.0.0.1", 29500

@@ -113,6 +113,37 @@ def test_dead_worker_rescales_warm_with_the_most_advanced_survivor_as_source():
     assert group.generations[-1][members[2]].generation == 1 and controller.checkpoints.fences == [0, 1]
 
 
+def test_survivors_already_out_of_the_broken_group_re_form_in_the_tick_that_sees_the_death():
+    controller, group, clock, _ = make(capacity=3)
+    members = start(controller, group)
+    group.complete_steps(members[0], 1, 10, 3)
+    group.capacity = 2                       # no replacement: re-form with the two survivors
+    # A peer's death breaks the survivors' collective before Ray reports the death itself.
+    interrupt(group, [members[0], members[2]], 0, 10)
+    group.die(members[1])
+    controller.tick()
+    assert controller.state.state == RunState.RUNNING and controller.generation == 1
+    assert sorted(group.generations[-1]) == sorted([members[0], members[2]])
+
+
+def test_run_loop_waits_for_news_between_ticks_at_most_the_heartbeat_interval():
+    import time
+    from types import SimpleNamespace
+    group, ticks, slept = FakeGroup(1), [], []
+
+    def tick():
+        ticks.append(1)
+        if len(ticks) == 2:
+            time.sleep(0.06)                 # a slow tick: the next waits at least twice as long
+        controller.done = len(ticks) == 3
+    controller = SimpleNamespace(done=False, tick=tick, group=group, failure=FailureConfig(heartbeat_interval_s=0.2),
+                                 state=SimpleNamespace(state=RunState.FINISHED))
+    run_loop(controller, sleep=slept.append)
+    assert len(ticks) == 3 and group.shut_down
+    assert slept[0] == 0.01 and slept[1] >= 0.12                 # MIN_TICK_GAP_S; 2 x the slow tick
+    assert [round(gap + wait, 6) for gap, wait in zip(slept, group.waits, strict=True)] == [0.2, 0.2]
+
+
 def test_a_hot_spare_replaces_a_lost_member_at_once_and_is_itself_replaced():
     controller, group, clock, _ = make(min_workers=3, max_workers=3, capacity=4, spare_workers=1)
     members = start(controller, group)
@@ -361,9 +392,8 @@ def test_preempted_member_leaves_after_its_checkpoint_and_the_rest_go_on():
     for wid in members:        # every rank left the loop at the same boundary, after the commit
         group.set_report(wid, WorkerPhase.INTERRUPTED, generation=0, step=20)
     group.views[members[1]].report = replace(group.views[members[1]].report, preempted=True)
-    controller.tick()
-    assert (members[1], "preempted") in group.killed and controller.state.state == RunState.RECOVERING
-    controller.tick()
+    controller.tick()      # the others are out of the loop already: re-formed in the same tick
+    assert (members[1], "preempted") in group.killed
     assert controller.state.state == RunState.RUNNING and controller.state.members == [members[0], members[2]]
     assert group.generations[-1][members[0]].restore.step == 20
     assert controller.failures[-1].cause == "preempted"
@@ -381,7 +411,7 @@ def test_the_step_workers_really_restored_wins_over_the_planned_one():
     assert controller.step == 10
 
 
-def test_polls_are_held_only_while_training_runs():
+def test_polls_are_held_while_a_generation_trains_recovers_or_stops():
     controller, group, clock, _ = make()
     controller.tick()
     assert group.poll_hold_s == 0.0                  # scheduling: answers at once
@@ -391,7 +421,7 @@ def test_polls_are_held_only_while_training_runs():
     group.die(members[1])
     controller.tick()                                 # -> recovering
     controller.tick()
-    assert controller.state.state == RunState.RECOVERING and group.poll_hold_s == 0.0
+    assert controller.state.state == RunState.RECOVERING and group.poll_hold_s == 1.0
 
 
 def test_a_grow_stops_at_the_scaling_policys_target_world_size():
