@@ -51,12 +51,13 @@ def gloo_timeouts() -> list[BaseException]:
     import torch
     import torch.distributed as dist
 
-    from chaos.services import free_port
-    port = free_port()
+    # The server binds a port the OS picks (one picked free beforehand can be taken meanwhile).
+    server = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
     groups = [None, None]
 
     def form(rank):
-        store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=30))
+        store = server if rank == 0 else dist.TCPStore("127.0.0.1", server.port, 2, False,
+                                                       timeout=datetime.timedelta(seconds=30))
         groups[rank] = (store, dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=1)))
     threads = [threading.Thread(target=form, args=(rank,), daemon=True) for rank in (0, 1)]
     for thread in threads:

@@ -12,7 +12,6 @@ import threading
 
 import pytest
 
-from chaos.services import free_port
 from elastic._worker.group_sockets import GroupSockets
 
 pytestmark = pytest.mark.timeout(120)
@@ -22,14 +21,19 @@ COLLECTIVE_TIMEOUT_S = 300     # beyond this test's timeout: waiting it out cann
 RANK = textwrap.dedent("""
     import datetime, socket, sys, threading, time
     import torch, torch.distributed as dist
-    from elastic._worker.group_sockets import GroupSockets
-    rank, port, frozen = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    from elastic._worker.rendezvous import HostedStore, join_store
+    rank, frozen = int(sys.argv[1]), int(sys.argv[2])
     server = socket.create_server(("127.0.0.1", 0))          # the user's: a local service, open before
-    sockets = GroupSockets(("127.0.0.1", port))
+    # As TrainWorker forms a group: rank 0 hosts the store (and opens its window) first.
+    hosted = HostedStore("127.0.0.1") if rank == 0 else None
+    address = hosted.address if hosted else ("127.0.0.1", int(sys.argv[3]))
+    if hosted:
+        print("port", address[1], flush=True)
     user = []                                                # ... and a connection to it, opened by
     opener = threading.Thread(target=lambda: user.append(socket.create_connection(server.getsockname())))
     opener.start()                                           # another thread while the group forms
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+    store, sockets = join_store(address, rank, %d, hosted)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=%d))
     side = dist.new_group(backend="gloo")                    # as the checkpoint side group is
     opener.join()
@@ -60,17 +64,22 @@ RANK = textwrap.dedent("""
         print("user connection", "ok" if accepted.recv(4) == b"ping" else "broken", flush=True)
     except OSError as error:
         print("user connection broken:", error, flush=True)
-""" % COLLECTIVE_TIMEOUT_S)  # noqa: UP031 - the program's own f-strings use braces
+""" % (COLLECTIVE_TIMEOUT_S, COLLECTIVE_TIMEOUT_S))  # noqa: UP031 - the program's own f-strings use braces
 
 
 # Gloo connects each pair from the higher rank to the lower one's listener: rank 0 cuts a
 # connection it accepted, rank 1 one it opened to rank 0 (found through the exchanged listeners).
 @pytest.mark.parametrize("frozen", [1, 0], ids=["cut_by_rank_0", "cut_by_rank_1"])
 def test_cutting_the_group_releases_a_collective_blocked_on_a_frozen_peer_and_nothing_else(frozen):
-    port = free_port()
-    ranks = [subprocess.Popen([sys.executable, "-c", RANK, str(r), str(port), str(frozen)], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK, "0", str(frozen)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)]
     try:
+        first = ranks[0].stdout.readline()           # rank 0's store listens on the port the OS picked
+        while first and not first.startswith("port "):   # a warning before it
+            first = ranks[0].stdout.readline()
+        assert first.startswith("port "), ranks[0].communicate(timeout=30)[0]
+        ranks.append(subprocess.Popen([sys.executable, "-c", RANK, "1", str(frozen), first.split()[1]],
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         out, _ = ranks[1 - frozen].communicate(timeout=100)
     finally:
         for p in ranks:
