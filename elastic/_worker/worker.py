@@ -18,7 +18,7 @@ import re
 import signal
 import threading
 import traceback
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from elastic._protocol import GenerationPlan, RunSpec, WorkerInfo, WorkerPhase, WorkerReport
 
@@ -167,7 +167,6 @@ class TrainWorker:
         self._model_sha256: str | None = None
         self._group_sockets: GroupSockets | None = None
         self._hosted: HostedStore | None = None       # the next generation's store, when this is its rank 0
-        self._store: Any = None                       # the current generation's store (kept with its group)
         from elastic._worker.thread_position import ThreadPosition
         self._position = ThreadPosition(completed=lambda: self._state.progress.step, news=self._state.outbox.news)
         torch.set_num_threads(max(1, int(spec.cpus_per_worker)))
@@ -375,7 +374,6 @@ class TrainWorker:
             "nccl" if self._spec.use_gpu else "gloo", store=store,
             rank=plan.rank, world_size=plan.world_size,
             timeout=datetime.timedelta(seconds=plan.timeout_s))
-        self._store = store
         # The checkpoint side group is formed with the main group, inside the capture: a peer
         # lost during the first save then breaks its connections (cut by _leave_group) instead
         # of leaving the survivors waiting on the store for the side group's creation.

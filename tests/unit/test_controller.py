@@ -126,15 +126,16 @@ def test_survivors_already_out_of_the_broken_group_re_form_in_the_tick_that_sees
     assert sorted(group.generations[-1]) == sorted([members[0], members[2]])
 
 
-def test_run_loop_waits_for_news_between_ticks_at_most_the_heartbeat_interval():
+def test_run_loop_waits_for_news_between_ticks_at_most_the_heartbeat_interval(monkeypatch):
     import time
     from types import SimpleNamespace
-    group, ticks, slept = FakeGroup(1), [], []
+    group, ticks, slept, clock = FakeGroup(1), [], [], FakeClock(0.0)
+    monkeypatch.setattr(time, "monotonic", clock)      # run_loop times its ticks by it
 
     def tick():
         ticks.append(1)
         if len(ticks) == 2:
-            time.sleep(0.06)                 # a slow tick: the next waits at least twice as long
+            clock.advance(0.06)              # a slow tick: the next waits at least twice as long
         controller.done = len(ticks) == 3
     controller = SimpleNamespace(done=False, tick=tick, group=group, failure=FailureConfig(heartbeat_interval_s=0.2),
                                  state=SimpleNamespace(state=RunState.FINISHED))

@@ -7,7 +7,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
@@ -23,6 +22,7 @@ RANK_1 = textwrap.dedent("""
     from elastic._worker.rendezvous import join_store
     store, _ = join_store(("127.0.0.1", int(sys.argv[1])), rank=1, timeout_s=50, hosted=None)
     store.set("from_rank_1", b"1")
+    print("waiting", flush=True)
     try:
         store.get("never")
         print("answered", flush=True)
@@ -41,7 +41,7 @@ def test_ranks_join_the_hosted_store_and_a_cut_by_its_host_releases_a_rank_waiti
     try:
         assert store.get("from_rank_1") == b"1"          # waits for rank 1 to join
         sockets.capture()
-        time.sleep(0.5)                                  # rank 1 is waiting on the store by now
+        assert rank_1.stdout.readline() == "waiting\n"   # about to wait (a cut before its get fails it too)
         assert rank_1.poll() is None
         # The connections the store accepted (rank 1's, and the host's own client's, both ends).
         assert sockets.shutdown() >= 1
