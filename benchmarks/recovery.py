@@ -1,9 +1,12 @@
-"""R1/R2: recovery after SIGKILL (R1) or SIGSTOP (R2) of one of N workers.
+"""R1/R2/R3: recovery after SIGKILL (R1), SIGSTOP (R2) or a preemption notice (SIGTERM, R3)
+of one of N workers.
 
 Measures, per trial, the seconds from the signal to the next completed step (the first step past
-the restored one, from metrics.jsonl) and the steps lost, then prints one JSON line.
+the restored one, from metrics.jsonl), the steps lost and the seconds the recovery's time ledger
+says it cost (`lost_s`: detection + redone + re-form + restore), then prints one JSON line.
 
     python benchmarks/recovery.py --workers 4 --trials 3 [--signal STOP --heartbeat-timeout 3]
+    python benchmarks/recovery.py --workers 4 --trials 5 --signal TERM
     python benchmarks/recovery.py --strategy fsdp --model-size base --workers 3 --in-memory-every 1 \
         [--storage s3]     # FSDP from memory; --in-memory-every none: from the checkpoint
 
@@ -99,7 +102,8 @@ def trial(args: argparse.Namespace, run_dir: str) -> dict:
             "lost_steps": recovery["lost_steps"], "detect_s": recovery["detect_s"], "rung": recovery["rung"],
             "cause": recovery["cause"], "from_world": recovery["from_world"], "to_world": recovery["to_world"],
             "step_s": round(step_s, 4), "restored_step": recovery["step"], "signal_time": fault["signal_time"],
-            "time_ledger": recovery.get("time_ledger")}
+            "time_ledger": recovery.get("time_ledger"),
+            "lost_s": round(sum((recovery.get("time_ledger") or {}).values()), 3)}
 
 
 @contextlib.contextmanager
@@ -119,7 +123,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--trials", type=int, default=3)
-    p.add_argument("--signal", choices=("KILL", "STOP"), default="KILL")
+    p.add_argument("--signal", choices=("KILL", "STOP", "TERM"), default="KILL")
     p.add_argument("--rank", type=int, default=1, help="rank that receives the signal")
     p.add_argument("--model-size", default="small", choices=sorted(gpt.MODEL_SIZES))
     p.add_argument("--batch-size", type=int, default=8)
@@ -150,11 +154,13 @@ def main() -> int:
         ray.shutdown()
     recovery = [t["recovery_s"] for t in trials]
     print(json.dumps({
-        "benchmark": "R1" if args.signal == "KILL" else "R2", "system": "elastic", "signal": f"SIG{args.signal}",
+        "benchmark": {"KILL": "R1", "STOP": "R2", "TERM": "R3"}[args.signal], "system": "elastic",
+        "signal": f"SIG{args.signal}",
         "workers": args.workers, "model_size": args.model_size, "trials": len(trials),
         "strategy": args.strategy, "in_memory_every": args.in_memory_every, "storage": args.storage,
         "recover_s_median": statistics.median(t["recover_s"] for t in trials),
         "recovery_s_median": statistics.median(recovery), "recovery_s_max": max(recovery),
+        "lost_s_median": statistics.median(t["lost_s"] for t in trials),
         "lost_steps_max": max(t["lost_steps"] for t in trials),
         "heartbeat_timeout_s": args.heartbeat_timeout, "step_s_median": statistics.median(t["step_s"] for t in trials),
         "rungs": sorted({t["rung"] for t in trials}), "machine": f"{platform.machine()} {os.cpu_count()} cores",

@@ -31,7 +31,7 @@ from elastic._worker import wrap as _wrap
 from elastic._worker.precision import Precision
 from elastic._worker.restore import Restorer, named_objects
 from elastic._worker.state import WorkerState
-from elastic._worker.step_boundary import StepBoundary
+from elastic._worker.step_boundary import StepBoundary, StepOutcome
 from elastic._worker.train_state import TrainState
 from elastic.config import ScalingConfig
 from elastic.errors import ConfigError, RestoreRequiredError
@@ -48,12 +48,14 @@ class TrainContext:
     """Per-rank handle given to `train_loop(ctx)`; re-created after every rescale."""
 
     def __init__(self, *, plan: GenerationPlan, spec: RunSpec, worker: WorkerState, loop_config: Any,
-                 stop_requested: threading.Event, preempted: threading.Event, device: torch.device):
+                 stop_requested: threading.Event, preempted: threading.Event, device: torch.device,
+                 commit_requested: threading.Event | None = None):
         self._plan, self._spec, self._worker, self._loop_config = plan, spec, worker, loop_config
         self.device = device
         self._preempted = preempted
         self._boundary = StepBoundary(plan=plan, spec=spec, worker=worker, device=device,
-                                      stop_requested=stop_requested, preempted=preempted)
+                                      stop_requested=stop_requested, preempted=preempted,
+                                      commit_requested=commit_requested)
         self._restorer = Restorer(plan=plan, spec=spec, worker=worker,
                                   comm_device=device if spec.use_gpu else torch.device("cpu"))
         self._models: list[tuple[nn.Module, nn.Module]] = []   # (as returned to the user, unwrapped)
@@ -264,7 +266,7 @@ class TrainContext:
         every, in_memory = self._spec.checkpoint_every, self._spec.in_memory_every
         if every is not None and step % every == 0 and step < self.total_steps:
             self.save_checkpoint()
-        leaving = outcome.stop or outcome.preempted
+        leaving = outcome.stop or outcome.preempted > 0
         if in_memory is not None and (step % in_memory == 0 or leaving) and step < self.total_steps:
             # FSDP's copies (every rank at the same steps: the swap is a collective); a group that
             # leaves together takes them at the step it leaves from, which the next one restores.
@@ -272,8 +274,9 @@ class TrainContext:
             started = time.monotonic()
             self._copy_to_memory()
             self._boundary.checkpoint_stall_s += time.monotonic() - started
-        if outcome.preempted and session.last_saved_step != step:
-            # A rank got its preemption notice: commit this step before it leaves.
+        if outcome.preempted and session.last_saved_step != step and not self._stays_in_memory(outcome):
+            # Ranks leave and what stays would not hold the whole state (or `elastic stop` asks
+            # for a commit): commit this step before they go.
             self._commit_before_leaving()
         if leaving:
             if not self._worker.warm.capable and in_memory is None and session.last_saved_step != step:
@@ -284,6 +287,21 @@ class TrainContext:
             raise RescaleInterrupt()
         _fault_gate.hold_after(step, self._loop_config, settle=self._boundary.settle)   # tests only: see fault_gate
         self._boundary.timer.start()
+
+    def _stays_in_memory(self, outcome: StepOutcome) -> bool:
+        """Whether the ranks that stay after `outcome.preempted` ranks leave hold the whole state
+        of this step, so the re-formed group restores it from memory and loses no step without a
+        commit. A commit at a notice costs the seconds of a full save to storage (minutes for a
+        large model) while the survivors already hold what it would write; what it would protect
+        against, the survivors failing before the next scheduled commit, is the risk of any other
+        step. DDP: every survivor holds a full replica. FSDP with copies in memory (just taken, at
+        this leaving step): each rank's shards have one copy, at its ring neighbour, which covers
+        one leaving rank. `elastic stop`, and a group that leaves whole, commit."""
+        if outcome.commit or outcome.preempted >= self.world_size:
+            return False
+        if self._worker.warm.capable:
+            return True
+        return self._spec.in_memory_every is not None and outcome.preempted == 1
 
     def _copy_to_memory(self) -> None:
         """Collective: this rank's state into host memory, and a copy to its ring neighbour."""

@@ -20,7 +20,7 @@ class Cause(enum.StrEnum):
     HANG = "hang"                          # silent past the heartbeat timeout (incl. a cut link), or no step
     COLLECTIVE_ERROR = "collective_error"  # the process group broke with no lost peer
     STORAGE_ERROR = "storage_error"        # storage failed a save, a load or a controller call
-    PREEMPTED = "preempted"                # a preemption notice (SIGTERM): committed, then left
+    PREEMPTED = "preempted"                # a preemption notice (SIGTERM): left at a step boundary
     HARDWARE_ERROR = "hardware_error"      # a GPU failed (ECC, off the bus, Xid): its worker is replaced
     STRAGGLER = "straggler"                # a slow rank evicted by the scaling policy (voluntary)
     SCALE_UP = "scale_up"                  # workers joined (voluntary)

@@ -18,6 +18,7 @@ from typing import Any
 
 from elastic._controller.time_ledger import TimeLedger
 from elastic._protocol import StepRecord
+from elastic.policies import Cause
 from elastic.schemas import SUMMARY_FORMAT
 
 log = logging.getLogger("elastic.record")
@@ -107,7 +108,8 @@ class RunSummary:
         self._recoveries.append(recovery)
         detected_at = recovery.get("detected_at")
         self._ledger.recovery_closed(self._clock() if detected_at is None else detected_at,
-                                     recovery.get("detect_s") or 0.0)
+                                     recovery.get("detect_s") or 0.0,
+                                     in_flight_kept=recovery.get("cause") == Cause.PREEMPTED)
         self._unsettled = recovery
         return previous
 

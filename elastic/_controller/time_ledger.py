@@ -17,7 +17,9 @@ the wall time, whatever the order of events or the skew between clocks.
   checkpoint (the step's record carries them), and the tail after the last step of a run that
   ended with its final commit (finished or stopped).
 - redone: the seconds of steps computed and later rolled back (a recovery restored an older
-  step), and of the step in flight when a failure struck (its end to the failure).
+  step), and of the step in flight when a failure struck (its end to the failure). A
+  preemption notice loses no step: from the last step to the controller hearing that the
+  group left (a commit, if the group made one, and leaving the loop) is re-form.
 - detection: the failure to its detection (the recovery's `detect_s`).
 - restore: of a recovery, the seconds the re-formed group's rank spent in ctx.restore (the
   first record of a generation carries them: a warm broadcast or a checkpoint load).
@@ -67,6 +69,7 @@ class _PendingRecovery:
     detected_at: float      # wall clock
     detect_s: float
     redone: float           # seconds of steps it rolled back so far
+    in_flight_kept: bool    # the group left at a step boundary (a preemption notice): nothing was in flight
 
 
 @dataclass(frozen=True)
@@ -103,12 +106,14 @@ class TimeLedger:
         """The controller handed a generation its plans (before its members join the group)."""
         self._generation_at = at
 
-    def recovery_closed(self, detected_at: float, detect_s: float) -> None:
+    def recovery_closed(self, detected_at: float, detect_s: float, *, in_flight_kept: bool = False) -> None:
         """A recovery closed: the re-formed group's first step comes next (or the run ends).
-        Its seconds are counted when that step comes (`step`), or at the end (`close`)."""
+        Its seconds are counted when that step comes (`step`), or at the end (`close`).
+        `in_flight_kept`: the group left at a step boundary and kept its steps (a preemption
+        notice), so the time from its last step to the detection is re-form, not redone."""
         if self._pending is not None:          # closed twice with no step between: the first ends here
             self._resolve(detected_at, restore_s=0.0)
-        self._pending = _PendingRecovery(detected_at, max(0.0, detect_s), self._redone_open)
+        self._pending = _PendingRecovery(detected_at, max(0.0, detect_s), self._redone_open, in_flight_kept)
         self._redone_open = 0.0
 
     def step(self, step: int, end: float, *, stall_s: float = 0.0,
@@ -214,13 +219,17 @@ class TimeLedger:
         failed_at = min(max(pending.detected_at - pending.detect_s, self._cursor), end)
         detected_at = min(max(pending.detected_at, failed_at), end)
         # Before the run's first step, the step in flight is still start-up.
-        in_flight = self._advance(failed_at, LedgerPart.REDONE if self._stepped else LedgerPart.STARTUP)
+        in_flight_part = LedgerPart.STARTUP if not self._stepped else \
+            LedgerPart.REFORM if pending.in_flight_kept else LedgerPart.REDONE
+        in_flight = self._advance(failed_at, in_flight_part)
         detection = self._advance(detected_at, LedgerPart.DETECTION)
         if step is not None:
             split = self._first_step(step, end, restore_s)
             reform, restore = split[LedgerPart.REFORM.value], split[LedgerPart.RESTORE.value]
         else:
             reform, restore = self._advance(end, LedgerPart.REFORM), 0.0
-        redone = pending.redone + (in_flight if self._stepped else 0.0)
+        if in_flight_part == LedgerPart.REFORM:
+            reform += in_flight
+        redone = pending.redone + (in_flight if in_flight_part == LedgerPart.REDONE else 0.0)
         return {LedgerPart.DETECTION.value: round(detection, 3), LedgerPart.REFORM.value: round(reform, 3),
                 LedgerPart.RESTORE.value: round(restore, 3), LedgerPart.REDONE.value: round(redone, 3)}

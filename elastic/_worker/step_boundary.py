@@ -15,8 +15,9 @@ posted when step s ends and collected when step s+1 ends; the group decides on i
   there is no one to agree with: it acts on its own flags at once.
 - Rescale: the controller's stop request is honoured one step later than a blocking exchange
   would; the state the group leaves with is still one state, the same step on every rank.
-- Preemption: the notice is seen one step later, then the step is committed before the group
-  leaves (TrainContext.report, unchanged): the grace period is tens of seconds, a step is not.
+- Preemption: the notice is seen one step later; the group leaves at that step, committing it
+  first only when the ranks that stay would not hold the whole state (TrainContext.report): the
+  exchange carries how many ranks got a notice, and whether `elastic stop` asked for a commit.
 - Records: step s's record (the mean loss and metrics, every rank's compute time) is written
   when its exchange is collected, in step order, and never lost: the exchange is collected early
   wherever someone needs step s settled (its checkpoint, so a non-finite loss is still never
@@ -29,6 +30,7 @@ posted when step s ends and collected when step s+1 ends; the group decides on i
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -57,25 +59,40 @@ MAX_METRICS = 32   # numeric report() keywords besides loss: fixed slots of the 
 RESERVED_METRICS = frozenset({"step", "world_size", "time", "global_batch", "accum_steps", "samples_seen",
                               "kind", "generation"})
 _HEADER = 5        # loss, stop flag, preemption flag, compute seconds, hash of the metric names
+_COMMIT = 2.0      # the preemption flag's value when the rank's leave asks for a commit (`elastic stop`)
 
 
 class StepOutcome(NamedTuple):
-    """What the group decided at a step's all-gather: leave the loop (a rescale), commit first
-    (a rank got a preemption notice)."""
+    """What the group decided at a step's all-gather: leave the loop (a rescale, or ranks that
+    got a preemption notice), and whether the state must be committed first."""
 
     stop: bool
-    preempted: bool
+    preempted: int          # ranks of the group with a preemption notice (they leave)
+    commit: bool            # `elastic stop`: the group commits the step before it leaves
+
+    @classmethod
+    def of(cls, flags: torch.Tensor) -> StepOutcome:
+        """From the exchange's per-rank stop and preemption slots (a preemption slot is
+        _COMMIT when that rank's leave asks for a commit)."""
+        return cls(stop=bool(flags[:, 0].max() > 0), preempted=int((flags[:, 1] > 0).sum()),
+                   commit=bool(flags[:, 1].max() >= _COMMIT))
+
+    def merged(self, later: StepOutcome) -> StepOutcome:
+        """Two steps' decisions acted on at once (a notice's flag stays set: the later knows more)."""
+        return StepOutcome(self.stop or later.stop, max(self.preempted, later.preempted), self.commit or later.commit)
 
 
 class StepBoundary:
     """One generation's step accounting on one rank."""
 
     def __init__(self, *, plan: GenerationPlan, spec: RunSpec, worker: WorkerState, device: torch.device,
-                 stop_requested: threading.Event, preempted: threading.Event):
+                 stop_requested: threading.Event, preempted: threading.Event,
+                 commit_requested: threading.Event | None = None):
         self._plan, self._spec, self._worker = plan, spec, worker
         self.device = device
         self._comm_device = device if spec.use_gpu else torch.device("cpu")
         self._stop_requested, self._preempted = stop_requested, preempted
+        self._commit_requested = commit_requested if commit_requested is not None else threading.Event()
         self.accumulation: Accumulation | None = new_accumulation(spec.lr, plan.world_size)
         self.timer = StepTimer()
         self.sync_model: nn.Module | None = None    # first prepared model: accumulation toggles its gradient sync
@@ -165,10 +182,11 @@ class StepBoundary:
             (self.lr_optimizer.param_groups[0]["lr"] if self.lr_optimizer is not None else None)
         loss = metrics.get("loss")
         stop, preempted = self._stop_requested.is_set(), self._preempted.is_set()
+        leave = (_COMMIT if self._commit_requested.is_set() else 1.0) if preempted else 0.0
         # Fixed size (MAX_METRICS slots), whatever the names: ranks that disagree are caught by
         # the names' hash. Tensor values stay on their device until the exchange is collected.
         host = [0.0] * (_HEADER + MAX_METRICS)
-        host[1:_HEADER] = [float(stop), float(preempted), self.timer.compute_s(),
+        host[1:_HEADER] = [float(stop), leave, self.timer.compute_s(),
                            float(mix_seed("metrics", names) & ((1 << 52) - 1))]
         on_device: dict[int, torch.Tensor] = {}
         loss_value: float | torch.Tensor = accumulation.mean_loss() if accumulation is not None else \
@@ -204,8 +222,8 @@ class StepBoundary:
         decided = [flags for at, flags in self._decisions.items() if at < progress.step]
         self._decisions = {at: flags for at, flags in self._decisions.items() if at >= progress.step}
         if self.world_size == 1:
-            return StepOutcome(stop=stop, preempted=preempted)
-        return StepOutcome(stop=any(f.stop for f in decided), preempted=any(f.preempted for f in decided))
+            return StepOutcome(stop=stop, preempted=int(preempted), commit=leave >= _COMMIT)
+        return functools.reduce(StepOutcome.merged, decided, StepOutcome(stop=False, preempted=0, commit=False))
 
     def settle(self, before: int | None = None) -> None:
         """Collect the pending exchanges (of the steps before `before`; None: all) and keep
@@ -219,8 +237,7 @@ class StepBoundary:
                 self.abandon()
                 raise
             self._pending.popleft()
-            self._decisions[step.step] = StepOutcome(stop=bool(shared[:, 1].max() > 0),
-                                                     preempted=bool(shared[:, 2].max() > 0))
+            self._decisions[step.step] = StepOutcome.of(shared[:, 1:3])
             self._keep_record(step, shared)
 
     def abandon(self) -> None:

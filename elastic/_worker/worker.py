@@ -162,6 +162,7 @@ class TrainWorker:
         self._state = WorkerState()
         self._stop_requested = threading.Event()
         self._preempted = threading.Event()
+        self._commit_requested = threading.Event()   # `elastic stop`: the group commits before it leaves
         self._thread: threading.Thread | None = None
         self._error: dict | None = None
         self._model_sha256: str | None = None
@@ -182,7 +183,8 @@ class TrainWorker:
         self._state.outbox.news.set()
 
     def _on_preemption_notice(self, signum, frame) -> None:
-        """SIGTERM (spot reclaim, node drain): commit at the next step boundary, then leave.
+        """SIGTERM (spot reclaim, node drain): leave at the next step boundary; the group commits
+        that step first unless the ranks that stay hold the whole state (see TrainContext.report).
 
         Outside a running generation there is nothing to save: the process ends at once. Inside
         one it ends after PREEMPTION_GRACE_S even if the controller never removes it."""
@@ -190,7 +192,7 @@ class TrainWorker:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
             return
-        log.warning("preemption notice: checkpoint at the next step, then leave (within %ds)", PREEMPTION_GRACE_S)
+        log.warning("preemption notice: leaving at the next step (within %ds)", PREEMPTION_GRACE_S)
         self._preempted.set()
         self._announce()
         timer = threading.Timer(PREEMPTION_GRACE_S, os._exit, args=(0,))
@@ -205,6 +207,7 @@ class TrainWorker:
         if self._phase != WorkerPhase.RUNNING or self._preempted.is_set():
             return
         log.warning("stop requested: checkpoint at the next step, then leave")
+        self._commit_requested.set()
         self._preempted.set()
         self._announce()
 
@@ -306,7 +309,8 @@ class TrainWorker:
             self._position.enter(plan.generation)   # this thread's place, for the hang judge
             self._join_group(plan)
             ctx = TrainContext(plan=plan, spec=self._spec, worker=self._state, loop_config=self._loop_config,
-                               stop_requested=self._stop_requested, preempted=self._preempted, device=self._device)
+                               stop_requested=self._stop_requested, preempted=self._preempted,
+                               commit_requested=self._commit_requested, device=self._device)
             # Identical initial weights on every rank and in every run with the same seed.
             torch.manual_seed(mix_seed(self._spec.seed, "init"))
             loop = self._loop

@@ -21,8 +21,9 @@ STEPS = 8
 
 
 def _rank_main(rank: int, port: int, storage: str, flag: str, flag_rank: int, flag_before: int, out: str) -> None:
-    """One rank: train STEPS steps, `flag` ("stop" or "preempt") set on `flag_rank` before the
-    report of step `flag_before`; writes what it saw to `out`."""
+    """One rank: train STEPS steps, `flag` set on `flag_rank` (-1: on every rank) before the report
+    of step `flag_before`: "stop" (a rescale request), "preempt" (a notice), "elastic_stop" (the
+    controller's stop: a notice that asks for a commit); writes what it saw to `out`."""
     import torch.distributed as dist
 
     from elastic._protocol import GenerationPlan, RestorePlan, RunSpec
@@ -35,11 +36,11 @@ def _rank_main(rank: int, port: int, storage: str, flag: str, flag_rank: int, fl
                    storage_options={}, checkpoint_every=None, keep=None, async_save=False,
                    max_consecutive_failures=3, cpus_per_worker=1, collective_timeout_s=60.0)
     worker = WorkerState()
-    stop, preempted = threading.Event(), threading.Event()
+    stop, preempted, commit_requested = threading.Event(), threading.Event(), threading.Event()
     plan = GenerationPlan(generation=1, rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port,
                           restore=RestorePlan("fresh"), timeout_s=60.0)
     ctx = TrainContext(plan=plan, spec=spec, worker=worker, loop_config=None, stop_requested=stop,
-                       preempted=preempted, device=torch.device("cpu"))
+                       preempted=preempted, commit_requested=commit_requested, device=torch.device("cpu"))
     torch.manual_seed(0)
     model = ctx.prepare_model(nn.Linear(4, 1))
     optimizer = ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
@@ -54,7 +55,9 @@ def _rank_main(rank: int, port: int, storage: str, flag: str, flag_rank: int, fl
             optimizer.step()
             optimizer.zero_grad()
             losses.append(float(loss))
-            if rank == flag_rank and step + 1 == flag_before:
+            if flag_rank in (rank, -1) and step + 1 == flag_before:
+                if flag == "elastic_stop":
+                    commit_requested.set()
                 (stop if flag == "stop" else preempted).set()
             ctx.report(loss=loss, acc=torch.tensor(float(rank)))
     except RescaleInterrupt:
@@ -122,10 +125,16 @@ def test_a_stop_request_on_one_rank_unwinds_every_rank_at_the_same_step_one_step
     _check_records(results, 4)
 
 
-def test_a_preemption_notice_on_one_rank_commits_the_same_step_on_both_then_leaves(tmp_path):
-    results = _two_ranks(tmp_path, "preempt", flag_rank=1, flag_before=5)
+@pytest.mark.parametrize(("flag", "flag_rank", "commits"), [
+    ("preempt", 1, False),          # DDP: the rank that stays holds a full replica, no commit needed
+    ("preempt", -1, True),          # every rank leaves: the state would be lost
+    ("elastic_stop", 1, True),      # the run stops: its state must be on storage
+], ids=["notice_to_one", "notice_to_all", "elastic_stop"])
+def test_a_preemption_notice_leaves_at_the_same_step_on_both_and_commits_only_if_the_state_would_be_lost(
+        tmp_path, flag, flag_rank, commits):
+    results = _two_ranks(tmp_path, flag, flag_rank=flag_rank, flag_before=5)
     assert [r["left_at"] for r in results] == [6, 6]
-    assert [r["committed"] for r in results] == [6, 6]
+    assert [r["committed"] for r in results] == ([6, 6] if commits else [None, None])
     _check_records(results, 6)
 
 

@@ -66,6 +66,21 @@ def test_a_resize_has_no_detection_and_loses_no_step_in_flight():
     assert sum(ledger.close(6.0, "finished").values()) == pytest.approx(6.0)
 
 
+def test_a_preemption_notice_keeps_its_steps_and_its_leaving_is_reform_not_redone():
+    ledger = TimeLedger(0.0)
+    ledger.placed(1.0)
+    ledger.step(1, 2.0)
+    ledger.step(2, 3.0)
+    # A notice: the group left at step 2's boundary; the controller heard of it at 3.8 (a commit,
+    # if any, and leaving the loop), detect_s 0. No step is lost: 0.8 s of re-form, not redone.
+    ledger.generation_started(4.0)
+    ledger.recovery_closed(3.8, 0.0, in_flight_kept=True)
+    assert ledger.step(3, 5.5, restore_s=0.2) == approx(
+        {"detection": 0.0, "reform": 1.3, "restore": 0.2, "redone": 0.0})
+    parts = ledger.close(5.5, "finished")
+    assert parts["redone"] == 0.0 and sum(parts.values()) == pytest.approx(5.5)
+
+
 def test_records_out_of_order_or_from_a_clock_ahead_never_count_twice():
     ledger = TimeLedger(0.0)
     ledger.placed(1.0)
