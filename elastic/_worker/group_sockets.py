@@ -24,6 +24,13 @@ sees fails the run as a user error). So a socket is the group's only when all of
   3. a peer's group listener, as every rank publishes its own in the group's store at capture
      (one small key per rank; gloo connects each pair to one side's listener).
 
+Connections made after the capture. A group whose pairs connect on first use (the checkpoint
+side group: checkpointing._groups, gloo's lazy connections) opens them after the window closed.
+`shutdown` therefore looks again: a connection that is new since the window opened and was
+accepted by one of this rank's group listeners or made to a peer's (the listeners the capture
+found) is the group's too. Only the current group's listeners are known, and they are open while
+it is (their ports are not reused), so a later group's connections never match.
+
 What remains possible: a thread that, in the same seconds, opens a listener bound to a specific
 address and accepts a connection on it, or connects to the store or to a peer's gloo listener,
 has that connection cut too. NCCL's own connections are created at the first collective, after
@@ -139,6 +146,8 @@ class GroupSockets:
         self._lock = threading.Lock()
         self.store_at(store_address)
         self._mine: dict[int, str] = {}
+        self._own: list[Endpoint] = []        # this rank's group listeners (found at capture)
+        self._theirs: list[Endpoint] = []     # the peers' group listeners (published at capture)
         self._cut = False
 
     def store_at(self, store_address: Endpoint | None) -> None:
@@ -159,6 +168,7 @@ class GroupSockets:
         own = sorted({t.local for _, t in new.values() if t.listening
                       and (t.local[0] not in _WILDCARDS or t.local[1] == self._store_port)})
         connections = {fd: (inode, t) for fd, (inode, t) in new.items() if not t.listening}
+        self._own = own
         self._keep({fd: inode for fd, (inode, t) in connections.items()
                     if t.remote in self._store or _reaches(t.local, own)})
         if store is None or world_size <= 1:
@@ -166,6 +176,7 @@ class GroupSockets:
         store.set(_STORE_KEY.format(rank=rank), json.dumps(own))
         peers = store.multi_get([_STORE_KEY.format(rank=r) for r in range(world_size) if r != rank])
         theirs = [(ip, port) for answer in peers for ip, port in json.loads(answer)]
+        self._theirs = theirs
         self._keep({fd: inode for fd, (inode, t) in connections.items() if _reaches(t.remote, theirs)})
 
     def _keep(self, found: dict[int, str]) -> None:
@@ -180,9 +191,20 @@ class GroupSockets:
         """Shut down the group's connections (the fds stay open: the group owns them)."""
         with self._lock:
             mine, self._mine, self._cut = self._mine, {}, True
-        closed = _shut_down(mine)
+        closed = _shut_down({**self._made_since_capture(), **mine})
         log.debug("shut down %d connection(s) of the broken group", closed)
         return closed
+
+
+    def _made_since_capture(self) -> dict[int, str]:
+        """The group's connections opened after the capture (pairs that connect on first use):
+        new since the window opened, accepted by this rank's group listeners or made to a peer's."""
+        if not (self._own or self._theirs):
+            return {}
+        tcp = _tcp_sockets()
+        return {fd: inode for fd, inode in _sockets().items()
+                if self._before.get(fd) != inode and inode in tcp and not tcp[inode].listening
+                and (_reaches(tcp[inode].local, self._own) or _reaches(tcp[inode].remote, self._theirs))}
 
 
 def _shut_down(sockets: dict[int, str]) -> int:

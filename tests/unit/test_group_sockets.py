@@ -21,12 +21,13 @@ COLLECTIVE_TIMEOUT_S = 300     # beyond this test's timeout: waiting it out cann
 RANK = textwrap.dedent("""
     import datetime, socket, sys, threading, time
     import torch, torch.distributed as dist
+    from checkpointing._groups import new_lazy_gloo_group
     from elastic._worker.rendezvous import HostedStore, join_store
-    rank, frozen = int(sys.argv[1]), int(sys.argv[2])
+    rank, frozen, on = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     server = socket.create_server(("127.0.0.1", 0))          # the user's: a local service, open before
     # As TrainWorker forms a group: rank 0 hosts the store (and opens its window) first.
     hosted = HostedStore("127.0.0.1") if rank == 0 else None
-    address = hosted.address if hosted else ("127.0.0.1", int(sys.argv[3]))
+    address = hosted.address if hosted else ("127.0.0.1", int(sys.argv[4]))
     if hosted:
         print("port", address[1], flush=True)
     user = []                                                # ... and a connection to it, opened by
@@ -35,18 +36,19 @@ RANK = textwrap.dedent("""
     store, sockets = join_store(address, rank, %d, hosted)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=%d))
-    side = dist.new_group(backend="gloo")                    # as the checkpoint side group is
+    side = new_lazy_gloo_group(datetime.timedelta(seconds=%d))   # as the checkpoint side group is
     opener.join()
     accepted, _ = server.accept()
     sockets.capture(store=dist.distributed_c10d._get_default_store(), rank=rank, world_size=2)
-    dist.all_reduce(torch.ones(4))               # the group works
+    group = side if on == "side" else None       # the side group's pairs connect here, after the capture
+    dist.all_reduce(torch.ones(4), group=group)  # the group works
     if rank == frozen:
         print("peer-frozen", flush=True)
         time.sleep(3600)                         # alive, connections open, never joins again
     outcome = []
     def blocked():
         try:
-            dist.all_reduce(torch.ones(4))
+            dist.all_reduce(torch.ones(4), group=group)
             outcome.append("completed")
         except Exception as error:
             outcome.append(type(error).__name__ + ": " + str(error)[:200])
@@ -64,21 +66,24 @@ RANK = textwrap.dedent("""
         print("user connection", "ok" if accepted.recv(4) == b"ping" else "broken", flush=True)
     except OSError as error:
         print("user connection broken:", error, flush=True)
-""" % (COLLECTIVE_TIMEOUT_S, COLLECTIVE_TIMEOUT_S))  # noqa: UP031 - the program's own f-strings use braces
+""" % (COLLECTIVE_TIMEOUT_S, COLLECTIVE_TIMEOUT_S, COLLECTIVE_TIMEOUT_S))  # noqa: UP031 - the program's own f-strings use braces
 
 
 # Gloo connects each pair from the higher rank to the lower one's listener: rank 0 cuts a
 # connection it accepted, rank 1 one it opened to rank 0 (found through the exchanged listeners).
+# `side`: the collective runs on a group whose pairs connect on first use, after the capture (the
+# checkpoint side group): the cut must find those connections too.
+@pytest.mark.parametrize("on", ["default", "side"], ids=["default_group", "lazy_side_group"])
 @pytest.mark.parametrize("frozen", [1, 0], ids=["cut_by_rank_0", "cut_by_rank_1"])
-def test_cutting_the_group_releases_a_collective_blocked_on_a_frozen_peer_and_nothing_else(frozen):
-    ranks = [subprocess.Popen([sys.executable, "-c", RANK, "0", str(frozen)], stdout=subprocess.PIPE,
+def test_cutting_the_group_releases_a_collective_blocked_on_a_frozen_peer_and_nothing_else(frozen, on):
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK, "0", str(frozen), on], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)]
     try:
         first = ranks[0].stdout.readline()           # rank 0's store listens on the port the OS picked
         while first and not first.startswith("port "):   # a warning before it
             first = ranks[0].stdout.readline()
         assert first.startswith("port "), ranks[0].communicate(timeout=30)[0]
-        ranks.append(subprocess.Popen([sys.executable, "-c", RANK, "1", str(frozen), first.split()[1]],
+        ranks.append(subprocess.Popen([sys.executable, "-c", RANK, "1", str(frozen), on, first.split()[1]],
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         out, _ = ranks[1 - frozen].communicate(timeout=100)
     finally:
