@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from chaos.services import free_port, wait_until
+from chaos.services import wait_until
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
@@ -24,16 +24,33 @@ SUITE = HERE.parents[1] / "unit" / "ckpt"  # ckpt_conformance.py (shared helpers
 UNIT = HERE.parents[1] / "unit"            # programs of other suites: "module:function"
 
 
-def spawn_ranks(program: str, world: int, kwargs: dict, out_dir: str, env: dict | None = None):
-    port = free_port()
-    procs = []
-    for rank in range(world):
+PORT_FILE = "store_port"
+
+
+def spawn_ranks(program: str, world: int, kwargs: dict, out_dir: str, env: dict | None = None,
+                timeout: float = 60, procs: list | None = None) -> list:
+    """Rank 0 first: its store binds a port the OS picks (a port picked free beforehand can be
+    taken by another test before the store binds it) and names it in PORT_FILE; then the rest.
+    Each process is appended to `procs` as it starts (the caller kills them, whatever happens)."""
+    procs = [] if procs is None else procs
+    penv = dict(os.environ, **(env or {}))
+    penv["PYTHONPATH"] = os.pathsep.join([str(REPO), str(HERE), str(SUITE), str(UNIT), penv.get("PYTHONPATH", "")])
+
+    def start(rank: int, port: int) -> subprocess.Popen:
         cmd = [sys.executable, str(HERE / "ckpt_ranks.py"), program, str(rank), str(world), str(port),
                json.dumps(kwargs), out_dir]
-        penv = dict(os.environ, **(env or {}))
-        penv["PYTHONPATH"] = os.pathsep.join([str(REPO), str(HERE), str(SUITE), str(UNIT), penv.get("PYTHONPATH", "")])
         with open(Path(out_dir, f"rank{rank}.log"), "wb") as log:
-            procs.append(subprocess.Popen(cmd, env=penv, stdout=log, stderr=subprocess.STDOUT))
+            return subprocess.Popen(cmd, env=penv, stdout=log, stderr=subprocess.STDOUT)
+
+    procs.append(start(0, 0))
+    port_file = Path(out_dir, PORT_FILE)
+    with contextlib.suppress(TimeoutError):       # rank 0 failed or hung: reported by run_ranks
+        wait_until(lambda: port_file.exists() or procs[0].poll() is not None, timeout,
+                   "rank 0's store port", interval_s=0.02)
+    if not port_file.exists():
+        return procs
+    port = int(port_file.read_text())
+    procs.extend(start(rank, port) for rank in range(1, world))
     return procs
 
 
@@ -51,18 +68,20 @@ def kill_all(procs) -> None:
 def run_ranks(program: str, world: int, timeout: float = 90, env: dict | None = None, **kwargs) -> list:
     """Results of `program` per rank; raises with every rank's output if any rank fails."""
     with tempfile.TemporaryDirectory() as out_dir:
-        procs = spawn_ranks(program, world, kwargs, out_dir, env)
+        procs: list[subprocess.Popen] = []
         try:
+            spawn_ranks(program, world, kwargs, out_dir, env, procs=procs)
             with contextlib.suppress(TimeoutError):   # a rank still running then is reported below
                 wait_until(lambda: all(p.poll() is not None for p in procs) or any(p.poll() for p in procs),
                            timeout, f"{program}'s ranks to end", interval_s=0.05)
         finally:
             running = [p for p in procs if p.poll() is None]
             kill_all(procs)
-        outputs = [Path(out_dir, f"rank{r}.log").read_text(errors="replace") for r in range(world)]
+        # Fewer than `world` when rank 0 never named its port (the others were not started).
+        outputs = [Path(out_dir, f"rank{r}.log").read_text(errors="replace") for r in range(len(procs))]
         codes = [p.returncode for p in procs]
-        if running or any(c != 0 for c in codes):
-            detail = "\n".join(f"--- rank {r} (exit {codes[r]})\n{outputs[r][-4000:]}" for r in range(world))
+        if len(procs) < world or running or any(c != 0 for c in codes):
+            detail = "\n".join(f"--- rank {r} (exit {codes[r]})\n{outputs[r][-4000:]}" for r in range(len(procs)))
             raise AssertionError(f"{program} at world {world} failed or timed out ({timeout}s):\n{detail}")
         return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
 
@@ -76,7 +95,11 @@ def _main() -> None:
 
     module, _, name = program.rpartition(":")
     programs = importlib.import_module(module or "ckpt_rank_programs")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    store = dist.TCPStore("127.0.0.1", int(port), world, is_master=rank == 0, wait_for_workers=False)
+    if rank == 0:                               # bound: name the port (written whole, then renamed)
+        Path(out_dir, PORT_FILE + ".tmp").write_text(str(store.port))
+        os.replace(Path(out_dir, PORT_FILE + ".tmp"), Path(out_dir, PORT_FILE))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
         result = getattr(programs, name)(rank=rank, world=world, **json.loads(kwargs))
         dist.barrier()
