@@ -267,6 +267,8 @@ class TrainContext:
         if every is not None and step % every == 0 and step < self.total_steps:
             self.save_checkpoint()
         leaving = outcome.stop or outcome.preempted > 0
+        if leaving:
+            outcome = self._boundary.recount(outcome)
         if in_memory is not None and (step % in_memory == 0 or leaving) and step < self.total_steps:
             # FSDP's copies (every rank at the same steps: the swap is a collective); a group that
             # leaves together takes them at the step it leaves from, which the next one restores.

@@ -181,8 +181,7 @@ class StepBoundary:
         lr = as_float(metrics["lr"]) if "lr" in metrics else \
             (self.lr_optimizer.param_groups[0]["lr"] if self.lr_optimizer is not None else None)
         loss = metrics.get("loss")
-        stop, preempted = self._stop_requested.is_set(), self._preempted.is_set()
-        leave = (_COMMIT if self._commit_requested.is_set() else 1.0) if preempted else 0.0
+        stop, leave = self._flags()
         # Fixed size (MAX_METRICS slots), whatever the names: ranks that disagree are caught by
         # the names' hash. Tensor values stay on their device until the exchange is collected.
         host = [0.0] * (_HEADER + MAX_METRICS)
@@ -222,8 +221,27 @@ class StepBoundary:
         decided = [flags for at, flags in self._decisions.items() if at < progress.step]
         self._decisions = {at: flags for at, flags in self._decisions.items() if at >= progress.step}
         if self.world_size == 1:
-            return StepOutcome(stop=stop, preempted=int(preempted), commit=leave >= _COMMIT)
+            return StepOutcome(stop=bool(stop), preempted=int(leave > 0), commit=leave >= _COMMIT)
         return functools.reduce(StepOutcome.merged, decided, StepOutcome(stop=False, preempted=0, commit=False))
+
+    def _flags(self) -> tuple[float, float]:
+        """This rank's stop flag, and its preemption flag (_COMMIT when its leave asks for a commit)."""
+        preempted = self._preempted.is_set()
+        return float(self._stop_requested.is_set()), \
+            (_COMMIT if self._commit_requested.is_set() else 1.0) if preempted else 0.0
+
+    def recount(self, outcome: StepOutcome) -> StepOutcome:
+        """Collective, at the step the group leaves from (every rank leaves at it): the flags as
+        they are now. The decision to leave was taken on a step's exchange; a notice that reached
+        another rank since is counted too, so the group knows how many of its ranks go (whether
+        what stays holds the state) from notices up to this step, not one step older."""
+        if self.world_size == 1:
+            return outcome
+        import torch.distributed as dist
+        mine = torch.tensor(self._flags(), dtype=torch.float64, device=self._comm_device)
+        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(gathered, mine)
+        return outcome.merged(StepOutcome.of(torch.stack(gathered).cpu()))
 
     def settle(self, before: int | None = None) -> None:
         """Collect the pending exchanges (of the steps before `before`; None: all) and keep

@@ -23,7 +23,9 @@ STEPS = 8
 def _rank_main(rank: int, port: int, storage: str, flag: str, flag_rank: int, flag_before: int, out: str) -> None:
     """One rank: train STEPS steps, `flag` set on `flag_rank` (-1: on every rank) before the report
     of step `flag_before`: "stop" (a rescale request), "preempt" (a notice), "elastic_stop" (the
-    controller's stop: a notice that asks for a commit); writes what it saw to `out`."""
+    controller's stop: a notice that asks for a commit), "preempt_staggered" (a notice to
+    `flag_rank`, and one to the other rank a step later, before the step the group leaves from);
+    writes what it saw to `out`."""
     import torch.distributed as dist
 
     from elastic._protocol import GenerationPlan, RestorePlan, RunSpec
@@ -59,6 +61,8 @@ def _rank_main(rank: int, port: int, storage: str, flag: str, flag_rank: int, fl
                 if flag == "elastic_stop":
                     commit_requested.set()
                 (stop if flag == "stop" else preempted).set()
+            if flag == "preempt_staggered" and rank != flag_rank and step + 1 == flag_before + 1:
+                preempted.set()
             ctx.report(loss=loss, acc=torch.tensor(float(rank)))
     except RescaleInterrupt:
         left_at = ctx.step
@@ -129,7 +133,8 @@ def test_a_stop_request_on_one_rank_unwinds_every_rank_at_the_same_step_one_step
     ("preempt", 1, False),          # DDP: the rank that stays holds a full replica, no commit needed
     ("preempt", -1, True),          # every rank leaves: the state would be lost
     ("elastic_stop", 1, True),      # the run stops: its state must be on storage
-], ids=["notice_to_one", "notice_to_all", "elastic_stop"])
+    ("preempt_staggered", 1, True),  # the other rank's notice came after the decision to leave
+], ids=["notice_to_one", "notice_to_all", "elastic_stop", "notices_a_step_apart"])
 def test_a_preemption_notice_leaves_at_the_same_step_on_both_and_commits_only_if_the_state_would_be_lost(
         tmp_path, flag, flag_rank, commits):
     results = _two_ranks(tmp_path, flag, flag_rank=flag_rank, flag_before=5)
