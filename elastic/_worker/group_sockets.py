@@ -195,7 +195,6 @@ class GroupSockets:
         log.debug("shut down %d connection(s) of the broken group", closed)
         return closed
 
-
     def _made_since_capture(self) -> dict[int, str]:
         """The group's connections opened after the capture (pairs that connect on first use):
         new since the window opened, accepted by this rank's group listeners or made to a peer's."""
