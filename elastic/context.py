@@ -276,14 +276,8 @@ class TrainContext:
             started = time.monotonic()
             self._copy_to_memory()
             self._boundary.checkpoint_stall_s += time.monotonic() - started
-        if outcome.preempted and session.last_saved_step != step and not self._stays_in_memory(outcome):
-            # Ranks leave and what stays would not hold the whole state (or `elastic stop` asks
-            # for a commit): commit this step before they go.
-            self._commit_before_leaving()
         if leaving:
-            if not self._worker.warm.capable and in_memory is None and session.last_saved_step != step:
-                # FSDP shards without copies in memory cannot be rebuilt after the group changes:
-                # commit them first.
+            if session.last_saved_step != step and not self._stays_in_memory(outcome):
                 self._commit_before_leaving()
             self._boundary.settle()   # this step's record, before the loop unwinds
             raise RescaleInterrupt()
@@ -291,19 +285,21 @@ class TrainContext:
         self._boundary.timer.start()
 
     def _stays_in_memory(self, outcome: StepOutcome) -> bool:
-        """Whether the ranks that stay after `outcome.preempted` ranks leave hold the whole state
-        of this step, so the re-formed group restores it from memory and loses no step without a
-        commit. A commit at a notice costs the seconds of a full save to storage (minutes for a
-        large model) while the survivors already hold what it would write; what it would protect
-        against, the survivors failing before the next scheduled commit, is the risk of any other
-        step. DDP: every survivor holds a full replica. FSDP with copies in memory (just taken, at
-        this leaving step): each rank's shards have one copy, at its ring neighbour, which covers
-        one leaving rank. `elastic stop`, and a group that leaves whole, commit."""
+        """Whether the group that leaves the loop (a rescale, `outcome.preempted` ranks with a
+        notice) keeps the whole state of this step in the memory of the ranks that stay, so the
+        re-formed group restores it without a commit first. A commit at a notice costs the
+        seconds of a full save to storage (minutes for a large model) while the survivors already
+        hold what it would write; what it would protect against, the survivors failing before the
+        next scheduled commit, is the risk of any other step. DDP: every survivor holds a full
+        replica. FSDP with copies in memory (just taken, at this leaving step): each rank's shards
+        have one copy, at its ring neighbour, which covers one leaving rank. FSDP shards without
+        copies cannot be rebuilt after the group changes. `elastic stop`, and a group that
+        leaves whole, commit."""
         if outcome.commit or outcome.preempted >= self.world_size:
             return False
         if self._worker.warm.capable:
             return True
-        return self._spec.in_memory_every is not None and outcome.preempted == 1
+        return self._spec.in_memory_every is not None and outcome.preempted <= 1
 
     def _copy_to_memory(self) -> None:
         """Collective: this rank's state into host memory, and a copy to its ring neighbour."""

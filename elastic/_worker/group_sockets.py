@@ -162,9 +162,7 @@ class GroupSockets:
         With the group's `store` (a torch.distributed Store), publish this rank's group
         listeners and read the peers' (a collective: every rank of the group calls it), which
         finds the connections this rank opened to them."""
-        tcp = _tcp_sockets()
-        new = {fd: (inode, tcp[inode]) for fd, inode in _sockets().items()
-               if self._before.get(fd) != inode and inode in tcp}
+        new = self._new_since_window()
         own = sorted({t.local for _, t in new.values() if t.listening
                       and (t.local[0] not in _WILDCARDS or t.local[1] == self._store_port)})
         connections = {fd: (inode, t) for fd, (inode, t) in new.items() if not t.listening}
@@ -200,10 +198,14 @@ class GroupSockets:
         new since the window opened, accepted by this rank's group listeners or made to a peer's."""
         if not (self._own or self._theirs):
             return {}
+        return {fd: inode for fd, (inode, t) in self._new_since_window().items() if not t.listening
+                and (_reaches(t.local, self._own) or _reaches(t.remote, self._theirs))}
+
+    def _new_since_window(self) -> dict[int, tuple[str, _Tcp]]:
+        """fd -> (inode, endpoints) of the TCP sockets opened since the window opened."""
         tcp = _tcp_sockets()
-        return {fd: inode for fd, inode in _sockets().items()
-                if self._before.get(fd) != inode and inode in tcp and not tcp[inode].listening
-                and (_reaches(tcp[inode].local, self._own) or _reaches(tcp[inode].remote, self._theirs))}
+        return {fd: (inode, tcp[inode]) for fd, inode in _sockets().items()
+                if self._before.get(fd) != inode and inode in tcp}
 
 
 def _shut_down(sockets: dict[int, str]) -> int:

@@ -237,11 +237,8 @@ class StepBoundary:
         what stays holds the state) from notices up to this step, not one step older."""
         if self.world_size == 1:
             return outcome
-        import torch.distributed as dist
-        mine = torch.tensor(self._flags(), dtype=torch.float64, device=self._comm_device)
-        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(gathered, mine)
-        return outcome.merged(StepOutcome.of(torch.stack(gathered).cpu()))
+        now = step_exchange.post(list(self._flags()), {}, device=self._comm_device, world_size=self.world_size)
+        return outcome.merged(StepOutcome.of(now.collect()))
 
     def settle(self, before: int | None = None) -> None:
         """Collect the pending exchanges (of the steps before `before`; None: all) and keep
