@@ -81,7 +81,7 @@ class Accumulation:
         self.steps = steps
         self.micro = 0                 # index of the micro-batch being processed in this step
         self._reported = 0             # micro-steps of this step whose report() was called
-        self._loss_sum = 0.0
+        self._loss_sum: float | torch.Tensor = 0.0   # a tensor loss stays on its device (no read per micro-batch)
         self.stepped = False           # the real optimizer step of this step has run
         self._clear_grads: list[Any] = []   # prepared optimizers' real zero_grad
 
@@ -105,14 +105,20 @@ class Accumulation:
     def reported(self) -> int:
         return self._reported
 
-    def defer_report(self, loss_value: float | None) -> bool:
-        """report() on a micro-step: True when it must return at once (not the final micro-step)."""
+    def defer_report(self, loss: Any) -> bool:
+        """report() on a micro-step (`loss`: as reported, a tensor, a number or None): True when it
+        must return at once (not the final micro-step). A tensor is summed where it lives: on a
+        GPU, reading it here would wait for the device at every micro-batch."""
         self._reported += 1
-        self._loss_sum += loss_value or 0.0
+        if hasattr(loss, "detach"):
+            self._loss_sum = loss.detach().reshape(()).double() + self._loss_sum
+        elif loss is not None:
+            self._loss_sum += float(loss)
         return not self.final
 
-    def mean_loss(self) -> float:
-        """Mean of this step's micro-batch losses (call after the final defer_report)."""
+    def mean_loss(self) -> float | torch.Tensor:
+        """Mean of this step's micro-batch losses (call after the final defer_report); a tensor
+        when the losses were."""
         return self._loss_sum / self.steps
 
     def scale_gradients(self, params: Iterable[torch.Tensor]) -> None:

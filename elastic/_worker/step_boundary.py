@@ -6,8 +6,11 @@ are shared in one all-gather, and the step's record waits in the outbox for the 
 The loader sees only this object, through elastic._data's `LoaderSide` protocol; the user sees
 TrainContext, which owns the checkpoint rules around the boundary.
 
-The boundary does not block (issue 18). Step s's all-gather (elastic._worker.step_exchange) is
-posted when step s ends and collected when step s+1 ends; the group decides on it one step late:
+The boundary does not hold the device (issue 18). Step s's all-gather
+(elastic._worker.step_exchange) is posted when step s ends; on a GPU its values are read when step
+s+1 ends (the host never waits for the device at the step), on a CPU the exchange completes within
+step s's report (an unfinished gloo collective could hang a survivor's teardown; the host has no
+device to keep fed). The group decides on it one step late on both, one logic for the two:
 - Leaving together. A rank's stop and preemption flags of step s are acted on at the end of step
   s+1, on every rank, whatever it knew earlier: every rank collects the same exchange, so every
   rank leaves at the same step s+1. Only the group's decisions count; a rank never acts on its
@@ -164,7 +167,7 @@ class StepBoundary:
         Returns the group's decision; None: a non-final micro-batch (gradient accumulation),
         which only notes its loss."""
         accumulation = self.accumulation
-        if accumulation is not None and accumulation.defer_report(as_float(metrics.get("loss"))):
+        if accumulation is not None and accumulation.defer_report(metrics.get("loss")):
             return None
         thread_position.mark(thread_position.ThreadPlace.EXCHANGE)   # from here it waits for the others (hang_watch)
         names, values = report_values(metrics, skip=frozenset({"loss", "lr"}))
@@ -208,15 +211,10 @@ class StepBoundary:
             raise
         self._pending.append((step, pending))
         self._steps_ended += 1
-        # The step's exchange is collected now, in this report(). Collecting it one step later
-        # (posted at s, waited at s+1) took the exchange off the critical path, but a rank whose
-        # peer died then held an unfinished async collective on the broken group; under load the
-        # survivors' teardown of the generation hung on it and the re-form timed out on the store
-        # (seen in 4 of ~50 integration tests of one CI run). Until the pending work can be
-        # aborted with the group, the exchange completes within its step, as it always did; the
-        # group still acts on the flags one step late (below), which keeps that logic ready for
-        # the asynchronous exchange. NOTE: issue 18's non-blocking boundary is therefore off.
-        self.settle()
+        # A host exchange completed in post() and is kept now; a device one is read when the
+        # next step ends (step_exchange), so the host never waits for the device at its step,
+        # except at the generation's first: its record ends a recovery, announced at once.
+        self.settle(before=progress.step if pending.read_later and self._steps_ended > 1 else None)
         thread_position.mark(thread_position.ThreadPlace.BOUNDARY)   # the exchange is over: its own work now
         decided = [flags for at, flags in self._decisions.items() if at < progress.step]
         self._decisions = {at: flags for at, flags in self._decisions.items() if at >= progress.step}

@@ -1,18 +1,21 @@
-"""The group's exchange of one step's values, posted at the step's end and read a step later.
+"""The group's exchange of one step's values, posted at the step's end.
 
 Each rank's report() posts one all-gather of a fixed-size vector (loss, stop flag, preemption
-flag, compute seconds, hash of the metric names, metric slots) and goes on training; the result
-is read when the next step ends (or sooner where the caller needs it: see StepBoundary). Nothing
-on the step's critical path waits for a peer or, on a GPU, for the device:
+flag, compute seconds, hash of the metric names, metric slots). Where its values are read depends
+on where they live (`PendingExchange.read_later`):
 
-- CPU (gloo): an asynchronous all-gather on the default group; by the next report it has long
-  completed on gloo's own threads, and `wait()` only collects it. Every rank posts its exchanges
-  at the same points of its loop (after the step's backward, before the next forward), so the
-  group's collectives are issued in one order on every rank, as gloo requires.
+- CPU (gloo): the all-gather completes within the report that posts it (a few hundred bytes,
+  ~1.6 ms of a step on the small model, BENCHMARKS O1). Left pending into the next step, it was
+  an unfinished collective on gloo's threads when a peer died, and the survivors' teardown of the
+  generation hung on it under load (9a4fd0a): a host has no device to keep fed, so waiting here
+  costs the round trip and nothing else.
 - GPU (NCCL): the vector is assembled on the device (the loss and tensor metrics are never read
-  on the host at their step), all-gathered asynchronously, and copied to pinned host memory with
-  a non-blocking copy behind an event. Reading it a step later waits for that event only: the
-  device has long finished the previous step's work by then.
+  on the host at their step), all-gathered on the group's stream like DDP's all-reduces, and
+  copied to pinned host memory with a non-blocking copy behind an event. The host never waits for
+  the device at the step: the boundary reads the values when the next step ends, by when the
+  device has finished the step before (a wait there holds the host at most one step ahead of the
+  device, which keeps the device's queue full). A broken group's pending NCCL work is aborted
+  with its communicator, like DDP's.
 
 A pending exchange is resolved exactly once: `collect()` (the group's values) or `own_values()`
 (this rank's, when the group broke before the exchange completed).
@@ -32,11 +35,13 @@ class PendingExchange:
         self._mine = mine
         self._gathered = [torch.empty_like(mine) for _ in range(world_size)]
         self._work = dist.all_gather(self._gathered, mine, async_op=True)
+        # On gloo: done when this returns. On NCCL: the current stream waits for the collective,
+        # which orders the copy below after it; the host does not wait.
+        self._work.wait()
+        self.read_later = mine.is_cuda   # the boundary reads it at the next step (see the module docstring)
         self._host: torch.Tensor | None = None
         self._event: Any = None
         if mine.is_cuda:
-            # Orders the copy after the collective on the device; the host does not wait here.
-            self._work.wait()
             self._host = torch.empty((world_size, mine.numel()), dtype=mine.dtype, pin_memory=True)
             self._host.copy_(torch.stack(self._gathered), non_blocking=True)
             self._event = torch.cuda.Event()
@@ -48,12 +53,11 @@ class PendingExchange:
             self._event.synchronize()
             assert self._host is not None
             return self._host
-        self._work.wait()
         return torch.stack(self._gathered)
 
     def completed(self) -> bool:
         """Whether `collect()` would return at once (GPU: the copy may still be in flight)."""
-        return self._event.query() if self._event is not None else self._work.is_completed()
+        return self._event.query() if self._event is not None else True
 
     def own_values(self) -> torch.Tensor:
         """This rank's vector alone, as a one-row table, on the host (its values never needed the
@@ -70,7 +74,8 @@ def post(host_values: list[float], device_values: dict[int, torch.Tensor], *, de
         for slot, value in device_values.items():
             host[slot] = value.detach().to(torch.float64).reshape(())
         return PendingExchange(host, world_size)
-    mine = host.to(device, non_blocking=True)
+    # From pinned memory (the caching host allocator's): a copy the host does not wait for.
+    mine = host.pin_memory().to(device, non_blocking=True)
     for slot, value in device_values.items():
         mine[slot] = value.detach().to(device=device, dtype=torch.float64).reshape(())
     return PendingExchange(mine, world_size)

@@ -158,6 +158,22 @@ def test_mean_loss_and_rewrapping():
     assert opt.step is step and opt.__dict__["_elastic_accumulation"][0].steps == 3
 
 
+def test_tensor_losses_are_summed_where_they_are_and_never_read_per_micro_batch():
+    acc = Accumulation(3)
+    losses = [torch.tensor(1.0, requires_grad=True) * 1, torch.tensor([2.0]), torch.tensor(6.0, dtype=torch.bfloat16)]
+    for micro, loss in enumerate(losses):
+        acc.begin_micro(micro, None)
+        acc.defer_report(loss)
+    # A tensor (on a GPU: on the device, read with the step's exchange a step later), detached,
+    # in float64 whatever the loss's dtype.
+    mean = acc.mean_loss()
+    assert isinstance(mean, torch.Tensor) and not mean.requires_grad and mean.dtype == torch.float64
+    assert mean.item() == 3.0
+    acc.begin_micro(0, None)                    # the next step starts from zero
+    acc.defer_report(None)
+    assert acc.mean_loss() == 0.0
+
+
 def run_micro_steps(model, accum=3):
     acc = Accumulation(accum)
     for micro in range(accum):

@@ -166,18 +166,41 @@ def _step(ctx, model, optimizer, loss_value: float | None = None) -> None:
     ctx.report(loss=loss if loss_value is None else torch.tensor(loss_value))
 
 
-def test_records_come_in_step_order_and_none_is_lost_when_the_loop_fails(generations):
+@pytest.fixture(params=["host", "read_later"])
+def exchanges(request, monkeypatch):
+    """How the step's exchange is read: "host" as on a CPU (within its report), "read_later" as
+    on a GPU (at the next report; here a CPU exchange marked so, which the boundary treats alike)."""
+    if request.param == "read_later":
+        from elastic._worker import step_exchange
+        post = step_exchange.post
+
+        def read_later(*args, **kwargs):
+            pending = post(*args, **kwargs)
+            pending.read_later = True
+            return pending
+        monkeypatch.setattr(step_exchange, "post", read_later)
+    return request.param
+
+
+def test_records_come_in_step_order_and_none_is_lost_when_the_loop_fails(generations, exchanges):
     ctx, model, optimizer = _prepared(generations())
     for _ in range(3):
         _step(ctx, model, optimizer)
-    # Each step's exchange completes within its report() (the asynchronous collection is off: see
-    # StepBoundary.end_step): every record is there at once, and the failure path finds none pending.
-    assert [r.step for r in ctx._worker.outbox.drain()] == [1, 2, 3]
-    ctx._abandon()
-    assert [r.step for r in ctx._worker.outbox.drain()] == []
+    if exchanges == "host":
+        # Each exchange completed within its report(): every record is there at once, and the
+        # failure path finds none pending.
+        assert [r.step for r in ctx._worker.outbox.drain()] == [1, 2, 3]
+        ctx._abandon()
+        assert [r.step for r in ctx._worker.outbox.drain()] == []
+    else:
+        # The generation's first step is read at once (it ends a recovery), the others a step
+        # later: step 3's is pending, and the failure path keeps it.
+        assert [r.step for r in ctx._worker.outbox.drain()] == [1, 2]
+        ctx._abandon()
+        assert [r.step for r in ctx._worker.outbox.drain()] == [3]
 
 
-def test_the_last_steps_record_is_kept_at_the_end_of_the_run(generations):
+def test_the_last_steps_record_is_kept_at_the_end_of_the_run(generations, exchanges):
     ctx, model, optimizer = _prepared(generations())
     for _ in range(3):
         _step(ctx, model, optimizer)
@@ -185,7 +208,15 @@ def test_the_last_steps_record_is_kept_at_the_end_of_the_run(generations):
     assert [r.step for r in ctx._worker.outbox.drain()] == [1, 2, 3]
 
 
-def test_a_nonfinite_loss_is_found_before_its_step_is_checkpointed(generations):
+def test_a_step_logged_on_one_rank_comes_after_its_steps_record(generations, exchanges):
+    ctx, model, optimizer = _prepared(generations())
+    for _ in range(2):
+        _step(ctx, model, optimizer)
+    ctx.log(eval_loss=1.5)
+    assert [(r.step, r.kind) for r in ctx._worker.outbox.drain()] == [(1, "step"), (2, "step"), (2, "log")]
+
+
+def test_a_nonfinite_loss_is_found_before_its_step_is_checkpointed(generations, exchanges):
     from elastic import NonFiniteLossError
     run = generations(checkpoint_every=2)
     ctx, model, optimizer = _prepared(run)
