@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 import multiprocessing
-import socket
 import threading
 
 import pytest
@@ -20,19 +19,36 @@ pytestmark = pytest.mark.timeout(180)
 STEPS = 8
 
 
-def _rank_main(rank: int, port: int, storage: str, flag: str, flag_rank: int, flag_before: int, out: str) -> None:
+def _rank_main(rank: int, ports, storage: str, flag: str, flag_rank: int, flag_before: int, out: str,
+               read_later: bool) -> None:
     """One rank: train STEPS steps, `flag` set on `flag_rank` (-1: on every rank) before the report
     of step `flag_before`: "stop" (a rescale request), "preempt" (a notice), "elastic_stop" (the
     controller's stop: a notice that asks for a commit), "preempt_staggered" (a notice to
     `flag_rank`, and one to the other rank a step later, before the step the group leaves from);
-    writes what it saw to `out`."""
+    writes what it saw to `out`. `read_later`: each exchange read at the next report, as on a GPU.
+    Rank 0's store binds a port the OS picks and hands it to rank 1 through `ports` (a port
+    picked free beforehand can be taken by another test's process first)."""
     import torch.distributed as dist
 
     from elastic._protocol import GenerationPlan, RestorePlan, RunSpec
     from elastic._worker.state import WorkerState
     from elastic.context import RescaleInterrupt, TrainContext
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0)
+    if read_later:
+        from elastic._worker import step_exchange
+        post = step_exchange.post
+
+        def posted(*args, **kwargs):
+            pending = post(*args, **kwargs)
+            pending.read_later = True
+            return pending
+        step_exchange.post = posted   # this process only (spawned)
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+        ports.put(store.port)
+    else:
+        store = dist.TCPStore("127.0.0.1", ports.get(timeout=60), 2, False)
+    port = store.port
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     spec = RunSpec(user_code=b"", total_steps=100, seed=0, strategy="ddp", use_gpu=False, storage=storage,
                    storage_options={}, checkpoint_every=None, keep=None, async_save=False,
@@ -88,19 +104,23 @@ def _rank_main(rank: int, port: int, storage: str, flag: str, flag_rank: int, fl
     gc.collect()
 
 
-def _two_ranks(tmp_path, flag: str, flag_rank: int, flag_before: int) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def _two_ranks(tmp_path, flag: str, flag_rank: int, flag_before: int, read_later: bool = False) -> list[dict]:
     mp = multiprocessing.get_context("spawn")
+    ports = mp.Queue()
     outs = [str(tmp_path / f"rank{r}.json") for r in range(2)]
-    procs = [mp.Process(target=_rank_main, args=(r, port, str(tmp_path / "run"), flag, flag_rank, flag_before,
-                                                  outs[r])) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(150)
-        assert p.exitcode == 0, f"rank process exit code {p.exitcode}"
+    procs = [mp.Process(target=_rank_main, args=(r, ports, str(tmp_path / "run"), flag, flag_rank, flag_before,
+                                                  outs[r], read_later)) for r in range(2)]
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(150)
+            assert p.exitcode == 0, f"rank process exit code {p.exitcode}"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(10)
     results = []
     for out in outs:
         with open(out) as f:
@@ -121,9 +141,11 @@ def _check_records(results: list[dict], last: int) -> None:
             assert len(record["compute_s"]) == (2 if rank == 0 else 0)
 
 
-@pytest.mark.parametrize("flag_rank", [0, 1])
-def test_a_stop_request_on_one_rank_unwinds_every_rank_at_the_same_step_one_step_later(tmp_path, flag_rank):
-    results = _two_ranks(tmp_path, "stop", flag_rank=flag_rank, flag_before=3)
+@pytest.mark.parametrize(("flag_rank", "read_later"), [(0, False), (1, False), (1, True)],
+                         ids=["rank0", "rank1", "rank1_read_later"])
+def test_a_stop_request_on_one_rank_unwinds_every_rank_at_the_same_step_one_step_later(tmp_path, flag_rank,
+                                                                                      read_later):
+    results = _two_ranks(tmp_path, "stop", flag_rank=flag_rank, flag_before=3, read_later=read_later)
     # Set before the report of step 3, posted with step 3's exchange, acted on at step 4 by both.
     assert [r["left_at"] for r in results] == [4, 4]
     _check_records(results, 4)
@@ -134,17 +156,21 @@ def test_a_stop_request_on_one_rank_unwinds_every_rank_at_the_same_step_one_step
     ("preempt", -1, True),          # every rank leaves: the state would be lost
     ("elastic_stop", 1, True),      # the run stops: its state must be on storage
     ("preempt_staggered", 1, True),  # the other rank's notice came after the decision to leave
-], ids=["notice_to_one", "notice_to_all", "elastic_stop", "notices_a_step_apart"])
+    ("preempt_read_later", 1, False),  # notice_to_one with each exchange read at the next report (GPU)
+], ids=["notice_to_one", "notice_to_all", "elastic_stop", "notices_a_step_apart", "notice_to_one_read_later"])
 def test_a_preemption_notice_leaves_at_the_same_step_on_both_and_commits_only_if_the_state_would_be_lost(
         tmp_path, flag, flag_rank, commits):
-    results = _two_ranks(tmp_path, flag, flag_rank=flag_rank, flag_before=5)
+    read_later = flag.endswith("_read_later")
+    flag = flag.removesuffix("_read_later")
+    results = _two_ranks(tmp_path, flag, flag_rank=flag_rank, flag_before=5, read_later=read_later)
     assert [r["left_at"] for r in results] == [6, 6]
     assert [r["committed"] for r in results] == ([6, 6] if commits else [None, None])
     _check_records(results, 6)
 
 
-def test_without_a_flag_both_ranks_finish_with_every_steps_record(tmp_path):
-    results = _two_ranks(tmp_path, "stop", flag_rank=0, flag_before=STEPS + 10)
+@pytest.mark.parametrize("read_later", [False, True], ids=["host", "read_later"])
+def test_without_a_flag_both_ranks_finish_with_every_steps_record(tmp_path, read_later):
+    results = _two_ranks(tmp_path, "stop", flag_rank=0, flag_before=STEPS + 10, read_later=read_later)
     assert [r["left_at"] for r in results] == [None, None] and [r["step"] for r in results] == [STEPS, STEPS]
     _check_records(results, STEPS)
 
