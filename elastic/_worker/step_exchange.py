@@ -12,10 +12,10 @@ on where they live (`PendingExchange.read_later`):
 - GPU (NCCL): the vector is assembled on the device (the loss and tensor metrics are never read
   on the host at their step), all-gathered on the group's stream like DDP's all-reduces, and
   copied to pinned host memory with a non-blocking copy behind an event. The host never waits for
-  the device at the step: the boundary reads the values when the next step ends, by when the
-  device has finished the step before (a wait there holds the host at most one step ahead of the
-  device, which keeps the device's queue full). A broken group's pending NCCL work is aborted
-  with its communicator, like DDP's.
+  the device at the step: the boundary reads the values when the next step ends, after queueing
+  that step's kernels (a wait there, for a device still busy with the step before, holds the host
+  at most one step ahead of the device, which keeps the device's queue full). A broken group's
+  pending NCCL work is aborted with its communicator, like DDP's.
 
 A pending exchange is resolved exactly once: `collect()` (the group's values) or `own_values()`
 (this rank's, when the group broke before the exchange completed).
