@@ -24,7 +24,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.exclusive]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EVERY = 10              # checkpoint interval
-STEPS = 200
+# Long enough that the 2-worker generation runs for several status writes (at most one a second)
+# after the cut: with 200 steps of the tiny model on a quiet machine, a recovery in 2.5 s left
+# the survivors ~1.5 s of steps, and the run could end before the test saw them going on.
+STEPS = 600
 
 # The job's driver, run inside the head's namespace. The cut worker is declared lost after the
 # heartbeat timeout; the survivors, told to cut their own connections of the group, leave the
