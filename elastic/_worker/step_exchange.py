@@ -7,8 +7,12 @@ on where they live (`PendingExchange.read_later`):
 - CPU (gloo): the all-gather completes within the report that posts it (a few hundred bytes,
   ~1.6 ms of a step on the small model, BENCHMARKS O1). Left pending into the next step, it was
   an unfinished collective on gloo's threads when a peer died, and the survivors' teardown of the
-  generation hung on it under load (9a4fd0a): a host has no device to keep fed, so waiting here
-  costs the round trip and nothing else.
+  generation hung on it under load (9a4fd0a). Why: `~ProcessGroupGloo` waits for its work queue
+  to drain, and it runs wherever the group's last reference drops; with an all-gather pending on
+  a live peer that never posts it, `destroy_process_group()` (and `_abort_process_group()`, which
+  does not abort gloo work) blocked the full collective timeout in a 3-process probe, and
+  returned at once while a reference to the group was still held elsewhere. Reading the exchange
+  a step later on CPUs needs that: broken groups kept referenced until their work completes.
 - GPU (NCCL): the vector is assembled on the device (the loss and tensor metrics are never read
   on the host at their step), all-gathered on the group's stream like DDP's all-reduces, and
   copied to pinned host memory with a non-blocking copy behind an event. The host never waits for
