@@ -38,10 +38,9 @@ class PendingExchange:
     def __init__(self, mine: torch.Tensor, world_size: int):
         self._mine = mine
         self._gathered = [torch.empty_like(mine) for _ in range(world_size)]
-        self._work = dist.all_gather(self._gathered, mine, async_op=True)
-        # On gloo: done when this returns. On NCCL: the current stream waits for the collective,
+        # On gloo: done when wait() returns. On NCCL: the current stream waits for the collective,
         # which orders the copy below after it; the host does not wait.
-        self._work.wait()
+        dist.all_gather(self._gathered, mine, async_op=True).wait()
         self.read_later = mine.is_cuda   # the boundary reads it at the next step (see the module docstring)
         self._host: torch.Tensor | None = None
         self._event: Any = None

@@ -19,6 +19,16 @@ pytestmark = pytest.mark.timeout(180)
 STEPS = 8
 
 
+def _reading_later(post):
+    """`step_exchange.post`, each exchange it makes marked to be read at the next report, as a
+    device exchange is (a CPU exchange completes in post(), so only the reading moves)."""
+    def posted(*args, **kwargs):
+        pending = post(*args, **kwargs)
+        pending.read_later = True
+        return pending
+    return posted
+
+
 def _rank_main(rank: int, ports, storage: str, flag: str, flag_rank: int, flag_before: int, out: str,
                read_later: bool) -> None:
     """One rank: train STEPS steps, `flag` set on `flag_rank` (-1: on every rank) before the report
@@ -36,13 +46,7 @@ def _rank_main(rank: int, ports, storage: str, flag: str, flag_rank: int, flag_b
     torch.set_num_threads(1)
     if read_later:
         from elastic._worker import step_exchange
-        post = step_exchange.post
-
-        def posted(*args, **kwargs):
-            pending = post(*args, **kwargs)
-            pending.read_later = True
-            return pending
-        step_exchange.post = posted   # this process only (spawned)
+        step_exchange.post = _reading_later(step_exchange.post)   # this process only (spawned)
     if rank == 0:
         store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
         ports.put(store.port)
@@ -198,13 +202,7 @@ def exchanges(request, monkeypatch):
     on a GPU (at the next report; here a CPU exchange marked so, which the boundary treats alike)."""
     if request.param == "read_later":
         from elastic._worker import step_exchange
-        post = step_exchange.post
-
-        def read_later(*args, **kwargs):
-            pending = post(*args, **kwargs)
-            pending.read_later = True
-            return pending
-        monkeypatch.setattr(step_exchange, "post", read_later)
+        monkeypatch.setattr(step_exchange, "post", _reading_later(step_exchange.post))
     return request.param
 
 

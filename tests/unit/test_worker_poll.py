@@ -1,4 +1,5 @@
 """A worker's held poll: answered at once when something happens, not at the end of the hold."""
+import dataclasses
 import threading
 
 import pytest
@@ -111,10 +112,7 @@ def test_the_storage_is_opened_while_the_worker_is_a_spare_and_a_bad_one_fails_a
     # Opened at construction: a spare's first join does not make the group wait for it.
     manager = worker._state.checkpoints.manager
     assert manager is not None and manager.storage.root.endswith(tmp_path.name)
-    spec = RunSpec(user_code=cloudpickle.dumps((loop, None)), total_steps=1, seed=0, strategy="ddp",
-                   use_gpu=False, storage="nosuchscheme://bucket/run", storage_options={}, checkpoint_every=None,
-                   keep=1, async_save=False, max_consecutive_failures=1, cpus_per_worker=1.0,
-                   collective_timeout_s=5.0)
+    spec = dataclasses.replace(worker._spec, storage="nosuchscheme://bucket/run")
     spare = TrainWorker(spec)                        # an unusable storage does not stop the worker here
     assert spare._state.checkpoints.manager is None
     from checkpointing import StorageError
