@@ -98,6 +98,7 @@ class PositionReport:
     nth: int                   # index of the step in hand within the generation (1: its first)
     age_s: float               # seconds it has been there
     step_times: tuple[float, ...] = ()   # its steps' durations since its previous answer (see thread_position)
+    exchanged: int = 0         # the newest step whose exchange it has collected: every rank entered it
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,11 @@ it matters: a worker's held poll returns when its wait crosses HANG_FLOOR_S and 
 
 Never judged (the other rules stand: heartbeat_timeout_s, the collective timeout,
 step_timeout_s): a rank in a checkpoint save, in ctx.restore or joining the group (their length
-is not a step's, and a save may hold the GIL from the poll thread), nor an answering one in the
-boundary's own work after an exchange or in the tests' hold; a front within its
+is not a step's, and a save may hold the GIL from the poll thread) while it may still be there:
+once the front has collected the exchange of a later step (PositionReport.exchanged; every rank
+entered it), such an answer is stale and a silent rank is judged like any other (a rank last
+heard in its save, frozen two steps later, is found in the bound, not by the heartbeat); nor an
+answering one in the boundary's own work after an exchange or in the tests' hold; a front within its
 generation's first FIRST_STEPS steps (group formation, DDP's first buckets, lazy allocations);
 and, with the bound "auto", a run with fewer than MIN_STEP_TIMES step times learned.
 
@@ -150,7 +153,11 @@ class HangWatch:
         behind = [m for m in seen if m.place < front.place]
         hung: list[tuple[_Seen, float, str]] = []
         for m in seen:
-            if m is front or m.position.place in NOT_JUDGED_SILENT or m.place > front.place:
+            if m is front or m.place > front.place:
+                continue
+            # A save, ctx.restore or joining is exempt while the rank may still be in it: not once
+            # the front has collected an exchange the rank entered after it (its answer is stale).
+            if m.position.place in NOT_JUDGED_SILENT and front.position.exchanged <= m.position.step:
                 continue
             if m.silent_s > fresh_s and (m.place < front.place or not behind):
                 hung.append((m, min(m.silent_s, now - m.there_since),

@@ -103,7 +103,8 @@ class RunningWatch:
         rank_of = {w: r for r, w in enumerate(st.members)} if lost or preempted else {}
         if lost:
             ranks = tuple(rank_of[w] for w, _, _ in lost)
-            return Fault(Failure(lost[0][1], ranks, f"lost worker(s) {[w for w, _, _ in lost]}"),
+            silent = [_last_heard(w, views[w], failure) for w, _, _ in lost if views[w].status != DEAD]
+            return Fault(Failure(lost[0][1], ranks, "; ".join([f"lost worker(s) {[w for w, _, _ in lost]}", *silent])),
                          [w for w, _, _ in lost], max(s for _, _, s in lost))
         if preempted:
             ranks = tuple(rank_of[w] for w in preempted)
@@ -197,3 +198,12 @@ def _error_of(report: WorkerReport) -> dict[str, str | None]:
     """A worker's reported error, as Failure's fields."""
     return {"error_type": report.error_type, "error_message": report.error_message,
             "error_traceback": report.error_traceback}
+
+
+def _last_heard(wid: int, view: WorkerView, failure: FailureConfig) -> str:
+    """Why a silent worker is lost, and where its training thread last said it was: the place
+    an operator (or the hang judge's tests) looks at when the heartbeat, not the hang bound,
+    found a frozen rank."""
+    position = view.report.position if view.report is not None else None
+    where = f"; its last answer: {position.place}, {position.step} steps done" if position is not None else ""
+    return f"worker {wid} silent for {view.silent_s:.1f}s (heartbeat_timeout_s={failure.heartbeat_timeout_s:g}{where})"

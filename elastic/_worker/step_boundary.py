@@ -250,6 +250,7 @@ class StepBoundary:
                 self.abandon()
                 raise
             self._pending.popleft()
+            thread_position.exchanged(step.step)   # every rank entered this step's exchange (hang_watch)
             self._decisions[step.step] = StepOutcome.of(shared[:, 1:3])
             self._keep_record(step, shared)
 

@@ -17,6 +17,10 @@ group is held up by someone. So that the controller hears it when it matters, no
 later, `hold` returns early when the thread's wait crosses WAKE_AGES_S (the least automatic
 bound and half of it): once per crossing, so a healthy run's polls stay one a second.
 
+A report also carries the newest step whose exchange this rank has collected (`exchanged`):
+every rank of the group had entered that exchange, so a rank whose own last answer placed it
+before it (in a save, say) has since moved on, whatever that answer said.
+
 The step times the judge learns its bound from are measured here too: from the mark that opens
 a step's compute to the end of its exchange. Checkpoint saves and the fault gate come after the
 exchange and the generation's first step begins in ctx.restore (no compute mark), so none of
@@ -58,6 +62,13 @@ def mark(place: ThreadPlace) -> None:
         position.mark(place)
 
 
+def exchanged(step: int) -> None:
+    """The calling training thread collected the exchange of `step` (nothing when no position is bound)."""
+    position = current()
+    if position is not None:
+        position.exchanged(step)
+
+
 class ThreadPosition:
     """One worker's training thread's place, written by that thread, read by the poll thread."""
 
@@ -71,6 +82,7 @@ class ThreadPosition:
         self._place = ThreadPlace.JOINING
         self._step = 0
         self._ended = 0                      # exchanges entered in this generation
+        self._exchanged = 0                  # the newest step whose exchange it collected (this generation)
         self._since = clock()
         self._step_began: float | None = None    # the compute mark of the step in hand
         self._step_times: deque[float] = deque(maxlen=MAX_STEP_TIMES)
@@ -78,7 +90,7 @@ class ThreadPosition:
     def enter(self, generation: int) -> None:
         """The calling thread runs `generation` from now on: its marks land here."""
         with self._lock:
-            self._generation, self._ended, self._step_began = generation, 0, None
+            self._generation, self._ended, self._exchanged, self._step_began = generation, 0, 0, None
             self._place, self._step, self._since = ThreadPlace.JOINING, self._completed(), self._clock()
         _bound.position = self
 
@@ -99,6 +111,11 @@ class ThreadPosition:
             # The tests' hold: every rank is there at once. Heard now, the controller reports the
             # held step and the injector acts on a known last answer (elastic._worker.fault_gate).
             self._news.set()
+
+    def exchanged(self, step: int) -> None:
+        """The exchange of `step` was collected: every rank of the group had entered it."""
+        with self._lock:
+            self._exchanged = max(self._exchanged, step)
 
     def hold(self, hold_s: float) -> None:
         """Wait until news, `hold_s`, or the thread's wait crossing one of WAKE_AGES_S."""
@@ -132,4 +149,4 @@ class ThreadPosition:
                                              ThreadPlace.HELD)
             nth = self._ended if after_boundary else self._ended + 1
             return PositionReport(generation=self._generation, place=self._place, step=self._step, nth=nth,
-                                  age_s=round(now - self._since, 6), step_times=times)
+                                  age_s=round(now - self._since, 6), step_times=times, exchanged=self._exchanged)

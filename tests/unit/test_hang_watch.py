@@ -24,8 +24,10 @@ DEFAULT = FailureConfig()          # hang_timeout_s="auto": max(4 x p99, 2 s)
 
 
 def view(wid: int, place: ThreadPlace, *, age: float, silent: float = 0.2, step: int = 40, nth: int = 10,
-         generation: int = GEN, times: tuple[float, ...] = (), phase: WorkerPhase = WorkerPhase.RUNNING) -> WorkerView:
-    position = PositionReport(generation=generation, place=place, step=step, nth=nth, age_s=age, step_times=times)
+         generation: int = GEN, times: tuple[float, ...] = (), phase: WorkerPhase = WorkerPhase.RUNNING,
+         exchanged: int | None = None) -> WorkerView:
+    position = PositionReport(generation=generation, place=place, step=step, nth=nth, age_s=age, step_times=times,
+                              exchanged=step if exchanged is None else exchanged)
     report = WorkerReport(phase=phase, generation=generation, rank=wid, step=step, has_state=True, records=[],
                           position=position)
     return WorkerView(wid=wid, status=READY, report=report, silent_s=silent)
@@ -104,6 +106,24 @@ def test_never_a_rank_in_a_checkpoint_save_in_restore_or_joining():
         assert judge(watch, view(0, SYNC, age=6.0), view(1, place, age=7.0, silent=6.5, step=40)) is not None
 
 
+def test_a_silent_rank_last_heard_in_a_save_is_hung_once_the_others_have_collected_a_later_exchange():
+    # Its last answer came from inside the save of step 40 (a save may keep the poll thread from
+    # the GIL), then it stopped. The others have since collected step 41's exchange, which it
+    # entered after the save: it is out of the save, and silent. (CI, stop 23: found by the
+    # heartbeat after 10 s instead.)
+    watch = taught(FakeClock())
+    for place in (ThreadPlace.CHECKPOINT, ThreadPlace.RESTORING, ThreadPlace.JOINING):
+        waiting = [view(w, SYNC, age=2.0, step=42, exchanged=41) for w in (0, 2)]
+        hung = judge(watch, waiting[0], view(1, place, age=0.3, silent=2.5, step=40), waiting[1])
+        assert hung is not None and hung.ranks == (1,) and "silent" in hung.reason, place
+        # Still in it as far as anyone knows: step 41's exchange not collected (a device exchange
+        # is read a step late), or the rank answers.
+        waiting = [view(w, SYNC, age=6.0, step=41, exchanged=40) for w in (0, 2)]
+        assert judge(watch, waiting[0], view(1, place, age=7.0, silent=6.5, step=40), waiting[1]) is None
+        waiting = [view(w, SYNC, age=6.0, step=42, exchanged=41) for w in (0, 2)]
+        assert judge(watch, waiting[0], view(1, place, age=7.0, silent=0.2, step=40), waiting[1]) is None
+
+
 def test_never_on_a_generations_first_steps():
     watch = taught(FakeClock())
     for nth in (1, 2):                   # the group formed, DDP's first buckets, lazy allocations
@@ -168,6 +188,18 @@ def test_running_watch_turns_the_verdict_into_a_hang_fault_that_replaces_the_ran
     fault = running.assess(st, views, DEFAULT, step_s=0.1)
     assert isinstance(fault, Fault) and fault.failure.cause == Cause.HANG
     assert fault.failure.ranks == (1,) and fault.lost == [11] and fault.detect_s == pytest.approx(2.1)
+
+
+def test_a_heartbeat_timeout_says_where_the_silent_rank_last_was():
+    # The hang judge exempts a rank whose last answer came from its save: the heartbeat finds it,
+    # and the reason says where it was heard last (what the next flaky run would have told).
+    running = RunningWatch(FakeClock())
+    st, views = group(view(10, SYNC, age=10.5, step=51, exchanged=50),
+                      view(11, ThreadPlace.CHECKPOINT, age=0.1, silent=10.2, step=50))
+    fault = running.assess(st, views, DEFAULT, step_s=0.1)
+    assert isinstance(fault, Fault) and fault.failure.cause == Cause.HANG and fault.lost == [11]
+    assert fault.failure.message == ("lost worker(s) [11]; worker 11 silent for 10.2s (heartbeat_timeout_s=10; "
+                                     "its last answer: checkpoint, 50 steps done)")
 
 
 @pytest.mark.parametrize("value", [0, -1.0, float("inf"), "soon", True])

@@ -240,6 +240,27 @@ def test_a_step_logged_on_one_rank_comes_after_its_steps_record(generations, exc
     assert [(r.step, r.kind) for r in ctx._worker.outbox.drain()] == [(1, "step"), (2, "step"), (2, "log")]
 
 
+def test_the_position_reports_the_newest_exchange_collected(generations, exchanges):
+    # What the hang judge proves a silent rank's older answer stale with (hang_watch): a host
+    # exchange is collected within its report, a device one at the next report.
+    from elastic._worker import thread_position
+    ctx, model, optimizer = _prepared(generations())
+    position = thread_position.ThreadPosition(completed=lambda: ctx.step, news=threading.Event())
+    position.enter(generation=0)
+    try:
+        seen = []
+        for _ in range(3):
+            _step(ctx, model, optimizer)
+            seen.append(position.report().exchanged)
+        assert seen == ([1, 2, 3] if exchanges == "host" else [1, 1, 2])
+        ctx.log(eval_loss=1.0)                      # log() collects what is pending
+        assert position.report().exchanged == 3
+        position.enter(generation=1)
+        assert position.report().exchanged == 0    # counted per generation
+    finally:
+        thread_position._bound.position = None
+
+
 def test_a_nonfinite_loss_is_found_before_its_step_is_checkpointed(generations, exchanges):
     from elastic import NonFiniteLossError
     run = generations(checkpoint_every=2)
