@@ -253,9 +253,9 @@ class TrainContext:
         must report the same names. With gradient accumulation a non-final micro-batch's report
         only notes its loss.
 
-        On a GPU nothing here waits for the device on a step with nothing to do: the step's
-        values are exchanged on the device and read at the next report (on a CPU the exchange, a
-        few hundred bytes, completes here). The group acts on them at the next report: a rescale
+        Nothing here waits for the other ranks, nor on a GPU for the device, on a step with
+        nothing to do: the step's values are exchanged in the background (on the device, on a
+        GPU) and read at the next report. The group acts on them at the next report: a rescale
         or a preemption notice unwinds the loop one step after it arrives, on every rank at the
         same step (see elastic._worker.step_boundary).
         """

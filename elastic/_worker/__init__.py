@@ -8,7 +8,7 @@
                        rebuild of a generation's shards from them (the memory rung);
 - `thread_position.py` where the training thread is, for the controller's hang judge;
 - `step_boundary.py`   what happens between two steps (the loader opens, report closes);
-- `step_exchange.py`   the step's values gathered across ranks (collected within the step's report);
+- `step_exchange.py`   the step's values gathered across ranks (read at the next step's report);
 - `checkpoint_session.py`  the rules around commits;
 - `fault_gate.py`      the tests' hold at a step (inactive unless the config names it);
 - `broadcast.py`, `group_sockets.py`, `precision.py`, `wrap.py`, `step_timer.py`,

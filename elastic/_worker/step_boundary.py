@@ -6,11 +6,11 @@ are shared in one all-gather, and the step's record waits in the outbox for the 
 The loader sees only this object, through elastic._data's `LoaderSide` protocol; the user sees
 TrainContext, which owns the checkpoint rules around the boundary.
 
-The boundary does not hold the device (issue 18). Step s's all-gather
-(elastic._worker.step_exchange) is posted when step s ends; on a GPU its values are read when step
-s+1 ends (the host never waits for the device at the step), on a CPU the exchange completes within
-step s's report (an unfinished gloo collective could hang a survivor's teardown; the host has no
-device to keep fed). The group decides on it one step late on both, one logic for the two:
+The boundary does not hold the step (issue 18). Step s's all-gather
+(elastic._worker.step_exchange) is posted when step s ends and read when step s+1 ends: on a GPU
+the host never waits for the device at the step, on a CPU the all-gather runs on gloo's threads
+during step s+1's compute (a pending one a generation lets go cannot hang its teardown: see
+step_exchange). The group decides on it one step late, one logic for both backends:
 - Leaving together. A rank's stop and preemption flags of step s are acted on at the end of step
   s+1, on every rank, whatever it knew earlier: every rank collects the same exchange, so every
   rank leaves at the same step s+1. Only the group's decisions count; a rank never acts on its
@@ -211,10 +211,9 @@ class StepBoundary:
             raise
         self._pending.append((step, pending))
         self._steps_ended += 1
-        # A host exchange completed in post() and is kept now; a device one is read when the
-        # next step ends (step_exchange), so the host never waits for the device at its step,
-        # except at the generation's first: its record ends a recovery, announced at once.
-        self.settle(before=progress.step if pending.read_later and self._steps_ended > 1 else None)
+        # Read when the next step ends (step_exchange), so no step waits for the others at its
+        # own end, except the generation's first: its record ends a recovery, announced at once.
+        self.settle(before=progress.step if self._steps_ended > 1 else None)
         thread_position.mark(thread_position.ThreadPlace.BOUNDARY)   # the exchange is over: its own work now
         decided = [flags for at, flags in self._decisions.items() if at < progress.step]
         self._decisions = {at: flags for at, flags in self._decisions.items() if at >= progress.step}

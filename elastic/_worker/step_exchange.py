@@ -1,35 +1,80 @@
-"""The group's exchange of one step's values, posted at the step's end.
+"""The group's exchange of one step's values, posted at the step's end, read at the next.
 
 Each rank's report() posts one all-gather of a fixed-size vector (loss, stop flag, preemption
-flag, compute seconds, hash of the metric names, metric slots). Where its values are read depends
-on where they live (`PendingExchange.read_later`):
+flag, compute seconds, hash of the metric names, metric slots). The boundary reads it when the
+next step ends (elastic._worker.step_boundary), so no step waits for the others at its own end:
 
-- CPU (gloo): the all-gather completes within the report that posts it (a few hundred bytes,
-  ~1.6 ms of a step on the small model, BENCHMARKS O1). Left pending into the next step, it was
-  an unfinished collective on gloo's threads when a peer died, and the survivors' teardown of the
-  generation hung on it under load (9a4fd0a). Why: `~ProcessGroupGloo` waits for its work queue
-  to drain, and it runs wherever the group's last reference drops; with an all-gather pending on
-  a live peer that never posts it, `destroy_process_group()` (and `_abort_process_group()`, which
-  does not abort gloo work) blocked the full collective timeout in a 3-process probe, and
-  returned at once while a reference to the group was still held elsewhere. Reading the exchange
-  a step later on CPUs needs that: broken groups kept referenced until their work completes.
+- CPU (gloo): the all-gather runs on gloo's threads while the next step computes.
 - GPU (NCCL): the vector is assembled on the device (the loss and tensor metrics are never read
   on the host at their step), all-gathered on the group's stream like DDP's all-reduces, and
-  copied to pinned host memory with a non-blocking copy behind an event. The host never waits for
-  the device at the step: the boundary reads the values when the next step ends, after queueing
-  that step's kernels (a wait there, for a device still busy with the step before, holds the host
-  at most one step ahead of the device, which keeps the device's queue full). A broken group's
-  pending NCCL work is aborted with its communicator, like DDP's.
+  copied to pinned host memory with a non-blocking copy behind an event. The host never waits
+  for the device at the step: a wait at the next step's end, for a device still busy with the
+  step before, holds the host at most one step ahead of the device, which keeps its queue full.
+  A broken group's pending NCCL work is aborted with its communicator, like DDP's.
+
+A gloo exchange still pending when its generation ends must not take the generation's teardown
+down with it: `~ProcessGroupGloo` waits for its work queue to drain, and it runs wherever the
+group's last reference drops. With an all-gather pending on a live peer that never posts it,
+dropping the group blocked that thread for the whole collective timeout (a 3-process probe: 14.6
+s of 15; the GIL is released meanwhile, so it was the training thread's next generation that
+waited, and in 9a4fd0a's CI its peers' store timed out). So a pending gloo exchange that is let
+go (the group broke, the loop failed) hands its work and a reference to its group to `_GRAVEYARD`,
+whose thread drops them once the work has completed: failed by the cut of the group's
+connections (elastic._worker.group_sockets: 0.03 s in the probe) or by the collective timeout.
+The teardown then never waits on gloo's queue, on any thread that matters.
 
 A pending exchange is resolved exactly once: `collect()` (the group's values) or `own_values()`
 (this rank's, when the group broke before the exchange completed).
 """
 from __future__ import annotations
 
+import threading
+import time
+import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+
+class _Graveyard:
+    """Gloo groups whose exchange was let go while still pending, each kept referenced until
+    that work completes; then dropped on this thread, where ~ProcessGroupGloo finds its queue
+    drained (see the module docstring)."""
+
+    POLL_S = 0.1
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: list[tuple[Any, Any]] = []      # (work, group)
+        self._reaper: threading.Thread | None = None
+
+    def keep_if_pending(self, work: Any, group: Any) -> None:
+        if work.is_completed():
+            return
+        with self._lock:
+            self._kept.append((work, group))
+            if self._reaper is None:
+                self._reaper = threading.Thread(target=self._reap, name="elastic-exchange-graveyard", daemon=True)
+                self._reaper.start()
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._kept)
+
+    def _reap(self) -> None:
+        while True:
+            time.sleep(self.POLL_S)
+            with self._lock:
+                done = [kept for kept in self._kept if kept[0].is_completed()]
+                self._kept = [kept for kept in self._kept if not kept[0].is_completed()]
+                if not self._kept and not done:
+                    self._reaper = None
+                    return
+            del done     # the last references of the completed ones drop here, outside the lock
+
+
+_GRAVEYARD = _Graveyard()
 
 
 class PendingExchange:
@@ -38,17 +83,22 @@ class PendingExchange:
     def __init__(self, mine: torch.Tensor, world_size: int):
         self._mine = mine
         self._gathered = [torch.empty_like(mine) for _ in range(world_size)]
-        # On gloo: done when wait() returns. On NCCL: the current stream waits for the collective,
-        # which orders the copy below after it; the host does not wait.
-        dist.all_gather(self._gathered, mine, async_op=True).wait()
-        self.read_later = mine.is_cuda   # the boundary reads it at the next step (see the module docstring)
+        # On NCCL the current stream waits for the collective, which orders the copy below
+        # after it; the host does not wait. On gloo the work runs on gloo's threads.
+        work = dist.all_gather(self._gathered, mine, async_op=True)
         self._host: torch.Tensor | None = None
         self._event: Any = None
+        self._work: Any = None
         if mine.is_cuda:
             self._host = torch.empty((world_size, mine.numel()), dtype=mine.dtype, pin_memory=True)
             self._host.copy_(torch.stack(self._gathered), non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
+        else:
+            self._work = work
+            # Whatever lets this exchange go, its group outlives the work (the module docstring):
+            # the finalizer holds the group while this object lives, the graveyard after.
+            weakref.finalize(self, _GRAVEYARD.keep_if_pending, work, dist.group.WORLD).atexit = False
 
     def collect(self) -> torch.Tensor:
         """Every rank's vector, one row per rank, on the host (raises if the group broke)."""
@@ -56,11 +106,12 @@ class PendingExchange:
             self._event.synchronize()
             assert self._host is not None
             return self._host
+        self._work.wait()
         return torch.stack(self._gathered)
 
     def completed(self) -> bool:
         """Whether `collect()` would return at once (GPU: the copy may still be in flight)."""
-        return self._event.query() if self._event is not None else True
+        return bool(self._event.query() if self._event is not None else self._work.is_completed())
 
     def own_values(self) -> torch.Tensor:
         """This rank's vector alone, as a one-row table, on the host (its values never needed the

@@ -19,23 +19,12 @@ pytestmark = pytest.mark.timeout(180)
 STEPS = 8
 
 
-def _reading_later(post):
-    """`step_exchange.post`, each exchange it makes marked to be read at the next report, as a
-    device exchange is (a CPU exchange completes in post(), so only the reading moves)."""
-    def posted(*args, **kwargs):
-        pending = post(*args, **kwargs)
-        pending.read_later = True
-        return pending
-    return posted
-
-
-def _rank_main(rank: int, ports, storage: str, flag: str, flag_rank: int, flag_before: int, out: str,
-               read_later: bool) -> None:
+def _rank_main(rank: int, ports, storage: str, flag: str, flag_rank: int, flag_before: int, out: str) -> None:
     """One rank: train STEPS steps, `flag` set on `flag_rank` (-1: on every rank) before the report
     of step `flag_before`: "stop" (a rescale request), "preempt" (a notice), "elastic_stop" (the
     controller's stop: a notice that asks for a commit), "preempt_staggered" (a notice to
     `flag_rank`, and one to the other rank a step later, before the step the group leaves from);
-    writes what it saw to `out`. `read_later`: each exchange read at the next report, as on a GPU.
+    writes what it saw to `out`.
     Rank 0's store binds a port the OS picks and hands it to rank 1 through `ports` (a port
     picked free beforehand can be taken by another test's process first)."""
     import torch.distributed as dist
@@ -44,9 +33,6 @@ def _rank_main(rank: int, ports, storage: str, flag: str, flag_rank: int, flag_b
     from elastic._worker.state import WorkerState
     from elastic.context import RescaleInterrupt, TrainContext
     torch.set_num_threads(1)
-    if read_later:
-        from elastic._worker import step_exchange
-        step_exchange.post = _reading_later(step_exchange.post)   # this process only (spawned)
     if rank == 0:
         store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
         ports.put(store.port)
@@ -108,12 +94,12 @@ def _rank_main(rank: int, ports, storage: str, flag: str, flag_rank: int, flag_b
     gc.collect()
 
 
-def _two_ranks(tmp_path, flag: str, flag_rank: int, flag_before: int, read_later: bool = False) -> list[dict]:
+def _two_ranks(tmp_path, flag: str, flag_rank: int, flag_before: int) -> list[dict]:
     mp = multiprocessing.get_context("spawn")
     ports = mp.Queue()
     outs = [str(tmp_path / f"rank{r}.json") for r in range(2)]
     procs = [mp.Process(target=_rank_main, args=(r, ports, str(tmp_path / "run"), flag, flag_rank, flag_before,
-                                                  outs[r], read_later)) for r in range(2)]
+                                                  outs[r])) for r in range(2)]
     try:
         for p in procs:
             p.start()
@@ -145,11 +131,9 @@ def _check_records(results: list[dict], last: int) -> None:
             assert len(record["compute_s"]) == (2 if rank == 0 else 0)
 
 
-@pytest.mark.parametrize(("flag_rank", "read_later"), [(0, False), (1, False), (1, True)],
-                         ids=["rank0", "rank1", "rank1_read_later"])
-def test_a_stop_request_on_one_rank_unwinds_every_rank_at_the_same_step_one_step_later(tmp_path, flag_rank,
-                                                                                      read_later):
-    results = _two_ranks(tmp_path, "stop", flag_rank=flag_rank, flag_before=3, read_later=read_later)
+@pytest.mark.parametrize("flag_rank", [0, 1], ids=["rank0", "rank1"])
+def test_a_stop_request_on_one_rank_unwinds_every_rank_at_the_same_step_one_step_later(tmp_path, flag_rank):
+    results = _two_ranks(tmp_path, "stop", flag_rank=flag_rank, flag_before=3)
     # Set before the report of step 3, posted with step 3's exchange, acted on at step 4 by both.
     assert [r["left_at"] for r in results] == [4, 4]
     _check_records(results, 4)
@@ -160,21 +144,17 @@ def test_a_stop_request_on_one_rank_unwinds_every_rank_at_the_same_step_one_step
     ("preempt", -1, True),          # every rank leaves: the state would be lost
     ("elastic_stop", 1, True),      # the run stops: its state must be on storage
     ("preempt_staggered", 1, True),  # the other rank's notice came after the decision to leave
-    ("preempt_read_later", 1, False),  # notice_to_one with each exchange read at the next report (GPU)
-], ids=["notice_to_one", "notice_to_all", "elastic_stop", "notices_a_step_apart", "notice_to_one_read_later"])
+], ids=["notice_to_one", "notice_to_all", "elastic_stop", "notices_a_step_apart"])
 def test_a_preemption_notice_leaves_at_the_same_step_on_both_and_commits_only_if_the_state_would_be_lost(
         tmp_path, flag, flag_rank, commits):
-    read_later = flag.endswith("_read_later")
-    flag = flag.removesuffix("_read_later")
-    results = _two_ranks(tmp_path, flag, flag_rank=flag_rank, flag_before=5, read_later=read_later)
+    results = _two_ranks(tmp_path, flag, flag_rank=flag_rank, flag_before=5)
     assert [r["left_at"] for r in results] == [6, 6]
     assert [r["committed"] for r in results] == ([6, 6] if commits else [None, None])
     _check_records(results, 6)
 
 
-@pytest.mark.parametrize("read_later", [False, True], ids=["host", "read_later"])
-def test_without_a_flag_both_ranks_finish_with_every_steps_record(tmp_path, read_later):
-    results = _two_ranks(tmp_path, "stop", flag_rank=0, flag_before=STEPS + 10, read_later=read_later)
+def test_without_a_flag_both_ranks_finish_with_every_steps_record(tmp_path):
+    results = _two_ranks(tmp_path, "stop", flag_rank=0, flag_before=STEPS + 10)
     assert [r["left_at"] for r in results] == [None, None] and [r["step"] for r in results] == [STEPS, STEPS]
     _check_records(results, STEPS)
 
@@ -196,35 +176,18 @@ def _step(ctx, model, optimizer, loss_value: float | None = None) -> None:
     ctx.report(loss=loss if loss_value is None else torch.tensor(loss_value))
 
 
-@pytest.fixture(params=["host", "read_later"])
-def exchanges(request, monkeypatch):
-    """How the step's exchange is read: "host" as on a CPU (within its report), "read_later" as
-    on a GPU (at the next report; here a CPU exchange marked so, which the boundary treats alike)."""
-    if request.param == "read_later":
-        from elastic._worker import step_exchange
-        monkeypatch.setattr(step_exchange, "post", _reading_later(step_exchange.post))
-    return request.param
-
-
-def test_records_come_in_step_order_and_none_is_lost_when_the_loop_fails(generations, exchanges):
+def test_records_come_in_step_order_and_none_is_lost_when_the_loop_fails(generations):
     ctx, model, optimizer = _prepared(generations())
     for _ in range(3):
         _step(ctx, model, optimizer)
-    if exchanges == "host":
-        # Each exchange completed within its report(): every record is there at once, and the
-        # failure path finds none pending.
-        assert [r.step for r in ctx._worker.outbox.drain()] == [1, 2, 3]
-        ctx._abandon()
-        assert [r.step for r in ctx._worker.outbox.drain()] == []
-    else:
-        # The generation's first step is read at once (it ends a recovery), the others a step
-        # later: step 3's is pending, and the failure path keeps it.
-        assert [r.step for r in ctx._worker.outbox.drain()] == [1, 2]
-        ctx._abandon()
-        assert [r.step for r in ctx._worker.outbox.drain()] == [3]
+    # The generation's first step is read at once (it ends a recovery), the others a step
+    # later: step 3's is pending, and the failure path keeps it.
+    assert [r.step for r in ctx._worker.outbox.drain()] == [1, 2]
+    ctx._abandon()
+    assert [r.step for r in ctx._worker.outbox.drain()] == [3]
 
 
-def test_the_last_steps_record_is_kept_at_the_end_of_the_run(generations, exchanges):
+def test_the_last_steps_record_is_kept_at_the_end_of_the_run(generations):
     ctx, model, optimizer = _prepared(generations())
     for _ in range(3):
         _step(ctx, model, optimizer)
@@ -232,7 +195,7 @@ def test_the_last_steps_record_is_kept_at_the_end_of_the_run(generations, exchan
     assert [r.step for r in ctx._worker.outbox.drain()] == [1, 2, 3]
 
 
-def test_a_step_logged_on_one_rank_comes_after_its_steps_record(generations, exchanges):
+def test_a_step_logged_on_one_rank_comes_after_its_steps_record(generations):
     ctx, model, optimizer = _prepared(generations())
     for _ in range(2):
         _step(ctx, model, optimizer)
@@ -240,9 +203,9 @@ def test_a_step_logged_on_one_rank_comes_after_its_steps_record(generations, exc
     assert [(r.step, r.kind) for r in ctx._worker.outbox.drain()] == [(1, "step"), (2, "step"), (2, "log")]
 
 
-def test_the_position_reports_the_newest_exchange_collected(generations, exchanges):
-    # What the hang judge proves a silent rank's older answer stale with (hang_watch): a host
-    # exchange is collected within its report, a device one at the next report.
+def test_the_position_reports_the_newest_exchange_collected(generations):
+    # What the hang judge proves a silent rank's older answer stale with (hang_watch): an
+    # exchange is collected at the next report (the generation's first at once).
     from elastic._worker import thread_position
     ctx, model, optimizer = _prepared(generations())
     position = thread_position.ThreadPosition(completed=lambda: ctx.step, news=threading.Event())
@@ -252,7 +215,7 @@ def test_the_position_reports_the_newest_exchange_collected(generations, exchang
         for _ in range(3):
             _step(ctx, model, optimizer)
             seen.append(position.report().exchanged)
-        assert seen == ([1, 2, 3] if exchanges == "host" else [1, 1, 2])
+        assert seen == [1, 1, 2]
         ctx.log(eval_loss=1.0)                      # log() collects what is pending
         assert position.report().exchanged == 3
         position.enter(generation=1)
@@ -261,7 +224,7 @@ def test_the_position_reports_the_newest_exchange_collected(generations, exchang
         thread_position._bound.position = None
 
 
-def test_a_nonfinite_loss_is_found_before_its_step_is_checkpointed(generations, exchanges):
+def test_a_nonfinite_loss_is_found_before_its_step_is_checkpointed(generations):
     from elastic import NonFiniteLossError
     run = generations(checkpoint_every=2)
     ctx, model, optimizer = _prepared(run)

@@ -1,0 +1,79 @@
+"""A step's exchange let go while still pending (elastic/_worker/step_exchange.py's graveyard),
+three ranks in three processes over gloo, no Ray: ranks 0 and 1 post their exchange, rank 2 is
+alive and has not posted its own (its step failed first). Ranks 0 and 1 let the exchange go and
+tear the group down: that must not wait for rank 2 (before the graveyard, dropping the group's
+last reference waited in ~ProcessGroupGloo for the whole collective timeout). The group is kept
+until the work completes, and dropped then."""
+from __future__ import annotations
+
+import datetime
+import gc
+import multiprocessing
+import time
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+COLLECTIVE_TIMEOUT_S = 60.0
+
+
+def _rank_main(rank: int, ports, go, out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from elastic._worker import step_exchange
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, 3, True, wait_for_workers=False)
+        for _ in range(2):
+            ports.put(store.port)
+    else:
+        store = dist.TCPStore("127.0.0.1", ports.get(timeout=60), 3, False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=3,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    dist.barrier()
+    if rank == 2:
+        for _ in range(2):              # both others have let their exchange go
+            go.get(timeout=60)
+        pending = step_exchange.post([2.0], {}, device=torch.device("cpu"), world_size=3)
+        out.put((rank, pending.collect()[:, 0].tolist()))
+        dist.destroy_process_group()
+        return
+    pending = step_exchange.post([float(rank)], {}, device=torch.device("cpu"), world_size=3)
+    time.sleep(0.2)
+    assert not pending.completed()      # rank 2 has not posted
+    started = time.monotonic()
+    del pending
+    dist.destroy_process_group()
+    gc.collect()                        # the group's last reference here, but for the graveyard's
+    teardown_s = time.monotonic() - started
+    kept = step_exchange._GRAVEYARD.pending()
+    go.put(rank)
+    deadline = time.monotonic() + 30
+    while step_exchange._GRAVEYARD.pending() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    out.put((rank, {"teardown_s": teardown_s, "kept": kept, "left": step_exchange._GRAVEYARD.pending()}))
+
+
+def test_a_pending_exchange_let_go_neither_holds_up_the_teardown_nor_leaks_its_group():
+    mp = multiprocessing.get_context("spawn")
+    ports, go, out = mp.Queue(), mp.Queue(), mp.Queue()
+    procs = [mp.Process(target=_rank_main, args=(r, ports, go, out)) for r in range(3)]
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(100)
+            assert p.exitcode == 0, f"rank process exit code {p.exitcode}"
+        seen = dict(out.get(timeout=5) for _ in range(3))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+    for rank in (0, 1):
+        # Torn down without waiting for rank 2 (not the collective timeout), the group kept
+        # meanwhile, and dropped once rank 2's post completed the work.
+        assert seen[rank]["teardown_s"] < COLLECTIVE_TIMEOUT_S / 4, seen
+        assert seen[rank]["kept"] == 1 and seen[rank]["left"] == 0, seen
+    assert seen[2] == [0.0, 1.0, 2.0]   # the late rank's exchange completed with the others' values
