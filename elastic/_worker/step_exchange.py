@@ -66,12 +66,13 @@ class _Graveyard:
         while True:
             time.sleep(self.POLL_S)
             with self._lock:
-                done = [kept for kept in self._kept if kept[0].is_completed()]
-                self._kept = [kept for kept in self._kept if not kept[0].is_completed()]
-                if not self._kept and not done:
-                    self._reaper = None
-                    return
-            del done     # the last references of the completed ones drop here, outside the lock
+                looked_at, self._kept = self._kept, [kept for kept in self._kept if not kept[0].is_completed()]
+                emptied = not self._kept
+                if emptied:
+                    self._reaper = None      # the next keep starts another
+            del looked_at   # the completed ones' last references drop here, outside the lock
+            if emptied:
+                return
 
 
 _GRAVEYARD = _Graveyard()

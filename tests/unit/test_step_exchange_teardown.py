@@ -77,3 +77,48 @@ def test_a_pending_exchange_let_go_neither_holds_up_the_teardown_nor_leaks_its_g
         assert seen[rank]["teardown_s"] < COLLECTIVE_TIMEOUT_S / 4, seen
         assert seen[rank]["kept"] == 1 and seen[rank]["left"] == 0, seen
     assert seen[2] == [0.0, 1.0, 2.0]   # the late rank's exchange completed with the others' values
+
+
+class _Work:
+    def __init__(self) -> None:
+        self.done = False
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+def _until(predicate, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return predicate()
+
+
+def test_the_graveyard_keeps_each_group_until_its_work_completes_and_its_thread_ends_when_empty():
+    import weakref
+
+    from elastic._worker.step_exchange import _Graveyard
+
+    class Group:
+        pass
+
+    graveyard = _Graveyard()
+    finished = _Work()
+    finished.done = True
+    graveyard.keep_if_pending(finished, Group())
+    assert graveyard.pending() == 0 and graveyard._reaper is None     # completed: nothing to keep
+    works, groups = [_Work(), _Work()], [Group(), Group()]
+    alive = [weakref.ref(g) for g in groups]
+    for work, group in zip(works, groups, strict=True):
+        graveyard.keep_if_pending(work, group)
+    del group, groups
+    assert graveyard.pending() == 2 and all(ref() is not None for ref in alive)
+    works[0].done = True
+    assert _until(lambda: graveyard.pending() == 1) and alive[0]() is None and alive[1]() is not None
+    works[1].done = True
+    assert _until(lambda: graveyard._reaper is None) and graveyard.pending() == 0 and alive[1]() is None
+    again = _Work()
+    graveyard.keep_if_pending(again, Group())                        # a later generation's: a new thread
+    assert graveyard.pending() == 1 and graveyard._reaper is not None
+    again.done = True
+    assert _until(lambda: graveyard._reaper is None)
