@@ -72,6 +72,22 @@ def no_children(deadline_s: float = 10.0) -> bool:
     return True
 
 
+def run_processes(procs: list, timeout_s: float) -> None:
+    """Start these multiprocessing processes, wait for each (`timeout_s` apiece) and require exit
+    code 0; whatever happens, none is left running."""
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout_s)
+            assert p.exitcode == 0, f"rank process exit code {p.exitcode}"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+
+
 # ---- faults injected from outside ---------------------------------------------------------------
 class SignalAtStep(threading.Thread):
     """Send `sig` to the worker with `rank` once status.json shows the run past `at_step`.

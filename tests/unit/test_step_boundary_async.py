@@ -14,6 +14,8 @@ import pytest
 import torch
 from torch import nn
 
+from support import run_processes
+
 pytestmark = pytest.mark.timeout(180)
 
 STEPS = 8
@@ -100,17 +102,7 @@ def _two_ranks(tmp_path, flag: str, flag_rank: int, flag_before: int) -> list[di
     outs = [str(tmp_path / f"rank{r}.json") for r in range(2)]
     procs = [mp.Process(target=_rank_main, args=(r, ports, str(tmp_path / "run"), flag, flag_rank, flag_before,
                                                   outs[r])) for r in range(2)]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(150)
-            assert p.exitcode == 0, f"rank process exit code {p.exitcode}"
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(10)
+    run_processes(procs, timeout_s=150)
     results = []
     for out in outs:
         with open(out) as f:

@@ -13,6 +13,8 @@ import time
 
 import pytest
 
+from support import run_processes, wait_for
+
 pytestmark = pytest.mark.timeout(120)
 
 COLLECTIVE_TIMEOUT_S = 60.0
@@ -40,8 +42,7 @@ def _rank_main(rank: int, ports, go, out) -> None:
         dist.destroy_process_group()
         return
     pending = step_exchange.post([float(rank)], {}, device=torch.device("cpu"), world_size=3)
-    time.sleep(0.2)
-    assert not pending.completed()      # rank 2 has not posted
+    assert not pending.completed()      # rank 2 posts only after both "go"s below
     started = time.monotonic()
     del pending
     dist.destroy_process_group()
@@ -49,9 +50,7 @@ def _rank_main(rank: int, ports, go, out) -> None:
     teardown_s = time.monotonic() - started
     kept = step_exchange._GRAVEYARD.pending()
     go.put(rank)
-    deadline = time.monotonic() + 30
-    while step_exchange._GRAVEYARD.pending() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: not step_exchange._GRAVEYARD.pending(), 30.0, "the kept group dropped after rank 2's post")
     out.put((rank, {"teardown_s": teardown_s, "kept": kept, "left": step_exchange._GRAVEYARD.pending()}))
 
 
@@ -59,18 +58,8 @@ def test_a_pending_exchange_let_go_neither_holds_up_the_teardown_nor_leaks_its_g
     mp = multiprocessing.get_context("spawn")
     ports, go, out = mp.Queue(), mp.Queue(), mp.Queue()
     procs = [mp.Process(target=_rank_main, args=(r, ports, go, out)) for r in range(3)]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(100)
-            assert p.exitcode == 0, f"rank process exit code {p.exitcode}"
-        seen = dict(out.get(timeout=5) for _ in range(3))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(10)
+    run_processes(procs, timeout_s=100)
+    seen = dict(out.get(timeout=5) for _ in range(3))
     for rank in (0, 1):
         # Torn down without waiting for rank 2 (not the collective timeout), the group kept
         # meanwhile, and dropped once rank 2's post completed the work.
@@ -85,13 +74,6 @@ class _Work:
 
     def is_completed(self) -> bool:
         return self.done
-
-
-def _until(predicate, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return predicate()
 
 
 def test_the_graveyard_keeps_each_group_until_its_work_completes_and_its_thread_ends_when_empty():
@@ -114,11 +96,13 @@ def test_the_graveyard_keeps_each_group_until_its_work_completes_and_its_thread_
     del group, groups
     assert graveyard.pending() == 2 and all(ref() is not None for ref in alive)
     works[0].done = True
-    assert _until(lambda: graveyard.pending() == 1) and alive[0]() is None and alive[1]() is not None
+    wait_for(lambda: graveyard.pending() == 1, 5.0, "the completed work's group dropped")
+    assert alive[0]() is None and alive[1]() is not None
     works[1].done = True
-    assert _until(lambda: graveyard._reaper is None) and graveyard.pending() == 0 and alive[1]() is None
+    wait_for(lambda: graveyard._reaper is None, 5.0, "the reaper thread's end")
+    assert graveyard.pending() == 0 and alive[1]() is None
     again = _Work()
     graveyard.keep_if_pending(again, Group())                        # a later generation's: a new thread
     assert graveyard.pending() == 1 and graveyard._reaper is not None
     again.done = True
-    assert _until(lambda: graveyard._reaper is None)
+    wait_for(lambda: graveyard._reaper is None, 5.0, "the second reaper thread's end")
