@@ -28,6 +28,7 @@ A pending exchange is resolved exactly once: `collect()` (the group's values) or
 """
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 import weakref
@@ -40,13 +41,24 @@ import torch.distributed as dist
 class _Graveyard:
     """Gloo groups whose exchange was let go while still pending, each kept referenced until
     that work completes; then dropped on this thread, where ~ProcessGroupGloo finds its queue
-    drained (see the module docstring)."""
+    drained (see the module docstring).
+
+    The process's exit waits for a drop in flight (`at_exit`, registered with atexit): torch runs
+    ~ProcessGroupGloo with the GIL released, and a daemon thread that asks for the GIL back once
+    the interpreter is finalizing is ended by pthread_exit, whose unwinding through that noexcept
+    destructor calls std::terminate. A probe dropping a gloo group on a daemon thread as the
+    process exited aborted 30 times of 30 ("terminate called without an active exception", exit
+    code 134), as one rank of stop 24's CI did. After `at_exit` nothing more is dropped: what is
+    still kept then goes with the process."""
 
     POLL_S = 0.1
+    EXIT_WAIT_S = 5.0
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._kept: list[tuple[Any, Any]] = []      # (work, group)
+        self._dropping = 0                          # completed, their references being dropped
+        self._exiting = False
         self._reaper: threading.Thread | None = None
 
     def keep_if_pending(self, work: Any, group: Any) -> None:
@@ -54,28 +66,47 @@ class _Graveyard:
             return
         with self._lock:
             self._kept.append((work, group))
-            if self._reaper is None:
+            if self._reaper is None and not self._exiting:
                 self._reaper = threading.Thread(target=self._reap, name="elastic-exchange-graveyard", daemon=True)
                 self._reaper.start()
 
     def pending(self) -> int:
+        """Groups still referenced here: kept, or being dropped."""
         with self._lock:
-            return len(self._kept)
+            return len(self._kept) + self._dropping
+
+    def at_exit(self) -> None:
+        """Wait (up to EXIT_WAIT_S) for a drop in flight, and start no other."""
+        with self._lock:
+            self._exiting = True
+            self._lock.wait_for(lambda: self._dropping == 0, timeout=self.EXIT_WAIT_S)
 
     def _reap(self) -> None:
         while True:
             time.sleep(self.POLL_S)
             with self._lock:
-                looked_at, self._kept = self._kept, [kept for kept in self._kept if not kept[0].is_completed()]
+                if self._exiting:
+                    return
+                # One look at each work: one completing between two looks would otherwise be
+                # dropped from the list, and so possibly inside this lock.
+                completed = [work.is_completed() for work, _ in self._kept]
+                done = [kept for kept, ended in zip(self._kept, completed, strict=True) if ended]
+                self._kept = [kept for kept, ended in zip(self._kept, completed, strict=True) if not ended]
+                self._dropping += len(done)
                 emptied = not self._kept
                 if emptied:
                     self._reaper = None      # the next keep starts another
-            del looked_at   # the completed ones' last references drop here, outside the lock
+            dropped = len(done)
+            del done        # the completed ones' last references drop here, outside the lock
+            with self._lock:
+                self._dropping -= dropped
+                self._lock.notify_all()
             if emptied:
                 return
 
 
 _GRAVEYARD = _Graveyard()
+atexit.register(_GRAVEYARD.at_exit)
 
 
 class PendingExchange:

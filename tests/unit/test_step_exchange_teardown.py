@@ -9,6 +9,8 @@ from __future__ import annotations
 import datetime
 import gc
 import multiprocessing
+import subprocess
+import sys
 import time
 
 import pytest
@@ -106,3 +108,43 @@ def test_the_graveyard_keeps_each_group_until_its_work_completes_and_its_thread_
     assert graveyard.pending() == 1 and graveyard._reaper is not None
     again.done = True
     wait_for(lambda: graveyard._reaper is None, 5.0, "the second reaper thread's end")
+
+
+_EXIT_DURING_A_DROP = """
+import datetime, sys, threading, time
+import torch.distributed as dist
+from elastic._worker.step_exchange import _GRAVEYARD
+
+class Work:                 # completes when told; says when the graveyard has seen it completed
+    done, seen = False, threading.Event()
+    def is_completed(self):
+        if self.done:
+            self.seen.set()
+        return self.done
+
+class SlowToDrop:           # the real gloo group, dropped after a pause that outlasts the exit
+    def __init__(self, group):
+        self.group = group
+    def __del__(self):
+        time.sleep(0.5)
+        del self.group      # ~ProcessGroupGloo, with the GIL released
+        print("dropped", flush=True)
+
+store = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=10))
+work = Work()
+_GRAVEYARD.keep_if_pending(work, SlowToDrop(dist.group.WORLD))
+dist.destroy_process_group()    # the graveyard holds the group's last reference
+work.done = True
+work.seen.wait(10)              # the reaper is about to drop the group: exit now
+sys.exit(0)
+"""
+
+
+def test_the_process_exit_waits_for_the_graveyard_to_finish_a_drop():
+    # A drop in flight as the interpreter finalizes: its thread is ended when it asks for the GIL
+    # back, which out of ~ProcessGroupGloo (GIL released, noexcept) is std::terminate (stop 24's
+    # CI: "terminate called without an active exception", exit code -6). The exit must wait.
+    done = subprocess.run([sys.executable, "-c", _EXIT_DURING_A_DROP], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["dropped"], done.stdout
