@@ -244,7 +244,8 @@ class Controller:
             else:
                 self._fail(self.budget.exhausted(decision, failure), failure)
             return
-        survivors = [w for w in members if w not in fault.lost]
+        lost = set(fault.lost)
+        survivors = [w for w in members if w not in lost]
         # A lost member may never close its connections (its node is gone or cut off): the
         # survivors cut theirs, so none waits out the collective timeout on it.
         self.group.request_stop(survivors, self.generation, cut_group=bool(fault.lost))

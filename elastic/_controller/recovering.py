@@ -122,7 +122,8 @@ def plan_members(st: Recovering, settled: dict[int, WorkerReport], ready: list[i
     members = cap(survivors + spares)
     if st.target_world is not None:
         members = members[:st.target_world]
-    return members, [w for w in survivors if w in members]
+    kept = set(members)
+    return members, [w for w in survivors if w in kept]
 
 
 
