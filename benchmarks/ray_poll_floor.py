@@ -74,11 +74,8 @@ class Answerer:
 def one_round(actors: list, n: int, batch: int = 1) -> dict[str, float]:
     """One poll per rank (batch 1), or one per `batch` ranks (a per-node agent's answer)."""
     cpu0, wall0 = time.process_time(), time.perf_counter()
-    calls = n // batch
-    if batch == 1:
-        refs = [actors[i % len(actors)].poll.remote(0.0) for i in range(calls)]
-    else:
-        refs = [actors[i % len(actors)].poll_node.remote(0.0) for i in range(calls)]
+    calls, method = n // batch, "poll" if batch == 1 else "poll_node"
+    refs = [getattr(actors[i % len(actors)], method).remote(0.0) for i in range(calls)]
     cpu1 = time.process_time()
     ray.wait(refs, num_returns=calls, timeout=None)      # the answers arrive (Ray's threads here receive them)
     cpu1b = time.process_time()
