@@ -13,12 +13,23 @@ controller's.
     python benchmarks/ray_poll_floor.py --ranks 1000 2000 4000 [--actors 4] [--reps 3]
     python benchmarks/ray_poll_floor.py --ranks 4000 8000 --batch 8     # one call per 8 ranks (a per-node agent)
     python benchmarks/ray_poll_floor.py --ranks 1000 4000 --mode stream # one streaming generator per actor
+    python benchmarks/ray_poll_floor.py --ranks 4000 8000 --mode agent --batch 8   # real node agents
 
 Prints one JSON line per N: medians over reps of the driver process's CPU per rank (all its
 threads: Ray's own receive the answers) for `submit_us` (the remote calls), `receive_us` (while
 the answers arrive), `wait_us` (the tick's ray.wait over the answered references), `get_us` (one
 ray.get each); `round_cpu_ms` and `round_wall_ms` for the whole round; and `at_10000_ms`: the
 round's driver CPU scaled to 10,000 ranks (the cost per rank does not fall with N).
+
+`--mode agent` puts the real node agent (elastic._controller.node_agent.NodeAgent, the actor
+`ScalingConfig.node_agents` starts) between them: `--agents` agents each carry `--batch` ranks'
+polls (stood in for by the same answering actors), and the driver polls each agent as
+RayWorkerGroup does, one poll out per agent, until N answers have come; `answer_us` is the
+driver's CPU per rank's answer, `answers_per_message` how many each agent answer carried.
+Every mode also prints `idle_cpu_ms_per_s`, the driver's CPU per second while it waits in
+`ray.wait` for an answer that takes 2 s (Ray's own threads and wait loop), and
+`at_10000_less_idle_ms`, the 10,000-rank round less that idle CPU over the round's wall time
+(an agent round is long in wall time here: 2 cores for all the actors).
 """
 from __future__ import annotations
 
@@ -66,6 +77,9 @@ class Answerer:
         """A per-node agent's answer: its ranks' answers in one message."""
         return self._batch
 
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
     def stream(self, count: int):
         for _ in range(count):
             yield self._answer
@@ -108,13 +122,40 @@ def one_stream_round(actors: list, n: int) -> dict[str, float]:
             "round_wall_ms": (wall1 - wall0) * 1e3}
 
 
+def one_agent_round(agents: list, n: int) -> dict[str, float]:
+    """N ranks' answers through node agents: one poll out per agent at a time, as the worker
+    group keeps it, repeated until N answers have come."""
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    got = messages = 0
+    while got < n:
+        refs = [agent.poll.remote(0.0, []) for agent in agents]
+        ray.wait(refs, num_returns=len(refs), timeout=None)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        for ref in ready:
+            got += len(ray.get(ref))
+        messages += len(refs)
+    cpu1, wall1 = time.process_time(), time.perf_counter()
+    return {"answer_us": (cpu1 - cpu0) / got * 1e6, "answers_per_message": got / messages,
+            "round_cpu_ms": (cpu1 - cpu0) / got * n * 1e3, "round_wall_ms": (wall1 - wall0) / got * n * 1e3}
+
+
+def node_agents(count: int, batch: int, answerers: list) -> list:
+    """`count` real node agents, each carrying `batch` ranks (stood in for by the answerers)."""
+    from elastic._controller.node_agent import NodeAgent
+    agents = [ray.remote(NodeAgent).options(num_cpus=0, max_concurrency=2).remote() for _ in range(count)]
+    ray.get([agent.watch.remote({wid: answerers[wid % len(answerers)] for wid in range(batch)}) for agent in agents])
+    return agents
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[1000, 2000, 4000])
     parser.add_argument("--actors", type=int, default=4)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--mode", choices=("poll", "stream"), default="poll",
-                        help="poll: one call per answer (RayWorkerGroup today); stream: streaming generators")
+    parser.add_argument("--mode", choices=("poll", "stream", "agent"), default="poll",
+                        help="poll: one call per answer (RayWorkerGroup without agents); stream: streaming "
+                             "generators; agent: through real node agents carrying --batch ranks each")
+    parser.add_argument("--agents", type=int, default=4, help="agent mode: node agents")
     parser.add_argument("--batch", type=int, default=1,
                         help="poll mode: ranks per call (8: one call per node, as a per-node agent would answer)")
     args = parser.parse_args()
@@ -123,17 +164,34 @@ def main() -> None:
         actors = [Answerer.remote(max(args.ranks), args.batch) for _ in range(args.actors)]
         ray.get([a.poll.remote(0.0) for a in actors])
         one_round(actors, 200)           # warm-up
+        agents = node_agents(args.agents, args.batch, actors) if args.mode == "agent" else []
+        if agents:
+            one_agent_round(agents, 200)
+        # The driver's CPU while it waits in ray.wait for an answer that takes 2 s (Ray's own
+        # threads and its wait loop: 5 % of a core here, against 0.3 % in a plain sleep): an
+        # agent round is long in wall time on 2 cores, and this part of its CPU is paid per
+        # second of waiting, not per answer.
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        ray.wait([actors[0].sleep.remote(2.0)], num_returns=1, timeout=None)
+        idle_ms_per_s = (time.process_time() - cpu0) / (time.perf_counter() - wall0) * 1e3
         for n in args.ranks:
             if args.mode == "poll":
                 rounds = [one_round(actors, n, args.batch) for _ in range(args.reps)]
+            elif args.mode == "agent":
+                rounds = [one_agent_round(agents, n) for _ in range(args.reps)]
             else:
                 rounds = [one_stream_round(actors, n) for _ in range(args.reps)]
             out: dict[str, float | int | str] = {"mode": args.mode, "ranks": n, "batch": args.batch,
                                                  "actors": args.actors, "reps": args.reps}
-            keys = ("submit_us", "receive_us", "wait_us", "get_us") if args.mode == "poll" else ("item_us",)
+            keys = {"poll": ("submit_us", "receive_us", "wait_us", "get_us"), "stream": ("item_us",),
+                    "agent": ("answer_us", "answers_per_message")}[args.mode]
             for key in keys + ("round_cpu_ms", "round_wall_ms"):
                 out[key] = round(statistics.median(r[key] for r in rounds), 2)
             out["at_10000_ms"] = round(float(out["round_cpu_ms"]) / n * 10_000, 1)
+            # The same, less the driver's idle CPU over the round's wall time.
+            busy = float(out["round_cpu_ms"]) - idle_ms_per_s * float(out["round_wall_ms"]) / 1e3
+            out["idle_cpu_ms_per_s"] = round(idle_ms_per_s, 2)
+            out["at_10000_less_idle_ms"] = round(busy / n * 10_000, 1)
             print(json.dumps(out), flush=True)
     finally:
         ray.shutdown()

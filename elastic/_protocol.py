@@ -73,6 +73,15 @@ class WorkerReport:
     position: PositionReport | None = None   # where its training thread is (elastic._worker.thread_position)
 
 
+@dataclass(frozen=True)
+class PollFailure:
+    """A worker's poll that a node agent (elastic._controller.node_agent) could not turn into a
+    WorkerReport: its actor is gone (`actor_gone`), or the poll itself raised."""
+
+    actor_gone: bool
+    message: str               # the error's first line
+
+
 class ThreadPlace(enum.StrEnum):
     """Where a rank's training thread is (elastic._worker.thread_position marks it)."""
 

@@ -254,6 +254,12 @@ class ScalingConfig:
     fsdp_cpu_offload: bool = False
     """FSDP2: keep sharded parameters, gradients and optimizer state in host memory
     (CPUOffloadPolicy); the optimizer step runs on the CPU."""
+    node_agents: bool = False
+    """Carry the controller's polls through one small agent actor per node (no CPU reserved):
+    one Ray message per node and round instead of one per worker. For runs of hundreds of
+    workers and more, where the controller's process would otherwise spend its CPU on Ray's
+    per-message cost (docs/scale.md); it adds a hop of a few milliseconds to every answer, and a
+    node whose agent is lost is polled directly until a new one starts."""
 
     def __post_init__(self) -> None:
         _count("ScalingConfig.min_workers", self.min_workers, 1)
@@ -269,6 +275,7 @@ class ScalingConfig:
                  "every placed worker already joins the run")
         _number("ScalingConfig.startup_wait_s", self.startup_wait_s, at_least=0, unit="seconds")
         _flag("ScalingConfig.use_gpu", self.use_gpu)
+        _flag("ScalingConfig.node_agents", self.node_agents)
         _require(self.strategy in STRATEGIES,
                  f"ScalingConfig.strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         self._check_resources()

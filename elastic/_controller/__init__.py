@@ -13,6 +13,7 @@ start. What to read first to understand a recovery, in order:
 - `ledgers.py`     the kept steps, and the recovery that is open until the re-formed group steps;
 - `intake.py`      what the workers' reports add to the ledgers and the run record;
 - `worker_group.py` the Ray actors, their placement groups, polls, kills;
+- `node_agent.py`  the per-node agent that carries its node's polls (ScalingConfig.node_agents);
 - `actor.py`       the Ray actor that hosts all of it and writes the summary;
 - `run_record.py`  (with `metrics_log.py`, `status_writer.py`, `run_summary.py`, `time_ledger.py`)
                    the run's files.

@@ -76,7 +76,8 @@ class StatusReport:
 
 def _workers(members: tuple[int, ...], views: dict[int, WorkerView]) -> list[dict]:
     """status.json's `workers`: the group's members in rank order."""
-    return [{"rank": rank, "pid": v.info.pid, "node_id": v.info.node_id, "actor_id": v.info.actor_id}
+    return [{"rank": rank, "pid": v.info.pid, "node_id": v.info.node_id, "actor_id": v.info.actor_id,
+             "polled_by": "agent" if v.via_agent else "controller"}
             for rank, wid in enumerate(members) if (v := views.get(wid)) and v.info]
 
 

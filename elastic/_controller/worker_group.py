@@ -17,9 +17,10 @@ import ray
 from ray import ObjectRef
 from ray.exceptions import GetTimeoutError, RayError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from elastic._protocol import GenerationPlan, RunSpec, WorkerInfo, WorkerReport
+from elastic._controller.node_agent import WAIT_MARGIN_S, NodeAgent
+from elastic._protocol import GenerationPlan, PollFailure, RunSpec, WorkerInfo, WorkerReport
 from elastic._worker.worker import TrainWorker
 from elastic.config import FailureConfig, ScalingConfig
 from elastic.errors import WorkerLostError
@@ -29,6 +30,8 @@ log = logging.getLogger("elastic.group")
 
 SLOW_TICK_S = 2.0    # a tick is normally milliseconds: Ray calls that block show up here
 PLACEMENT_WARN_S = 30.0   # a placement pending this long (at least startup_wait_s) is said to be stuck
+AGENT_STALL_S = 1.0       # beyond its hold and margin, an agent's poll this late is a stuck agent
+AGENT_RETRY_S = 30.0      # after an agent failed to start on a node, poll its workers directly this long
 
 class SlotStatus(enum.StrEnum):
     """Where a worker slot is: its placement pending, its actor starting, ready, or dead."""
@@ -54,6 +57,7 @@ class WorkerView:
     death: str | None = None                   # why it is dead, in words
     death_cause: Cause | None = None           # why it is dead: worker_died, node_lost, or hang (killed)
     records: list = field(default_factory=list)  # step records drained by this tick
+    via_agent: bool = False                    # its polls go through its node's agent (node_agent)
 
 
 @dataclass
@@ -74,6 +78,22 @@ class _Slot:
     silent_at_death: float = 0.0
     died_at: float = 0.0               # monotonic time it was found dead (its slot is dropped later)
     warned: bool = False               # its placement was said to be stuck
+    agent: str | None = None           # the node whose agent carries its polls (None: polled directly)
+
+
+@dataclass
+class _Agent:
+    """A node agent (node_agent.NodeAgent) as the group sees it."""
+
+    node_id: str
+    actor: Any
+    ready_ref: ObjectRef | None        # its ready() while it starts; None once it answered
+    started_at: float
+    poll_ref: ObjectRef | None = None
+    polled_at: float = 0.0             # when its poll went out (monotonic), held up to hold_s
+    hold_s: float = 0.0
+    carries: set[int] = field(default_factory=set)   # the workers whose polls it carries
+    forget: list[int] = field(default_factory=list)  # workers to drop with its next poll
 
 
 class RayWorkerGroup:
@@ -90,6 +110,10 @@ class RayWorkerGroup:
         self._dead_kept_s = 2 * (failure.collective_timeout_s + failure.heartbeat_timeout_s
                                  + failure.rendezvous_timeout_s)
         self._alive_nodes: set[str] | None = None    # ray.nodes() as read in this tick (None: not yet)
+        # ScalingConfig.node_agents: one agent per node carries its workers' polls (node_agent).
+        self._agents_on = scaling.node_agents
+        self._agents: dict[str, _Agent] = {}
+        self._agent_failed_at: dict[str, float] = {}  # node -> when its agent last failed to start
         self.poll_hold_s = 0.0       # set by the controller: how long a worker may hold a poll
         resources = dict(scaling.resources_per_worker)
         if scaling.use_gpu:
@@ -124,6 +148,7 @@ class RayWorkerGroup:
         self._alive_nodes = None
         self._drop_dead(now)
         self._advance_placements(now)
+        self._advance_agents(now)
         placed = time.monotonic()
         self._collect_polls(now)
         collected = time.monotonic()
@@ -142,7 +167,7 @@ class RayWorkerGroup:
             views[slot.wid] = WorkerView(
                 wid=slot.wid, status=slot.status, report=slot.report, info=slot.info,
                 silent_s=_silence(slot, now),
-                death=slot.death, death_cause=slot.death_cause, records=records)
+                death=slot.death, death_cause=slot.death_cause, records=records, via_agent=slot.agent is not None)
         return views
 
     def wait(self, timeout_s: float) -> None:
@@ -156,6 +181,8 @@ class RayWorkerGroup:
         refs += [s.info_ref for s in self._slots.values() if s.status == STARTING and s.info_ref is not None]
         if self.poll_hold_s > 0:
             refs += [s.poll_ref for s in self._slots.values() if s.status == READY and s.poll_ref is not None]
+            refs += [a.poll_ref for a in self._agents.values() if a.poll_ref is not None]
+        refs += [a.ready_ref for a in self._agents.values() if a.ready_ref is not None]
         if refs:
             ray.wait(refs, num_returns=1, timeout=timeout_s)
         else:
@@ -193,7 +220,7 @@ class RayWorkerGroup:
                         slot.status = READY
                         slot.last_answer_at = now
                     except RayTaskError as error:
-                        self.kill(slot.wid, f"failed while starting: {_first_line(error)}")
+                        self.kill(slot.wid, f"failed while starting: {first_line(error)}")
                     except RayError as error:
                         self._mark_dead(slot, f"died while starting: {error}")
                 elif now - slot.created_at > self._failure.rendezvous_timeout_s:
@@ -201,34 +228,161 @@ class RayWorkerGroup:
 
     def _collect_polls(self, now: float) -> None:
         waiting = [s for s in self._slots.values() if s.status == READY and s.poll_ref is not None]
-        if not waiting:
-            return
-        answered, _ = ray.wait([s.poll_ref for s in waiting], num_returns=len(waiting), timeout=0)
-        answered_refs = set(answered)
-        for slot in waiting:
-            if slot.poll_ref not in answered_refs:
-                continue
-            try:
-                report = ray.get(slot.poll_ref)
-            except RayTaskError as error:
+        if waiting:
+            answered, _ = ray.wait([s.poll_ref for s in waiting], num_returns=len(waiting), timeout=0)
+            answered_refs = set(answered)
+            for slot in waiting:
+                if slot.poll_ref not in answered_refs:
+                    continue
+                try:
+                    answer: WorkerReport | PollFailure = ray.get(slot.poll_ref)
+                except RayError as error:
+                    answer = poll_failure(error)
+                slot.poll_ref = None
+                self._take(slot, answer, now)
+        if self._agents:
+            self._collect_agents(now)
+
+    def _take(self, slot: _Slot, answer: WorkerReport | PollFailure, now: float) -> None:
+        """A worker's poll answer, whether it came directly or through its node's agent."""
+        if isinstance(answer, PollFailure):
+            slot.silent_at_death = now - slot.last_answer_at
+            if answer.actor_gone:
+                self._mark_dead(slot, *self._death_reason(slot, answer.message))
+            else:
                 # The poll itself raised: a worker that cannot report cannot be watched. Replace it.
-                slot.silent_at_death = now - slot.last_answer_at
-                self.kill(slot.wid, f"its poll failed: {_first_line(error)}")
-                continue
-            except RayError as error:
-                slot.silent_at_death = now - slot.last_answer_at
-                self._mark_dead(slot, *self._death_reason(slot, error))
-                continue
-            if slot.report is not None and slot.report.records:
-                report = _merge_records(slot.report, report)
-            slot.report = report
-            slot.poll_ref = None
-            slot.last_answer_at = now
+                self.kill(slot.wid, f"its poll failed: {answer.message}")
+            return
+        if slot.report is not None and slot.report.records:
+            answer = _merge_records(slot.report, answer)
+        slot.report = answer
+        slot.last_answer_at = now
 
     def _send_polls(self) -> None:
+        handed: dict[str, dict[int, Any]] = {}
         for slot in self._slots.values():
-            if slot.status == READY and slot.poll_ref is None:
+            if slot.status != READY or slot.poll_ref is not None or slot.agent is not None:
+                continue
+            agent = self._agent_for(slot)
+            if agent is not None:          # from now on its agent polls it
+                slot.agent = agent.node_id
+                agent.carries.add(slot.wid)
+                handed.setdefault(agent.node_id, {})[slot.wid] = slot.actor
+            else:
                 slot.poll_ref = slot.actor.poll.remote(self.poll_hold_s)
+        for node_id, workers in handed.items():
+            self._agents[node_id].actor.watch.remote(workers)
+        for agent in self._agents.values():
+            if agent.ready_ref is None and agent.poll_ref is None and agent.carries:
+                agent.poll_ref = agent.actor.poll.remote(self.poll_hold_s, agent.forget)
+                agent.polled_at, agent.hold_s = time.monotonic(), self.poll_hold_s
+                agent.forget = []
+
+    # ---- node agents (ScalingConfig.node_agents) -----------------------------------------
+    def _agent_for(self, slot: _Slot) -> _Agent | None:
+        """The started agent of the slot's node, if agents are on and it has one."""
+        if not self._agents_on or slot.info is None:
+            return None
+        agent = self._agents.get(slot.info.node_id)
+        return agent if agent is not None and agent.ready_ref is None else None
+
+    def _advance_agents(self, now: float) -> None:
+        """Start an agent on each node with ready workers, take the started ones into use, and
+        give up on those that fail to start, answer too late, or carry nobody."""
+        if not self._agents_on:
+            return
+        nodes = {s.info.node_id for s in self._slots.values() if s.status == READY and s.info is not None}
+        for node_id in nodes - set(self._agents):
+            if now - self._agent_failed_at.get(node_id, -AGENT_RETRY_S) >= AGENT_RETRY_S:
+                self._launch_agent(node_id, now)
+        starting = [a for a in self._agents.values() if a.ready_ref is not None]
+        if starting:
+            started, _ = ray.wait([a.ready_ref for a in starting], num_returns=len(starting), timeout=0)
+            started_refs = set(started)
+            for agent in starting:
+                if agent.ready_ref in started_refs:
+                    try:
+                        ray.get(agent.ready_ref)
+                        agent.ready_ref = None
+                        log.info("node agent on node %s is up: it carries the polls of that node's workers",
+                                 agent.node_id[:12])
+                    except RayError as error:
+                        self._agent_failed(agent, f"failed to start: {error}", now)
+                elif now - agent.started_at > self._failure.rendezvous_timeout_s:
+                    self._agent_failed(agent, "did not start within FailureConfig.rendezvous_timeout_s", now)
+        for agent in list(self._agents.values()):
+            late = now - agent.polled_at - agent.hold_s - WAIT_MARGIN_S
+            if agent.poll_ref is not None and late > AGENT_STALL_S:
+                # Its workers would all look silent to the hang watch: poll them directly instead.
+                self._agent_failed(agent, f"its poll is {late:.1f}s late", now)
+            elif agent.ready_ref is None and agent.poll_ref is None and agent.node_id not in nodes:
+                self._drop_agent(agent, "no worker left on its node", quiet=True)
+
+    def _launch_agent(self, node_id: str, now: float) -> None:
+        actor: Any = ray.remote(NodeAgent).options(
+            num_cpus=0, max_concurrency=2, max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+        self._agents[node_id] = _Agent(node_id=node_id, actor=actor, ready_ref=actor.ready.remote(), started_at=now)
+
+    def _agent_failed(self, agent: _Agent, why: str, now: float) -> None:
+        """An agent that failed is not replaced on its node for AGENT_RETRY_S (its workers are
+        polled directly meanwhile): one that fails again and again must not cost a start per tick."""
+        self._agent_failed_at[agent.node_id] = now
+        self._drop_agent(agent, why)
+
+    def _collect_agents(self, now: float) -> None:
+        polled = [a for a in self._agents.values() if a.poll_ref is not None]
+        if not polled:
+            return
+        answered, _ = ray.wait([a.poll_ref for a in polled], num_returns=len(polled), timeout=0)
+        answered_refs = set(answered)
+        for agent in polled:
+            if agent.poll_ref not in answered_refs:
+                continue
+            try:
+                answers = ray.get(agent.poll_ref)
+            except RayError as error:
+                self._agent_lost(agent, error_line(error), now)
+                continue
+            agent.poll_ref = None
+            for wid, answer in answers.items():
+                slot = self._slots.get(wid)
+                if slot is not None and slot.status == READY and slot.agent == agent.node_id:
+                    self._take(slot, answer, now)
+
+    def _agent_lost(self, agent: _Agent, why: str, now: float) -> None:
+        """An agent died: with its node (its workers are lost too), or alone (they go on, polled
+        directly until a new agent starts)."""
+        if agent.node_id in self._nodes_alive():
+            self._agent_failed(agent, f"was lost ({why})", now)
+            return
+        for wid in sorted(agent.carries):
+            slot = self._slots.get(wid)
+            if slot is not None and slot.status == READY:
+                slot.silent_at_death = now - slot.last_answer_at
+                self._mark_dead(slot, f"node lost: node {agent.node_id[:12]} left the cluster (its agent: {why})",
+                                Cause.NODE_LOST)
+        self._drop_agent(agent, "was lost with its node", quiet=True)
+
+    def _drop_agent(self, agent: _Agent, why: str, quiet: bool = False) -> None:
+        """Stop using an agent: the workers it carried are polled directly from the next tick."""
+        del self._agents[agent.node_id]
+        carried = [w for w in agent.carries if w in self._slots and self._slots[w].status == READY]
+        for wid in carried:
+            self._slots[wid].agent = None
+        (log.debug if quiet else log.warning)(
+            "node agent on node %s %s: %d of its workers are polled directly until a new agent starts",
+            agent.node_id[:12], why, len(carried))
+        try:
+            ray.kill(agent.actor, no_restart=True)
+        except Exception:   # noqa: BLE001 - already gone
+            pass
+
+    def _nodes_alive(self) -> set[str]:
+        """The cluster's live nodes, read once per tick (a lost node kills 8 workers at once)."""
+        if self._alive_nodes is None:
+            self._alive_nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        return self._alive_nodes
 
     def _mark_dead(self, slot: _Slot, reason: str, cause: Cause = Cause.WORKER_DIED) -> None:
         if slot.status == DEAD:
@@ -237,6 +391,11 @@ class RayWorkerGroup:
         slot.died_at = time.monotonic()
         slot.death, slot.death_cause = reason, cause
         slot.poll_ref = None
+        agent = self._agents.get(slot.agent) if slot.agent is not None else None
+        if agent is not None:
+            agent.carries.discard(slot.wid)
+            agent.forget.append(slot.wid)
+        slot.agent = None
         (log.info if reason == "run ended" else log.warning)("worker %d is dead: %s", slot.wid, reason)
         try:
             remove_placement_group(slot.pg)
@@ -271,8 +430,8 @@ class RayWorkerGroup:
                 answers.append(ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
                 continue
             except RayTaskError as error:
-                self.kill(wid, f"{what}: {_first_line(error)}")
-                failures.append(f"worker {wid} {what} and was replaced: {_first_line(error)}")
+                self.kill(wid, f"{what}: {first_line(error)}")
+                failures.append(f"worker {wid} {what} and was replaced: {first_line(error)}")
             except (RayError, GetTimeoutError) as error:
                 failures.append(f"worker {wid} {what}: {error}")
             answers.append(None)
@@ -310,17 +469,16 @@ class RayWorkerGroup:
         for slot in list(self._slots.values()):
             if slot.status != DEAD:
                 self.kill(slot.wid, "run ended")
+        for agent in list(self._agents.values()):
+            self._drop_agent(agent, "run ended", quiet=True)
 
-    def _death_reason(self, slot: _Slot, error: RayError) -> tuple[str, Cause]:
-        """Node lost when the worker's node is gone from the cluster, else the actor died."""
-        first_line = (str(error).splitlines() or [type(error).__name__])[0]
+    def _death_reason(self, slot: _Slot, error: str) -> tuple[str, Cause]:
+        """Node lost when the worker's node is gone from the cluster, else the actor died
+        (`error`: the first line of Ray's error)."""
         node_id = slot.info.node_id if slot.info else None
-        if node_id is not None:
-            if self._alive_nodes is None:     # once per tick: a lost node kills 8 workers at once
-                self._alive_nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-            if node_id not in self._alive_nodes:
-                return f"node lost: node {node_id[:12]} left the cluster ({first_line})", Cause.NODE_LOST
-        return f"actor died: {first_line}", Cause.WORKER_DIED
+        if node_id is not None and node_id not in self._nodes_alive():
+            return f"node lost: node {node_id[:12]} left the cluster ({error})", Cause.NODE_LOST
+        return f"actor died: {error}", Cause.WORKER_DIED
 
 
 def _available_resources() -> dict[str, float] | str:
@@ -330,7 +488,20 @@ def _available_resources() -> dict[str, float] | str:
         return "unknown"
 
 
-def _first_line(error: BaseException) -> str:
+def poll_failure(error: RayError) -> PollFailure:
+    """A poll's error as the group acts on it: the poll itself raised (RayTaskError), or the
+    worker's actor is gone (any other RayError)."""
+    if isinstance(error, RayTaskError):
+        return PollFailure(actor_gone=False, message=first_line(error))
+    return PollFailure(actor_gone=True, message=error_line(error))
+
+
+def error_line(error: BaseException) -> str:
+    """The first line of Ray's error (its type's name if it has no message)."""
+    return (str(error).splitlines() or [type(error).__name__])[0]
+
+
+def first_line(error: BaseException) -> str:
     """The exception's own message: a RayTaskError's first lines are Ray's traceback header."""
     cause = getattr(error, "cause", None)
     shown = cause if isinstance(cause, BaseException) else error
@@ -342,7 +513,7 @@ def _silence(slot: _Slot, now: float) -> float:
     """Seconds since the worker last answered: the upper bound on how long a fault went unseen."""
     if slot.status == DEAD:
         return slot.silent_at_death
-    if slot.status == READY and slot.poll_ref is not None:
+    if slot.status == READY and (slot.poll_ref is not None or slot.agent is not None):
         return now - slot.last_answer_at
     return 0.0
 

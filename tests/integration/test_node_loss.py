@@ -38,7 +38,7 @@ def test_node_removal_rescales_down_and_a_new_node_grows_it_back(cluster, run_di
         try:
             outcome["result"] = ElasticTrainer(
                 gpt.train_loop, train_loop_config={"model_size": "tiny", "batch_size": 8}, total_steps=1200,
-                seed=0, scaling=ScalingConfig(min_workers=2, max_workers=4),
+                seed=0, scaling=ScalingConfig(min_workers=2, max_workers=4, node_agents=True),
                 checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=500),
                 failure=FailureConfig(heartbeat_timeout_s=10.0)).fit()
         except BaseException as error:   # noqa: BLE001 - reported by the assertion below
@@ -51,9 +51,12 @@ def test_node_removal_rescales_down_and_a_new_node_grows_it_back(cluster, run_di
     # The trainer runs in a thread: Cluster.remove_node/add_node must be called from the main thread.
     trainer = threading.Thread(target=train, daemon=True)
     trainer.start()
-    # On a loaded machine the run may start with 2 workers and grow: lose the node at world size 4.
-    wait_for(lambda: running_at(40) and read_json(run_dir, "status.json").get("world_size") == 4, 120,
-             "the run to reach step 40 with 4 workers")
+    # On a loaded machine the run may start with 2 workers and grow: lose the node at world size 4,
+    # once each node's agent carries its workers' polls (ScalingConfig.node_agents): the node's
+    # loss is then seen through its agent's.
+    wait_for(lambda: running_at(40) and read_json(run_dir, "status.json").get("world_size") == 4
+             and all(w.get("polled_by") == "agent" for w in read_json(run_dir, "status.json")["workers"]), 120,
+             "the run to reach step 40 with 4 workers, polled by their nodes' agents")
     status = read_json(run_dir, "status.json")
     node_id = next(w["node_id"] for w in status["workers"] if w["rank"] == 1)
     cluster.remove_node(next(n for n in nodes if n.node_id == node_id))

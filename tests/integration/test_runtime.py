@@ -1,10 +1,12 @@
 """The elastic runtime end to end on a local Ray: clean runs, kills, hangs, FSDP, user errors."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from itertools import pairwise
 
@@ -24,12 +26,12 @@ TINY = {"model_size": "tiny", "batch_size": 8}
 
 def trainer(run_dir, *, workers=(2, 2), steps=40, every=None, strategy="ddp", loop=gpt.train_loop,
             heartbeat_timeout_s=10.0, max_failures=5, config=TINY, collective_timeout_s=30.0, spare_workers=0,
-            in_memory_every=1):
+            in_memory_every=1, node_agents=False):
     # startup_wait_s: the tests that rescale from 3 begin with all 3 workers, however slow their start.
     return ElasticTrainer(
         loop, train_loop_config=config, total_steps=steps, seed=0,
         scaling=ScalingConfig(min_workers=workers[0], max_workers=workers[1], strategy=strategy,
-                              startup_wait_s=120, spare_workers=spare_workers),
+                              startup_wait_s=120, spare_workers=spare_workers, node_agents=node_agents),
         checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=every, in_memory_every_n_steps=in_memory_every),
         failure=FailureConfig(heartbeat_timeout_s=heartbeat_timeout_s, max_failures=max_failures,
                               collective_timeout_s=collective_timeout_s, rendezvous_timeout_s=60.0))
@@ -82,9 +84,21 @@ def test_clean_run_finishes_learns_and_writes_the_contract_files(ray_session, ru
 def test_sigkill_of_rank_0_recovers_warm_loses_no_metrics_line_then_grows_back(ray_session, run_dir):
     # Not held at the fault's step (a held run would have reported every step before the kill):
     # rank 0 dies with steps it completed that the controller had not polled yet, and a
-    # survivor has them. The run is long enough for the fault to land mid-run.
+    # survivor has them. The run is long enough for the fault to land mid-run. The polls go
+    # through a node agent (ScalingConfig.node_agents): its answers carry the death, the
+    # survivors' records and the replacement's start as the direct polls of the other tests do.
     fault = SignalAtStep(run_dir, at_step=60, sig=signal.SIGKILL, rank=0)
-    result = fit_with_fault(run_dir, fault, hold=False, workers=(2, 3), steps=500, every=100)
+    agent_carried = []            # status.json seen during the run with every member polled by the agent
+
+    def watch():
+        with contextlib.suppress(TimeoutError):
+            wait_for(lambda: _all_polled_by_agent(run_dir), 120, "the node agent to carry every member's polls")
+            agent_carried.append(True)
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    result = fit_with_fault(run_dir, fault, hold=False, workers=(2, 3), steps=500, every=100, node_agents=True)
+    watcher.join(timeout=5)
+    assert agent_carried, "no status.json showed the members' polls carried by the node agent"
     s = result.summary
     assert result.ok and s["final_step"] == 500
     (recovery,) = [r for r in s["recoveries"] if r["cause"] == "worker_died"]
@@ -102,12 +116,17 @@ def test_sigkill_of_rank_0_recovers_warm_loses_no_metrics_line_then_grows_back(r
     # The files others parse fit the JSON Schemas that ship in the package, after a recovery ...
     assert validate_run(run_dir) == {"status.json": 1, "summary.json": 1, "metrics.jsonl": 500}
     # Running again on the same storage resumes, although the fence moved on with the recoveries.
-    again = fit_with_fault(run_dir, None, workers=(2, 3), steps=520, every=100)
+    again = fit_with_fault(run_dir, None, workers=(2, 3), steps=520, every=100, node_agents=True)
     assert again.ok and again.summary["resumed_from"] == 500 and again.final_step == 520
     assert again.summary["samples_consumed"] == s["samples_consumed"] + 24 * _steps_at(again.summary, 3) \
         + 16 * _steps_at(again.summary, 2)
     assert again.summary["data_order_sha256"] == expected_data_order(again.summary["samples_consumed"])
     assert validate_run(run_dir)["metrics.jsonl"] == 520                 # ... and after a resume
+
+
+def _all_polled_by_agent(run_dir) -> bool:
+    workers = (read_json(run_dir, "status.json") or {}).get("workers") or []
+    return len(workers) >= 2 and all(w.get("polled_by") == "agent" for w in workers)
 
 
 def metrics_steps(run_dir):

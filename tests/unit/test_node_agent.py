@@ -1,0 +1,279 @@
+"""Node agents (ScalingConfig.node_agents): the agent that carries one node's workers' polls, and
+the worker group's routing through it, with Ray faked (refs that are ready or not, actors whose
+methods record their calls). The end-to-end runs through real agents are in
+tests/integration/test_runtime.py (a worker killed) and test_node_loss.py (a node lost)."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+from ray.exceptions import ActorDiedError, RayTaskError
+
+import elastic._controller.worker_group as ray_group
+from elastic._controller.node_agent import NodeAgent, hold_until_beat
+from elastic._controller.worker_group import AGENT_RETRY_S, AGENT_STALL_S, DEAD, READY, RayWorkerGroup, _Slot
+from elastic._protocol import PollFailure, WorkerInfo, WorkerReport
+from elastic.config import FailureConfig, ScalingConfig
+from elastic.policies import Cause
+
+pytestmark = pytest.mark.timeout(30)
+
+PENDING = object()     # a ref whose call has not answered
+A, B = "a" * 56, "b" * 56      # node ids (Ray checks that they are hex)
+
+
+class Ref:
+    def __init__(self, outcome=PENDING):
+        self.outcome = outcome
+
+
+class Method:
+    """An actor method: each call makes a pending ref (answered by the test) and is recorded."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+        self.refs: list[Ref] = []
+
+    def remote(self, *args):
+        self.calls.append(args)
+        self.refs.append(Ref())
+        return self.refs[-1]
+
+
+class Actor:
+    def __init__(self, *names):
+        for name in names:
+            setattr(self, name, Method())
+
+
+class FakeRay:
+    def __init__(self, clock=None):
+        self.killed: list = []
+        self.agents: list[Actor] = []
+        self.alive = {A, B}
+        self.clock = clock
+
+    def get(self, ref, timeout=None):
+        assert ref.outcome is not PENDING
+        if isinstance(ref.outcome, BaseException):
+            raise ref.outcome
+        return ref.outcome
+
+    def wait(self, refs, num_returns=1, timeout=None):
+        ready = [r for r in refs if r.outcome is not PENDING]
+        if not ready and self.clock is not None and timeout:
+            self.clock.now += timeout          # nothing answers: the wait runs out
+        return ready, [r for r in refs if r.outcome is PENDING]
+
+    def kill(self, actor, no_restart=True):
+        self.killed.append(actor)
+
+    def nodes(self):
+        return [{"NodeID": n, "Alive": True} for n in self.alive]
+
+    def remote(self, cls):
+        fake = self
+
+        class Options:
+            def options(self, **kwargs):
+                return self
+
+            def remote(self):
+                fake.agents.append(Actor("ready", "watch", "poll"))
+                return fake.agents[-1]
+        return Options()
+
+
+def died() -> ActorDiedError:
+    return ActorDiedError()
+
+
+def task_error(message: str) -> RayTaskError:
+    return RayTaskError("poll", f"Traceback (most recent call last):\n  ...\nRuntimeError: {message}",
+                        RuntimeError(message)).as_instanceof_cause()
+
+
+def report(step: int = 1) -> WorkerReport:
+    return WorkerReport(phase="running", generation=0, rank=0, step=step, has_state=True, records=[])
+
+
+# ---- the agent ------------------------------------------------------------------------------
+class Clock:
+    def __init__(self, now=100.0):
+        self.now = now
+
+    def __call__(self):
+        return self.now
+
+
+def test_holds_end_on_a_common_beat_never_past_the_controllers_hold():
+    assert hold_until_beat(1.0, 100.25) == pytest.approx(0.75)
+    assert hold_until_beat(1.0, 100.9) == pytest.approx(0.1)     # to the beat, not a whole hold more
+    assert hold_until_beat(1.0, 100.0) == pytest.approx(1.0)
+    assert all(0 < hold_until_beat(0.5, t / 7) <= 0.5 for t in range(200))
+    assert {round(t + hold_until_beat(1.0, t), 6) for t in (100.1, 100.5, 100.99)} == {101.0}
+    assert hold_until_beat(0.0, 100.3) == 0.0                   # unheld polls stay unheld
+
+
+def agent_with(clock: Clock, *wids: int) -> tuple[NodeAgent, FakeRay, dict[int, Actor]]:
+    fake = FakeRay(clock)
+    agent = NodeAgent(clock=clock, ray_api=fake)
+    workers = {wid: Actor("poll") for wid in wids}
+    agent.watch(workers)
+    return agent, fake, workers
+
+
+def test_the_agent_polls_each_worker_once_and_returns_every_answer_that_came():
+    clock = Clock(100.25)
+    agent, _, workers = agent_with(clock, 0, 1, 2)
+    assert [w.poll.calls for w in workers.values()] == [[(0.0,)]] * 3     # no hold known yet: at once
+    workers[0].poll.refs[0].outcome = report(1)
+    workers[2].poll.refs[0].outcome = report(1)
+    answers = agent.poll(1.0, forget=[])
+    assert answers == {0: report(1), 2: report(1)}
+    workers[1].poll.refs[0].outcome = report(2)
+    assert agent.poll(1.0, forget=[]) == {1: report(2)}
+    # The next poll sent the answered ones a new poll, held to the beat; worker 1's first was still out.
+    assert workers[0].poll.calls[-1] == (pytest.approx(0.75),) == workers[2].poll.calls[-1]
+    assert len(workers[1].poll.calls) == 1
+
+
+def test_the_agent_answers_after_the_hold_with_nothing_when_no_worker_answers():
+    clock = Clock()
+    agent, _, _ = agent_with(clock, 0)
+    assert agent.poll(1.0, forget=[]) == {}
+    assert clock.now >= 101.0                    # it waited the hold (and its margin), in slices
+
+
+def test_a_worker_whose_poll_fails_is_reported_once_and_polled_no_more():
+    clock = Clock()
+    agent, _, workers = agent_with(clock, 0, 1)
+    workers[0].poll.refs[0].outcome = task_error("poll broke")
+    workers[1].poll.refs[0].outcome = died()
+    answers = agent.poll(1.0, forget=[])
+    assert answers[0] == PollFailure(actor_gone=False, message="RuntimeError: poll broke")
+    assert answers[1].actor_gone and isinstance(answers[1], PollFailure)
+    assert agent.poll(1.0, forget=[]) == {}
+    assert [len(w.poll.calls) for w in workers.values()] == [1, 1]
+
+
+def test_a_forgotten_worker_is_no_longer_polled_nor_answered_for():
+    clock = Clock()
+    agent, _, workers = agent_with(clock, 0, 1)
+    workers[0].poll.refs[0].outcome = report()
+    assert agent.poll(1.0, forget=[0]) == {}
+    workers[1].poll.refs[0].outcome = report()
+    assert agent.poll(1.0, forget=[]) == {1: report()}
+    assert len(workers[0].poll.calls) == 1
+
+
+# ---- the worker group's routing -------------------------------------------------------------
+@pytest.fixture
+def fake_ray(monkeypatch):
+    fake = FakeRay()
+    monkeypatch.setattr(ray_group, "ray", fake)
+    monkeypatch.setattr(ray_group, "remove_placement_group", lambda pg: None)
+    return fake
+
+
+def group_on(nodes: dict[int, str], agents: bool = True) -> RayWorkerGroup:
+    group = RayWorkerGroup(None, ScalingConfig(min_workers=1, max_workers=len(nodes), node_agents=agents),
+                           FailureConfig(heartbeat_timeout_s=5.0))
+    group.poll_hold_s = 1.0
+    for wid, node in nodes.items():
+        group._slots[wid] = _Slot(wid=wid, pg=None, pg_ready=None, created_at=0.0, status=READY,
+                                  actor=Actor("poll"), info=WorkerInfo(pid=wid, node_id=node, actor_id="", ip=""))
+    return group
+
+
+def started(group: RayWorkerGroup, fake: FakeRay) -> list[Actor]:
+    """Tick until the group has launched its agents; then they answer ready()."""
+    group.tick()
+    for agent in fake.agents:
+        agent.ready.refs[0].outcome = "node"
+    return fake.agents
+
+
+def test_without_agents_every_worker_is_polled_directly(fake_ray):
+    group = group_on({0: A, 1: A}, agents=False)
+    views = group.tick()
+    assert fake_ray.agents == [] and not any(v.via_agent for v in views.values())
+    assert [len(group._slots[w].actor.poll.calls) for w in (0, 1)] == [1, 1]
+
+
+def test_each_nodes_agent_takes_its_workers_polls_and_their_answers_reach_the_views(fake_ray):
+    group = group_on({0: A, 1: A, 2: B})
+    a, b = started(group, fake_ray)
+    # Until its agent answered ready(), each worker was polled directly; that poll is collected.
+    for wid in (0, 1, 2):
+        group._slots[wid].actor.poll.refs[0].outcome = report(1)
+    views = group.tick()
+    assert {w: v.via_agent for w, v in views.items()} == {0: True, 1: True, 2: True}
+    assert a.watch.calls == [({0: group._slots[0].actor, 1: group._slots[1].actor},)]
+    assert b.watch.calls == [({2: group._slots[2].actor},)]
+    assert a.poll.calls == [(1.0, [])] and b.poll.calls == [(1.0, [])]
+    a.poll.refs[0].outcome = {0: report(2), 1: report(3)}
+    views = group.tick()
+    assert (views[0].report.step, views[1].report.step, views[2].report.step) == (2, 3, 1)
+    assert [len(group._slots[w].actor.poll.calls) for w in (0, 1, 2)] == [1, 1, 1]   # no direct polls since
+    assert len(a.poll.calls) == 2 and len(b.poll.calls) == 1      # a new poll to the agent that answered
+
+
+def test_deaths_and_failed_polls_that_an_agent_reports_are_acted_on_as_direct_ones(fake_ray):
+    group = group_on({0: A, 1: A, 2: A})
+    (agent,) = started(group, fake_ray)
+    for wid in (0, 1, 2):
+        group._slots[wid].actor.poll.refs[0].outcome = report(1)
+    group.tick()
+    agent.poll.refs[0].outcome = {0: PollFailure(actor_gone=True, message="The actor died unexpectedly"),
+                                  1: PollFailure(actor_gone=False, message="RuntimeError: poll broke")}
+    views = group.tick()
+    assert views[0].status == DEAD and views[0].death_cause == Cause.WORKER_DIED
+    assert views[0].death == "actor died: The actor died unexpectedly"
+    assert views[1].status == DEAD and views[1].death == "its poll failed: RuntimeError: poll broke"
+    assert group._slots[1].actor in fake_ray.killed and views[2].status == READY
+    assert agent.poll.calls[-1] == (1.0, [0, 1])                  # the agent is told to drop them
+
+
+def test_an_agent_lost_alone_hands_its_workers_back_to_direct_polls_and_is_not_restarted_at_once(fake_ray):
+    group = group_on({0: A, 1: A})
+    (agent,) = started(group, fake_ray)
+    for wid in (0, 1):
+        group._slots[wid].actor.poll.refs[0].outcome = report(1)
+    group.tick()
+    agent.poll.refs[0].outcome = died()
+    views = group.tick()
+    assert all(v.status == READY and not v.via_agent for v in views.values())
+    assert [len(group._slots[w].actor.poll.calls) for w in (0, 1)] == [2, 2]      # polled directly again
+    assert agent in fake_ray.killed and len(fake_ray.agents) == 1
+    group._agent_failed_at[A] -= AGENT_RETRY_S                 # the retry delay has passed
+    group.tick()
+    assert len(fake_ray.agents) == 2
+
+
+def test_an_agent_lost_with_its_node_loses_its_workers_as_node_lost(fake_ray):
+    group = group_on({0: A, 1: A, 2: B})
+    a, b = started(group, fake_ray)
+    for wid in (0, 1, 2):
+        group._slots[wid].actor.poll.refs[0].outcome = report(1)
+    group.tick()
+    fake_ray.alive = {B}
+    a.poll.refs[0].outcome = died()
+    views = group.tick()
+    assert [(views[w].status, views[w].death_cause) for w in (0, 1)] == [(DEAD, Cause.NODE_LOST)] * 2
+    assert views[0].death.startswith("node lost: node aaaaaaaaaaaa left the cluster (its agent: ")
+    assert views[2].status == READY and views[2].via_agent
+
+
+def test_an_agent_whose_answer_is_overdue_is_replaced_by_direct_polls(fake_ray, monkeypatch, caplog):
+    group = group_on({0: A})
+    (agent,) = started(group, fake_ray)
+    group._slots[0].actor.poll.refs[0].outcome = report(1)
+    group.tick()
+    assert group._slots[0].agent == A
+    clock = ray_group.time.monotonic() + group.poll_hold_s + 0.25 + AGENT_STALL_S + 0.1
+    monkeypatch.setattr(ray_group.time, "monotonic", lambda: clock)
+    with caplog.at_level(logging.WARNING, logger="elastic.group"):
+        views = group.tick()
+    assert not views[0].via_agent and agent in fake_ray.killed
+    assert "its poll is" in caplog.text and "1 of its workers are polled directly" in caplog.text
