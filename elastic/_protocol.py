@@ -71,6 +71,7 @@ class WorkerReport:
     data_order: str | None = None        # its data-order hash
     replicas: ReplicaHeld | None = None  # FSDP: the shards this worker holds copies of (in host memory)
     position: PositionReport | None = None   # where its training thread is (elastic._worker.thread_position)
+    seq: int = 0                         # this answer's number (the next poll acknowledges it: state.Outbox)
 
 
 @dataclass(frozen=True)

@@ -225,6 +225,11 @@ class TrainContext:
         state = self._require_state("ctx.save_checkpoint()")
         # The steps' losses are known before their state is saved: a non-finite one is never committed.
         self._boundary.settle()
+        # The held poll answers now, with the records of every step up to this one: a step must
+        # reach the controller before its commit can. Were every rank to die after the commit
+        # (a node, or a whole group, lost) with the records still held, the restored steps would
+        # have no metrics.jsonl lines (steps of milliseconds fill a 1 s hold with 100 of them).
+        self._worker.outbox.news.set()
         started = time.monotonic()
         payload, meta = state.checkpoint_payload(_wrap.compression_extra(self._compression, self.rank),
                                                  world_size=self.world_size)

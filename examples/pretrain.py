@@ -97,6 +97,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=parse_workers, default=(2, 2), help="MIN:MAX workers (default 2:2)")
     p.add_argument("--spare-workers", type=int, default=0, metavar="N",
                    help="hot spares beyond MAX: idle workers that replace a lost one at once")
+    p.add_argument("--node-agents", action="store_true",
+                   help="carry the controller's polls through one agent actor per node (for runs of hundreds "
+                        "of workers and more: ScalingConfig.node_agents)")
     p.add_argument("--steps", type=int, default=200, help="total optimizer steps of the run")
     p.add_argument("--checkpoint-every", type=int, default=50, help="commit a checkpoint every K steps")
     p.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp")
@@ -171,7 +174,7 @@ def scaling_config(args: argparse.Namespace) -> ScalingConfig:
                          resources_per_worker={"CPU": args.cpus_per_worker}, precision=args.precision,
                          grad_compression=None if args.grad_compression == "none" else args.grad_compression,
                          fsdp_reshard_after_forward=args.fsdp_reshard_after_forward,
-                         fsdp_cpu_offload=args.fsdp_cpu_offload)
+                         fsdp_cpu_offload=args.fsdp_cpu_offload, node_agents=args.node_agents)
 
 
 class InjectedUserError(Exception):

@@ -62,29 +62,36 @@ class NodeAgent:
         self._lock = threading.Lock()
         self._workers: dict[int, Any] = {}        # wid -> the worker's actor handle
         self._polls: dict[Any, int] = {}          # the outstanding poll of each worker -> its wid
+        self._acked: dict[int, int] = {}          # wid -> the newest answer the controller received
         self._hold_s = 0.0                        # the controller's newest hold
 
     def ready(self) -> str:
         """The node it runs on (the group starts using it when this answers)."""
         return str(self._ray.get_runtime_context().get_node_id())
 
-    def watch(self, workers: dict[int, Any]) -> None:
-        """Carry the polls of `workers` (wid -> actor handle) from now on: each is polled at once,
-        and a `poll` under way takes its answer (it looks for new workers every SLICE_S)."""
+    def watch(self, workers: dict[int, tuple[Any, int]]) -> None:
+        """Carry the polls of `workers` (wid -> (actor handle, the newest of its answers the
+        controller received)) from now on: each is polled at once, and a `poll` under way takes
+        its answer (it looks for new workers every SLICE_S)."""
         with self._lock:
-            self._workers.update(workers)
-            self._send_polls()
+            for wid, (actor, acked) in workers.items():
+                self._workers[wid], self._acked[wid] = actor, acked
+            self._send_polls(only=set(workers))
 
-    def poll(self, hold_s: float, forget: list[int]) -> dict[int, WorkerReport | PollFailure]:
+    def poll(self, hold_s: float, forget: list[int],
+             acked: dict[int, int] | None = None) -> dict[int, WorkerReport | PollFailure]:
         """Drop the workers in `forget`, make sure every other worker has a poll out (held up to
-        `hold_s`, to the beat), and return the answers that came: as soon as one is there (with
-        those that come within COALESCE_S), else after the hold plus WAIT_MARGIN_S, with
-        whatever came by then (possibly nothing)."""
+        `hold_s`, to the beat, acknowledging `acked[wid]`: the newest of its answers the
+        controller has received, all of this agent's earlier ones), and return the answers
+        that came: as soon as one is there (with those that come within COALESCE_S), else after
+        the hold plus WAIT_MARGIN_S, with whatever came by then (possibly nothing)."""
         deadline = self._clock() + hold_s + WAIT_MARGIN_S
         with self._lock:
             self._hold_s = hold_s
+            self._acked.update(acked or {})
             for wid in forget:
                 self._workers.pop(wid, None)
+                self._acked.pop(wid, None)
             self._polls = {ref: wid for ref, wid in self._polls.items() if wid in self._workers}
             self._send_polls()
         ready: list[Any] = []
@@ -107,13 +114,15 @@ class NodeAgent:
                 answers[taken] = self._answer(ref, taken)
         return answers
 
-    def _send_polls(self) -> None:
-        """A poll to every worker that has none out (under the lock)."""
+    def _send_polls(self, only: set[int] | None = None) -> None:
+        """A poll to every worker (or every one in `only`) that has none out (under the lock).
+        Only `poll` polls the others again: their acknowledgements come with it (`watch` may run
+        while a `poll` is taking answers the controller has not received yet)."""
         polled = set(self._polls.values())
         hold = hold_until_beat(self._hold_s, self._clock())
         for wid, actor in self._workers.items():
-            if wid not in polled:
-                self._polls[actor.poll.remote(hold)] = wid
+            if wid not in polled and (only is None or wid in only):
+                self._polls[actor.poll.remote(hold, self._acked.get(wid, 0))] = wid
 
     def _answer(self, ref: Any, wid: int) -> WorkerReport | PollFailure:
         from ray.exceptions import RayError

@@ -32,6 +32,7 @@ SLOW_TICK_S = 2.0    # a tick is normally milliseconds: Ray calls that block sho
 PLACEMENT_WARN_S = 30.0   # a placement pending this long (at least startup_wait_s) is said to be stuck
 AGENT_STALL_S = 1.0       # beyond its hold and margin, an agent's poll this late is a stuck agent
 AGENT_RETRY_S = 30.0      # after an agent failed to start on a node, poll its workers directly this long
+AGENT_IDLE_S = 60.0       # an agent whose node has had no ready worker this long is stopped
 
 class SlotStatus(enum.StrEnum):
     """Where a worker slot is: its placement pending, its actor starting, ready, or dead."""
@@ -79,6 +80,7 @@ class _Slot:
     died_at: float = 0.0               # monotonic time it was found dead (its slot is dropped later)
     warned: bool = False               # its placement was said to be stuck
     agent: str | None = None           # the node whose agent carries its polls (None: polled directly)
+    seq_seen: int = 0                  # the newest answer received (each poll acknowledges it: state.Outbox)
 
 
 @dataclass
@@ -93,6 +95,7 @@ class _Agent:
     polled_at: float = 0.0             # when its poll went out (monotonic), held up to hold_s
     hold_s: float = 0.0
     carries: set[int] = field(default_factory=set)   # the workers whose polls it carries
+    idle_since: float | None = None    # since when its node has had no ready worker
     forget: list[int] = field(default_factory=list)  # workers to drop with its next poll
 
 
@@ -151,6 +154,7 @@ class RayWorkerGroup:
         self._advance_agents(now)
         placed = time.monotonic()
         self._collect_polls(now)
+        self._retire_agents(now)
         collected = time.monotonic()
         self._send_polls()
         sent = time.monotonic()
@@ -257,9 +261,10 @@ class RayWorkerGroup:
             answer = _merge_records(slot.report, answer)
         slot.report = answer
         slot.last_answer_at = now
+        slot.seq_seen = max(slot.seq_seen, answer.seq)
 
     def _send_polls(self) -> None:
-        handed: dict[str, dict[int, Any]] = {}
+        handed: dict[str, dict[int, tuple[Any, int]]] = {}
         for slot in self._slots.values():
             if slot.status != READY or slot.poll_ref is not None or slot.agent is not None:
                 continue
@@ -267,14 +272,15 @@ class RayWorkerGroup:
             if agent is not None:          # from now on its agent polls it
                 slot.agent = agent.node_id
                 agent.carries.add(slot.wid)
-                handed.setdefault(agent.node_id, {})[slot.wid] = slot.actor
+                handed.setdefault(agent.node_id, {})[slot.wid] = (slot.actor, slot.seq_seen)
             else:
-                slot.poll_ref = slot.actor.poll.remote(self.poll_hold_s)
+                slot.poll_ref = slot.actor.poll.remote(self.poll_hold_s, slot.seq_seen)
         for node_id, workers in handed.items():
             self._agents[node_id].actor.watch.remote(workers)
         for agent in self._agents.values():
             if agent.ready_ref is None and agent.poll_ref is None and agent.carries:
-                agent.poll_ref = agent.actor.poll.remote(self.poll_hold_s, agent.forget)
+                acked = {wid: self._slots[wid].seq_seen for wid in agent.carries}
+                agent.poll_ref = agent.actor.poll.remote(self.poll_hold_s, agent.forget, acked)
                 agent.polled_at, agent.hold_s = time.monotonic(), self.poll_hold_s
                 agent.forget = []
 
@@ -288,11 +294,11 @@ class RayWorkerGroup:
 
     def _advance_agents(self, now: float) -> None:
         """Start an agent on each node with ready workers, take the started ones into use, and
-        give up on those that fail to start, answer too late, or carry nobody."""
+        give up on those that fail to start."""
         if not self._agents_on:
             return
         nodes = {s.info.node_id for s in self._slots.values() if s.status == READY and s.info is not None}
-        for node_id in nodes - set(self._agents):
+        for node_id in sorted(nodes - set(self._agents)):
             if now - self._agent_failed_at.get(node_id, -AGENT_RETRY_S) >= AGENT_RETRY_S:
                 self._launch_agent(node_id, now)
         starting = [a for a in self._agents.values() if a.ready_ref is not None]
@@ -310,12 +316,23 @@ class RayWorkerGroup:
                         self._agent_failed(agent, f"failed to start: {error}", now)
                 elif now - agent.started_at > self._failure.rendezvous_timeout_s:
                     self._agent_failed(agent, "did not start within FailureConfig.rendezvous_timeout_s", now)
+
+    def _retire_agents(self, now: float) -> None:
+        """After the answers of this tick are taken: give up on an agent whose answer is overdue
+        (its workers would all look silent to the hang watch: they are polled directly instead;
+        what it held is sent again, state.Outbox), and stop one whose node has had no ready
+        worker for AGENT_IDLE_S (a recovery's replacement on its node would otherwise wait for
+        a new agent's start)."""
+        if not self._agents_on:
+            return
+        nodes = {s.info.node_id for s in self._slots.values() if s.status == READY and s.info is not None}
         for agent in list(self._agents.values()):
             late = now - agent.polled_at - agent.hold_s - WAIT_MARGIN_S
             if agent.poll_ref is not None and late > AGENT_STALL_S:
-                # Its workers would all look silent to the hang watch: poll them directly instead.
                 self._agent_failed(agent, f"its poll is {late:.1f}s late", now)
-            elif agent.ready_ref is None and agent.poll_ref is None and agent.node_id not in nodes:
+                continue
+            agent.idle_since = None if agent.node_id in nodes else (agent.idle_since or now)
+            if agent.poll_ref is None and agent.idle_since is not None and now - agent.idle_since >= AGENT_IDLE_S:
                 self._drop_agent(agent, "no worker left on its node", quiet=True)
 
     def _launch_agent(self, node_id: str, now: float) -> None:

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from elastic._worker.train_state import TrainState
 
 RECORDS_KEPT = 10_000   # step records a rank holds until polled (bounded if the controller stalls)
+ANSWERS_KEPT = 8        # answers a rank can send again when the controller says it never got them
 
 
 @dataclass
@@ -40,11 +41,20 @@ class WarmSource:
 
 @dataclass
 class Outbox:
-    """Step records not yet polled; the poll drains them under `lock`."""
+    """Step records not yet polled; the poll takes them under `lock` (`answer`).
+
+    Each answer is numbered (`seq`). A poll that says which answer the controller received last
+    (`acked`) gets the records of the answers after it again, before the new ones: a node agent
+    (elastic._controller.node_agent) that dies holding an answer it took from this worker loses
+    nothing, since the next poll, from whoever polls next, carries the controller's older
+    `acked`. The controller takes each step once (ReportIntake), so a record sent twice counts
+    once; one that reached it is never sent again (its answer was acknowledged)."""
 
     records: list[StepRecord] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     news: threading.Event = field(default_factory=threading.Event)   # wakes a held poll
+    seq: int = 0                                                      # the newest answer's number
+    unacked: list[tuple[int, list[StepRecord]]] = field(default_factory=list)   # (seq, its records)
 
     def put(self, record: StepRecord) -> None:
         with self.lock:
@@ -56,10 +66,24 @@ class Outbox:
             records, self.records = self.records, []
         return records
 
+    def answer(self, acked: int | None = None) -> tuple[int, list[StepRecord]]:
+        """The records for a poll's answer (drained), and that answer's number. With `acked`,
+        first those of the answers after `acked` (kept until acknowledged, the newest ANSWERS_KEPT)."""
+        with self.lock:
+            records, self.records = self.records, []
+            self.seq += 1
+            if acked is None:
+                return self.seq, records
+            self.unacked = [(seq, sent) for seq, sent in self.unacked if seq > acked][-(ANSWERS_KEPT - 1):]
+            again = [record for _, sent in self.unacked for record in sent]
+            self.unacked.append((self.seq, records))
+            return self.seq, again + records
+
     def drop_after(self, step: int) -> None:
         """Steps past `step` were lost with a failure: never report them."""
         with self.lock:
             self.records = [r for r in self.records if r.step <= step]
+            self.unacked = [(seq, [r for r in sent if r.step <= step]) for seq, sent in self.unacked]
 
 
 @dataclass

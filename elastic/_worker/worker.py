@@ -272,17 +272,18 @@ class TrainWorker:
         if cut_group and training:
             self._cut_group(sockets)
 
-    def poll(self, hold_s: float = 0.0) -> WorkerReport:
+    def poll(self, hold_s: float = 0.0, acked: int | None = None) -> WorkerReport:
         """What this worker is doing. With `hold_s` the answer waits until something the
         controller must hear at once happens (a phase change, an error, a preemption notice, a
         generation's first step) or `hold_s` passes: one answer per hold while training goes
-        on, at once when it stops going on."""
+        on, at once when it stops going on. `acked`: the number (WorkerReport.seq) of the newest
+        answer the controller received; the records of later ones are sent again (state.Outbox)."""
         state = self._state
         if hold_s > 0:
             self._position.hold(hold_s)   # or until its training thread has waited long (thread_position)
         state.outbox.news.clear()
         with self._lock:
-            records = state.outbox.drain()
+            seq, records = state.outbox.answer(acked)
             progress, warm, session = state.progress, state.warm, state.checkpoints
             plan, error = self._plan, self._error or {}
             return WorkerReport(
@@ -297,7 +298,7 @@ class TrainWorker:
                 checkpoint_fallbacks=list(session.load_fallbacks),
                 model_sha256=self._model_sha256, resumed_from=session.resumed_from,
                 samples_seen=progress.samples_seen, data_order=progress.data_order,
-                replicas=state.replicas.held(), position=self._position.report())
+                replicas=state.replicas.held(), position=self._position.report(), seq=seq)
 
     def shutdown(self) -> None:
         try:

@@ -11,7 +11,15 @@ from ray.exceptions import ActorDiedError, RayTaskError
 
 import elastic._controller.worker_group as ray_group
 from elastic._controller.node_agent import NodeAgent, hold_until_beat
-from elastic._controller.worker_group import AGENT_RETRY_S, AGENT_STALL_S, DEAD, READY, RayWorkerGroup, _Slot
+from elastic._controller.worker_group import (
+    AGENT_IDLE_S,
+    AGENT_RETRY_S,
+    AGENT_STALL_S,
+    DEAD,
+    READY,
+    RayWorkerGroup,
+    _Slot,
+)
 from elastic._protocol import PollFailure, WorkerInfo, WorkerReport
 from elastic.config import FailureConfig, ScalingConfig
 from elastic.policies import Cause
@@ -93,8 +101,8 @@ def task_error(message: str) -> RayTaskError:
                         RuntimeError(message)).as_instanceof_cause()
 
 
-def report(step: int = 1) -> WorkerReport:
-    return WorkerReport(phase="running", generation=0, rank=0, step=step, has_state=True, records=[])
+def report(step: int = 1, seq: int = 0) -> WorkerReport:
+    return WorkerReport(phase="running", generation=0, rank=0, step=step, has_state=True, records=[], seq=seq)
 
 
 # ---- the agent ------------------------------------------------------------------------------
@@ -119,22 +127,24 @@ def agent_with(clock: Clock, *wids: int) -> tuple[NodeAgent, FakeRay, dict[int, 
     fake = FakeRay(clock)
     agent = NodeAgent(clock=clock, ray_api=fake)
     workers = {wid: Actor("poll") for wid in wids}
-    agent.watch(workers)
+    agent.watch({wid: (actor, 0) for wid, actor in workers.items()})
     return agent, fake, workers
 
 
 def test_the_agent_polls_each_worker_once_and_returns_every_answer_that_came():
     clock = Clock(100.25)
     agent, _, workers = agent_with(clock, 0, 1, 2)
-    assert [w.poll.calls for w in workers.values()] == [[(0.0,)]] * 3     # no hold known yet: at once
+    assert [w.poll.calls for w in workers.values()] == [[(0.0, 0)]] * 3   # no hold known yet: at once
     workers[0].poll.refs[0].outcome = report(1)
     workers[2].poll.refs[0].outcome = report(1)
     answers = agent.poll(1.0, forget=[])
     assert answers == {0: report(1), 2: report(1)}
     workers[1].poll.refs[0].outcome = report(2)
-    assert agent.poll(1.0, forget=[]) == {1: report(2)}
-    # The next poll sent the answered ones a new poll, held to the beat; worker 1's first was still out.
-    assert workers[0].poll.calls[-1] == (pytest.approx(0.75),) == workers[2].poll.calls[-1]
+    assert agent.poll(1.0, forget=[], acked={0: 7, 2: 5}) == {1: report(2)}
+    # The next poll sent the answered ones a new poll, held to the beat and acknowledging the
+    # answers the controller has; worker 1's first was still out.
+    assert workers[0].poll.calls[-1] == (pytest.approx(0.75), 7)
+    assert workers[2].poll.calls[-1] == (pytest.approx(0.75), 5)
     assert len(workers[1].poll.calls) == 1
 
 
@@ -209,14 +219,15 @@ def test_each_nodes_agent_takes_its_workers_polls_and_their_answers_reach_the_vi
         group._slots[wid].actor.poll.refs[0].outcome = report(1)
     views = group.tick()
     assert {w: v.via_agent for w, v in views.items()} == {0: True, 1: True, 2: True}
-    assert a.watch.calls == [({0: group._slots[0].actor, 1: group._slots[1].actor},)]
-    assert b.watch.calls == [({2: group._slots[2].actor},)]
-    assert a.poll.calls == [(1.0, [])] and b.poll.calls == [(1.0, [])]
-    a.poll.refs[0].outcome = {0: report(2), 1: report(3)}
+    assert a.watch.calls == [({0: (group._slots[0].actor, 0), 1: (group._slots[1].actor, 0)},)]
+    assert b.watch.calls == [({2: (group._slots[2].actor, 0)},)]
+    assert a.poll.calls == [(1.0, [], {0: 0, 1: 0})] and b.poll.calls == [(1.0, [], {2: 0})]
+    a.poll.refs[0].outcome = {0: report(2, seq=2), 1: report(3, seq=4)}
     views = group.tick()
     assert (views[0].report.step, views[1].report.step, views[2].report.step) == (2, 3, 1)
     assert [len(group._slots[w].actor.poll.calls) for w in (0, 1, 2)] == [1, 1, 1]   # no direct polls since
-    assert len(a.poll.calls) == 2 and len(b.poll.calls) == 1      # a new poll to the agent that answered
+    assert len(a.poll.calls) == 2 and len(b.poll.calls) == 1      # a new poll to the agent that answered,
+    assert a.poll.calls[-1] == (1.0, [], {0: 2, 1: 4})             # acknowledging what came
 
 
 def test_deaths_and_failed_polls_that_an_agent_reports_are_acted_on_as_direct_ones(fake_ray):
@@ -232,19 +243,23 @@ def test_deaths_and_failed_polls_that_an_agent_reports_are_acted_on_as_direct_on
     assert views[0].death == "actor died: The actor died unexpectedly"
     assert views[1].status == DEAD and views[1].death == "its poll failed: RuntimeError: poll broke"
     assert group._slots[1].actor in fake_ray.killed and views[2].status == READY
-    assert agent.poll.calls[-1] == (1.0, [0, 1])                  # the agent is told to drop them
+    assert agent.poll.calls[-1] == (1.0, [0, 1], {2: 0})          # the agent is told to drop them
 
 
 def test_an_agent_lost_alone_hands_its_workers_back_to_direct_polls_and_is_not_restarted_at_once(fake_ray):
     group = group_on({0: A, 1: A})
     (agent,) = started(group, fake_ray)
     for wid in (0, 1):
-        group._slots[wid].actor.poll.refs[0].outcome = report(1)
+        group._slots[wid].actor.poll.refs[0].outcome = report(1, seq=1)
     group.tick()
-    agent.poll.refs[0].outcome = died()
+    agent.poll.refs[0].outcome = {0: report(2, seq=2)}
+    group.tick()
+    agent.poll.refs[1].outcome = died()
     views = group.tick()
     assert all(v.status == READY and not v.via_agent for v in views.values())
-    assert [len(group._slots[w].actor.poll.calls) for w in (0, 1)] == [2, 2]      # polled directly again
+    # Polled directly again, acknowledging the newest answers that came: a worker whose answer
+    # the agent took with it sends its records again (state.Outbox).
+    assert [group._slots[w].actor.poll.calls[-1] for w in (0, 1)] == [(1.0, 2), (1.0, 1)]
     assert agent in fake_ray.killed and len(fake_ray.agents) == 1
     group._agent_failed_at[A] -= AGENT_RETRY_S                 # the retry delay has passed
     group.tick()
@@ -277,3 +292,30 @@ def test_an_agent_whose_answer_is_overdue_is_replaced_by_direct_polls(fake_ray, 
         views = group.tick()
     assert not views[0].via_agent and agent in fake_ray.killed
     assert "its poll is" in caplog.text and "1 of its workers are polled directly" in caplog.text
+
+
+def test_an_answer_that_is_there_when_the_controller_looks_late_is_taken_not_judged_overdue(fake_ray, monkeypatch):
+    # The controller's own tick may come late (a busy process): what counts is the agent's answer.
+    group = group_on({0: A})
+    (agent,) = started(group, fake_ray)
+    group._slots[0].actor.poll.refs[0].outcome = report(1)
+    group.tick()
+    agent.poll.refs[0].outcome = {0: report(2)}
+    clock = ray_group.time.monotonic() + group.poll_hold_s + 0.25 + AGENT_STALL_S + 0.1
+    monkeypatch.setattr(ray_group.time, "monotonic", lambda: clock)
+    views = group.tick()
+    assert views[0].via_agent and views[0].report.step == 2 and agent not in fake_ray.killed
+
+
+def test_an_agent_outlives_its_nodes_workers_for_a_while_so_a_replacement_finds_it(fake_ray, monkeypatch):
+    group = group_on({0: A})
+    (agent,) = started(group, fake_ray)
+    group._slots[0].actor.poll.refs[0].outcome = report(1)
+    group.tick()
+    agent.poll.refs[0].outcome = {0: PollFailure(actor_gone=True, message="The actor died unexpectedly")}
+    group.tick()                                   # its only worker died: the agent idles
+    assert agent not in fake_ray.killed
+    clock = ray_group.time.monotonic() + AGENT_IDLE_S + 1
+    monkeypatch.setattr(ray_group.time, "monotonic", lambda: clock)
+    group.tick()
+    assert agent in fake_ray.killed and group._agents == {}

@@ -355,3 +355,46 @@ def test_a_checkpoint_of_the_earlier_runtime_resumes(generations):
     assert all(torch.equal(a, b) for a, b in zip(model.module.state_dict().values(),
                                                  old_model.state_dict().values(), strict=True))
     assert optimizer.state_dict()["state"][0]["step"] == old_opt.state_dict()["state"][0]["step"]
+
+
+def test_a_save_has_the_held_poll_answer_with_the_steps_up_to_the_saved_one(generations):
+    # Before the save's commit can land, so that a group lost right after a commit does not take
+    # the records of committed steps with it (chaos smoke: 62 metrics lines lost that way).
+    ctx = generations().context("fresh")
+    model = ctx.prepare_model(nn.Linear(4, 1))
+    ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.25))
+    ctx.restore()
+    ctx.report(loss=torch.tensor(1.5))
+    ctx._worker.outbox.news.clear()
+    ctx.report(loss=torch.tensor(1.25))
+    assert not ctx._worker.outbox.news.is_set()          # an ordinary step is no news
+    ctx.save_checkpoint(wait=True)
+    assert ctx._worker.outbox.news.is_set()
+    assert [r.step for r in ctx._worker.outbox.drain()] == [1, 2]
+
+
+def test_answers_the_controller_never_got_are_sent_again_and_received_ones_never():
+    from elastic._protocol import StepRecord
+    from elastic._worker.state import ANSWERS_KEPT, Outbox
+
+    def record(step):
+        return StepRecord(step=step, loss=1.0, world_size=1, time=0.0, samples_seen=step, global_batch=1)
+    outbox = Outbox()
+    outbox.put(record(1))
+    assert outbox.answer(acked=0) == (1, [record(1)])
+    outbox.put(record(2))
+    assert outbox.answer(acked=1) == (2, [record(2)])              # answer 1 arrived: not again
+    outbox.put(record(3))
+    # Answer 2 was lost (a node agent died holding it): the next poll still acknowledges 1.
+    assert outbox.answer(acked=1) == (3, [record(2), record(3)])
+    assert outbox.answer(acked=3) == (4, [])
+    outbox.put(record(4))
+    outbox.drop_after(3)                                           # a failure lost step 4
+    assert outbox.answer(acked=3) == (5, [])
+    assert outbox.answer() == (6, [])                              # no acknowledgement: nothing kept
+    last = 10 + 2 * ANSWERS_KEPT
+    for step in range(10, last):                   # never acknowledged: the newest ANSWERS_KEPT answers kept
+        outbox.put(record(step))
+        outbox.answer(acked=6)
+    # The answer after them (no new record) sends again the ANSWERS_KEPT - 1 kept besides itself.
+    assert [r.step for r in outbox.answer(acked=6)[1]] == list(range(last - ANSWERS_KEPT + 1, last))
