@@ -76,8 +76,9 @@ class WorkerReport:
 
 @dataclass(frozen=True)
 class PollFailure:
-    """A worker's poll that a node agent (elastic._controller.node_agent) could not turn into a
-    WorkerReport: its actor is gone (`actor_gone`), or the poll itself raised."""
+    """A worker's poll that ended without a WorkerReport, as the controller or the worker's node
+    agent (elastic._controller.node_agent) saw it: its actor is gone (`actor_gone`), or the poll
+    itself raised."""
 
     actor_gone: bool
     message: str               # the error's first line

@@ -116,7 +116,7 @@ class RayWorkerGroup:
         # ScalingConfig.node_agents: one agent per node carries its workers' polls (node_agent).
         self._agents_on = scaling.node_agents
         self._agents: dict[str, _Agent] = {}
-        self._agent_failed_at: dict[str, float] = {}  # node -> when its agent last failed to start
+        self._agent_failed_at: dict[str, float] = {}  # node -> when its agent last failed (start, loss, late)
         self.poll_hold_s = 0.0       # set by the controller: how long a worker may hold a poll
         resources = dict(scaling.resources_per_worker)
         if scaling.use_gpu:
@@ -387,9 +387,11 @@ class RayWorkerGroup:
         carried = [w for w in agent.carries if w in self._slots and self._slots[w].status == READY]
         for wid in carried:
             self._slots[wid].agent = None
-        (log.debug if quiet else log.warning)(
-            "node agent on node %s %s: %d of its workers are polled directly until a new agent starts",
-            agent.node_id[:12], why, len(carried))
+        if quiet:
+            log.debug("node agent on node %s stopped: %s", agent.node_id[:12], why)
+        else:
+            log.warning("node agent on node %s %s: %d of its workers are polled directly until a new agent "
+                        "starts", agent.node_id[:12], why, len(carried))
         try:
             ray.kill(agent.actor, no_restart=True)
         except Exception:   # noqa: BLE001 - already gone
