@@ -10,8 +10,9 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import ray
 from ray import ObjectRef
@@ -27,6 +28,7 @@ from elastic.errors import WorkerLostError
 from elastic.policies import Cause
 
 log = logging.getLogger("elastic.group")
+T = TypeVar("T")
 
 SLOW_TICK_S = 2.0    # a tick is normally milliseconds: Ray calls that block show up here
 PLACEMENT_WARN_S = 30.0   # a placement pending this long (at least startup_wait_s) is said to be stuck
@@ -197,53 +199,42 @@ class RayWorkerGroup:
             del self._slots[wid]
 
     def _advance_placements(self, now: float) -> None:
-        pending = [s for s in self._slots.values() if s.status == PENDING]
-        if pending:
-            placed, _ = ray.wait([s.pg_ready for s in pending], num_returns=len(pending), timeout=0)
-            placed_refs = set(placed)
-            for slot in pending:
-                if slot.pg_ready in placed_refs:
-                    self._launch(slot)
-                elif (not slot.warned and self._scaling.max_workers is not None     # unlimited: a probe waits
+        placed, pending = _answered([s for s in self._slots.values() if s.status == PENDING], lambda s: s.pg_ready)
+        for slot, _ in placed:
+            self._launch(slot)
+        for slot in pending:
+            if (not slot.warned and self._scaling.max_workers is not None     # unlimited: a probe waits
                       and now - slot.created_at > max(PLACEMENT_WARN_S, self._scaling.startup_wait_s)):
-                    # Nothing else says it: a configured spare (or a worker up to max_workers) that never
-                    # gets resources leaves the run without the replacement it counts on.
-                    slot.warned = True
-                    log.warning("worker slot %d has waited %.0fs for resources %s (Ray has %s available): the "
-                                "cluster cannot place max_workers + spare_workers = %s workers; add resources or "
-                                "lower them", slot.wid, now - slot.created_at, self._bundle,
-                                _available_resources(), self._scaling.max_workers + self._scaling.spare_workers)
-        starting = [s for s in self._slots.values() if s.status == STARTING]
-        if starting:
-            started, _ = ray.wait([s.info_ref for s in starting], num_returns=len(starting), timeout=0)
-            started_refs = set(started)
-            for slot in starting:
-                if slot.info_ref in started_refs:
-                    try:
-                        slot.info = ray.get(slot.info_ref)
-                        slot.status = READY
-                        slot.last_answer_at = now
-                    except RayTaskError as error:
-                        self.kill(slot.wid, f"failed while starting: {first_line(error)}")
-                    except RayError as error:
-                        self._mark_dead(slot, f"died while starting: {error}")
-                elif now - slot.created_at > self._failure.rendezvous_timeout_s:
-                    self.kill(slot.wid, "did not start within FailureConfig.rendezvous_timeout_s")
+                # Nothing else says it: a configured spare (or a worker up to max_workers) that never
+                # gets resources leaves the run without the replacement it counts on.
+                slot.warned = True
+                log.warning("worker slot %d has waited %.0fs for resources %s (Ray has %s available): the "
+                            "cluster cannot place max_workers + spare_workers = %s workers; add resources or "
+                            "lower them", slot.wid, now - slot.created_at, self._bundle,
+                            _available_resources(), self._scaling.max_workers + self._scaling.spare_workers)
+        started, starting = _answered([s for s in self._slots.values() if s.status == STARTING], lambda s: s.info_ref)
+        for slot, ref in started:
+            try:
+                slot.info = ray.get(ref)
+                slot.status = READY
+                slot.last_answer_at = now
+            except RayTaskError as error:
+                self.kill(slot.wid, f"failed while starting: {first_line(error)}")
+            except RayError as error:
+                self._mark_dead(slot, f"died while starting: {error}")
+        for slot in starting:
+            if now - slot.created_at > self._failure.rendezvous_timeout_s:
+                self.kill(slot.wid, "did not start within FailureConfig.rendezvous_timeout_s")
 
     def _collect_polls(self, now: float) -> None:
-        waiting = [s for s in self._slots.values() if s.status == READY and s.poll_ref is not None]
-        if waiting:
-            answered, _ = ray.wait([s.poll_ref for s in waiting], num_returns=len(waiting), timeout=0)
-            answered_refs = set(answered)
-            for slot in waiting:
-                if slot.poll_ref not in answered_refs:
-                    continue
-                try:
-                    answer: WorkerReport | PollFailure = ray.get(slot.poll_ref)
-                except RayError as error:
-                    answer = poll_failure(error)
-                slot.poll_ref = None
-                self._take(slot, answer, now)
+        answered, _ = _answered([s for s in self._slots.values() if s.status == READY], lambda s: s.poll_ref)
+        for slot, ref in answered:
+            try:
+                answer: WorkerReport | PollFailure = ray.get(ref)
+            except RayError as error:
+                answer = poll_failure(error)
+            slot.poll_ref = None
+            self._take(slot, answer, now)
         if self._agents:
             self._collect_agents(now)
 
@@ -297,25 +288,20 @@ class RayWorkerGroup:
         give up on those that fail to start."""
         if not self._agents_on:
             return
-        nodes = {s.info.node_id for s in self._slots.values() if s.status == READY and s.info is not None}
-        for node_id in sorted(nodes - set(self._agents)):
+        for node_id in sorted(self._ready_nodes() - set(self._agents)):
             if now - self._agent_failed_at.get(node_id, -AGENT_RETRY_S) >= AGENT_RETRY_S:
                 self._launch_agent(node_id, now)
-        starting = [a for a in self._agents.values() if a.ready_ref is not None]
-        if starting:
-            started, _ = ray.wait([a.ready_ref for a in starting], num_returns=len(starting), timeout=0)
-            started_refs = set(started)
-            for agent in starting:
-                if agent.ready_ref in started_refs:
-                    try:
-                        ray.get(agent.ready_ref)
-                        agent.ready_ref = None
-                        log.info("node agent on node %s is up: it carries the polls of that node's workers",
-                                 agent.node_id[:12])
-                    except RayError as error:
-                        self._agent_failed(agent, f"failed to start: {error}", now)
-                elif now - agent.started_at > self._failure.rendezvous_timeout_s:
-                    self._agent_failed(agent, "did not start within FailureConfig.rendezvous_timeout_s", now)
+        started, starting = _answered(list(self._agents.values()), lambda a: a.ready_ref)
+        for agent, ref in started:
+            try:
+                ray.get(ref)
+                agent.ready_ref = None
+                log.info("node agent on node %s is up: it carries the polls of that node's workers", agent.node_id[:12])
+            except RayError as error:
+                self._agent_failed(agent, f"failed to start: {error}", now)
+        for agent in starting:
+            if now - agent.started_at > self._failure.rendezvous_timeout_s:
+                self._agent_failed(agent, "did not start within FailureConfig.rendezvous_timeout_s", now)
 
     def _retire_agents(self, now: float) -> None:
         """After the answers of this tick are taken: give up on an agent whose answer is overdue
@@ -325,7 +311,7 @@ class RayWorkerGroup:
         a new agent's start)."""
         if not self._agents_on:
             return
-        nodes = {s.info.node_id for s in self._slots.values() if s.status == READY and s.info is not None}
+        nodes = self._ready_nodes()
         for agent in list(self._agents.values()):
             late = now - agent.polled_at - agent.hold_s - WAIT_MARGIN_S
             if agent.poll_ref is not None and late > AGENT_STALL_S:
@@ -348,16 +334,10 @@ class RayWorkerGroup:
         self._drop_agent(agent, why)
 
     def _collect_agents(self, now: float) -> None:
-        polled = [a for a in self._agents.values() if a.poll_ref is not None]
-        if not polled:
-            return
-        answered, _ = ray.wait([a.poll_ref for a in polled], num_returns=len(polled), timeout=0)
-        answered_refs = set(answered)
-        for agent in polled:
-            if agent.poll_ref not in answered_refs:
-                continue
+        answered, _ = _answered(list(self._agents.values()), lambda a: a.poll_ref)
+        for agent, ref in answered:
             try:
-                answers = ray.get(agent.poll_ref)
+                answers = ray.get(ref)
             except RayError as error:
                 self._agent_lost(agent, error_line(error), now)
                 continue
@@ -396,6 +376,10 @@ class RayWorkerGroup:
             ray.kill(agent.actor, no_restart=True)
         except Exception:   # noqa: BLE001 - already gone
             pass
+
+    def _ready_nodes(self) -> set[str]:
+        """The nodes that have a ready worker (each needs an agent)."""
+        return {s.info.node_id for s in self._slots.values() if s.status == READY and s.info is not None}
 
     def _nodes_alive(self) -> set[str]:
         """The cluster's live nodes, read once per tick (a lost node kills 8 workers at once)."""
@@ -498,6 +482,16 @@ class RayWorkerGroup:
         if node_id is not None and node_id not in self._nodes_alive():
             return f"node lost: node {node_id[:12]} left the cluster ({error})", Cause.NODE_LOST
         return f"actor died: {error}", Cause.WORKER_DIED
+
+
+def _answered(items: list[T], ref_of: Callable[[T], ObjectRef | None]) -> tuple[list[tuple[T, ObjectRef]], list[T]]:
+    """The items whose reference (`ref_of`; those without one are left out) has its answer now,
+    each with it, and the items still waiting: one ray.wait that does not block."""
+    waiting = [(item, ref) for item in items if (ref := ref_of(item)) is not None]
+    if not waiting:
+        return [], []
+    ready = set(ray.wait([ref for _, ref in waiting], num_returns=len(waiting), timeout=0)[0])
+    return [(item, ref) for item, ref in waiting if ref in ready], [item for item, ref in waiting if ref not in ready]
 
 
 def _available_resources() -> dict[str, float] | str:
