@@ -40,11 +40,13 @@ lint: install
 	$(PY) -m mypy
 
 # Lint first, then two passes over the whole suite. Most tests run two at a time (pytest-xdist):
-# one test's waiting (process starts, Ray start-up, polls) overlaps another's work. Tests marked
+# one test's waiting (process starts, Ray start-up, polls) overlaps another's work; `worksteal`
+# lets the idle process take queued tests from the busy one, so the pass does not end on one
+# process running a long integration test while the other has nothing left. Tests marked
 # `exclusive` measure time or need the whole machine (straggler scores, detection bounds,
 # clusters) and run alone afterwards. The target fails if either pass fails.
 test: install lint
-	$(PY) -m pytest -n 2 -m "not exclusive"; parallel=$$?; \
+	$(PY) -m pytest -n 2 --dist worksteal -m "not exclusive"; parallel=$$?; \
 	$(PY) -m pytest -m exclusive; alone=$$?; \
 	test $$parallel -eq 0 && test $$alone -eq 0
 

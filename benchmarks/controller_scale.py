@@ -16,14 +16,18 @@ CPU (time.process_time), repeated, medians:
 - status_write_ms: one write of status.json and the new metrics lines (the run record's writer
   thread does it at most once a second, whatever the tick rate: not counted in the ticks).
 
-    python benchmarks/controller_scale.py --ranks 10000 [--reps 5] [--compute-times every|one]
+    python benchmarks/controller_scale.py --ranks 10000 [--reps 5] [--compute-times every|one] [--node-agents]
 
 --compute-times says which ranks' step records carry the per-rank compute times: `every` rank
-(the worker's step boundary before issue 15) or only `one` (rank 0; after it). Prints one JSON line.
+(the worker's step boundary before issue 15) or only `one` (rank 0; after it). --node-agents: the
+answers come as node agents send them (ScalingConfig.node_agents): one message per node of NODE
+ranks, each step's record on one answer of the message only (node_agent.one_record_per_step).
+Prints one JSON line.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import os
@@ -40,6 +44,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "unit")]
 
 from elastic._controller.controller import Controller  # noqa: E402
+from elastic._controller.node_agent import one_record_per_step  # noqa: E402
 from elastic._controller.run_record import RunRecorder  # noqa: E402
 from elastic._controller.states import Recovering, Running, RunState  # noqa: E402
 from elastic._controller.worker_group import DEAD, WorkerView  # noqa: E402
@@ -59,7 +64,7 @@ class WireGroup(FakeGroup):
 
     def __init__(self, capacity: int):
         super().__init__(capacity)
-        self.wire: dict[int, bytes] = {}           # wid -> this tick's poll answer, pickled
+        self.wire: dict[int, bytes] = {}           # wid (or node) -> this tick's poll answer(s), pickled
         self.decode_s = 0.0                        # CPU spent decoding answers, all ticks
 
     def tick(self) -> dict[int, WorkerView]:
@@ -83,8 +88,8 @@ class WireGroup(FakeGroup):
 
 
 class Bench:
-    def __init__(self, n: int, compute_times: str, scoring: bool):
-        self.n, self.compute_times = n, compute_times
+    def __init__(self, n: int, compute_times: str, scoring: bool, node_agents: bool = False):
+        self.n, self.compute_times, self.node_agents = n, compute_times, node_agents
         rng = random.Random(0)
         self.compute_s = tuple(round(rng.uniform(0.9, 1.1), 6) for _ in range(n))
         self.clock, self.group = FakeClock(), WireGroup(n)
@@ -128,17 +133,31 @@ class Bench:
         full = replace(bare, compute_s=self.compute_s)
         if self.compute_times == "every":
             bare = full
+        reports = {wid: WorkerReport(phase=WorkerPhase.RUNNING, generation=generation, rank=rank, step=step,
+                                     has_state=True, records=[full if rank == 0 else bare])
+                   for rank, wid in enumerate(st.members)}
+        if self.node_agents:
+            # One message per node: its ranks' answers with each step's record once (as agents
+            # send them), distinct objects (as the agent's own decoding makes them).
+            reports = one_record_per_step(reports)
         total = 0
+        payload = b""
         for rank, wid in enumerate(st.members):
-            record = full if rank == 0 else bare
-            report = WorkerReport(phase=WorkerPhase.RUNNING, generation=generation, rank=rank, step=step,
-                                  has_state=True, records=[record])
-            if rank < 2:      # the others answer as rank 1 does (the same bytes but for the rank)
-                payload = pickle.dumps(report, protocol=5)
-            self.group.wire[wid] = payload
-            total += len(payload)
+            report = reports[wid]
+            if self.node_agents:
+                if rank % NODE == 0:
+                    node = {w: reports[w] for w in st.members[rank:rank + NODE]}
+                    if rank < 2 * NODE:    # the other nodes' messages are the same bytes but for the ranks
+                        payload = pickle.dumps(copy.deepcopy(node), protocol=5)
+                    self.group.wire[wid] = payload
+                    total += len(payload)
+            else:
+                if rank < 2:      # the others answer as rank 1 does (the same bytes but for the rank)
+                    payload = pickle.dumps(report, protocol=5)
+                self.group.wire[wid] = payload
+                total += len(payload)
             view = self.group.views[wid]
-            view.records = [record]
+            view.records = list(report.records)
             view.report = replace(report, records=[])
         self.record_bytes.append(total)
 
@@ -193,11 +212,13 @@ def main() -> None:
     parser.add_argument("--compute-times", choices=("every", "one"), default="every",
                         help="which ranks' step records carry every rank's compute time")
     parser.add_argument("--no-scoring", action="store_true", help="straggler scoring off")
+    parser.add_argument("--node-agents", action="store_true",
+                        help=f"answers come {NODE} ranks per message, each step's record once (node agents)")
     args = parser.parse_args()
     n = args.ranks
     reps = args.reps or (15 if n <= 1000 else 3)
     batch = max(1, 2000 // n)        # ticks per timed batch (small N: the CPU clock is coarse)
-    bench = Bench(n, args.compute_times, not args.no_scoring)
+    bench = Bench(n, args.compute_times, not args.no_scoring, args.node_agents)
     gc.collect()
     started = time.process_time()
     bench.start()
@@ -210,7 +231,8 @@ def main() -> None:
     idle_ms = [bench.batch(batch, None, TICK_S) for _ in range(reps)]
     recoveries = [bench.node_loss() for _ in range(reps)]
     out: dict[str, Any] = {
-        "ranks": n, "compute_times": args.compute_times, "scoring": not args.no_scoring, "reps": reps,
+        "ranks": n, "compute_times": args.compute_times, "scoring": not args.no_scoring,
+        "node_agents": args.node_agents, "reps": reps,
         "idle_tick_ms": round(statistics.median(idle_ms), 3),
         "step_tick_ms": round(statistics.median(step_ms), 3),
         "step_decode_ms": round(statistics.median(decode_ms), 3),

@@ -9,7 +9,8 @@ second, each with 8 answers, and the per-message cost is paid by the agents, on 
 
 One role: this actor runs on one node (pinned there, no CPU reserved), holds one poll to each
 worker it is given, and answers the controller's poll with every answer that has come, as they
-came (a WorkerReport, or a PollFailure when the worker's poll raised or its actor is gone). It
+came (a WorkerReport, or a PollFailure when the worker's poll raised or its actor is gone), with
+each step's record once (`one_record_per_step`: every rank of a step sends the same record). It
 decides nothing: the worker group (worker_group.RayWorkerGroup) hands it workers, takes its
 answers as if they came from the workers, and falls back to polling a worker itself while no
 agent carries it (its agent not started yet, or lost).
@@ -31,6 +32,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from elastic._protocol import PollFailure, WorkerReport
@@ -48,6 +50,37 @@ def hold_until_beat(hold_s: float, now: float) -> float:
         return 0.0
     beat = (math.floor(now / hold_s) + 1) * hold_s
     return min(hold_s, max(0.0, beat - now))
+
+
+def one_record_per_step(answers: dict[int, WorkerReport | PollFailure]) -> dict[int, WorkerReport | PollFailure]:
+    """`answers` with each step's record on one answer only. Every rank of a step builds the same
+    record from the step's exchange (elastic._worker.step_boundary), and the controller takes each
+    step once, from whichever rank's record it finds (intake.ReportIntake): the copies would cost
+    it decoding (S1: most of a step tick at 10,000 ranks) and nothing else. The copy kept is the
+    one with the per-rank compute times where one has them (rank 0's), as the intake prefers.
+    `ctx.log` records are each rank's own: all kept. A worker whose copy was shed loses nothing:
+    the answer that carries the step travels in the same message."""
+    kept: dict[tuple[int, int], tuple[int, int]] = {}    # (generation, step) -> (wid, index of its record)
+    for wid, answer in answers.items():
+        if not isinstance(answer, WorkerReport):
+            continue
+        for index, record in enumerate(answer.records):
+            if record.kind != "step":
+                continue
+            held = kept.setdefault((record.generation, record.step), (wid, index))
+            if record.compute_s and held != (wid, index):
+                other = answers[held[0]]
+                if isinstance(other, WorkerReport) and not other.records[held[1]].compute_s:
+                    kept[(record.generation, record.step)] = (wid, index)
+    keep = set(kept.values())
+    out: dict[int, WorkerReport | PollFailure] = {}
+    for wid, answer in answers.items():
+        if isinstance(answer, WorkerReport) and answer.records:
+            records = [r for index, r in enumerate(answer.records) if r.kind != "step" or (wid, index) in keep]
+            if len(records) < len(answer.records):
+                answer = replace(answer, records=records)
+        out[wid] = answer
+    return out
 
 
 class NodeAgent:
@@ -84,7 +117,8 @@ class NodeAgent:
         `hold_s`, to the beat, acknowledging `acked[wid]`: the newest of its answers the
         controller has received, all of this agent's earlier ones), and return the answers
         that came: as soon as one is there (with those that come within COALESCE_S), else after
-        the hold plus WAIT_MARGIN_S, with whatever came by then (possibly nothing)."""
+        the hold plus WAIT_MARGIN_S, with whatever came by then (possibly nothing). Each step's
+        record comes once (`one_record_per_step`)."""
         deadline = self._clock() + hold_s + WAIT_MARGIN_S
         with self._lock:
             self._hold_s = hold_s
@@ -112,7 +146,7 @@ class NodeAgent:
                 taken = self._polls.pop(ref) if ref in self._polls else None
             if taken is not None:
                 answers[taken] = self._answer(ref, taken)
-        return answers
+        return one_record_per_step(answers)
 
     def _send_polls(self, only: set[int] | None = None) -> None:
         """A poll to every worker (or every one in `only`) that has none out (under the lock).
@@ -127,7 +161,7 @@ class NodeAgent:
     def _answer(self, ref: Any, wid: int) -> WorkerReport | PollFailure:
         from ray.exceptions import RayError
 
-        from elastic._controller.worker_group import poll_failure
+        from elastic._controller.ray_calls import poll_failure
         try:
             return self._ray.get(ref)
         except RayError as error:

@@ -10,17 +10,17 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import ray
 from ray import ObjectRef
 from ray.exceptions import GetTimeoutError, RayError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from elastic._controller.node_agent import WAIT_MARGIN_S, NodeAgent
+from elastic._controller.agent_pool import AgentPool
+from elastic._controller.ray_calls import answered, first_line, poll_failure
 from elastic._protocol import GenerationPlan, PollFailure, RunSpec, WorkerInfo, WorkerReport
 from elastic._worker.worker import TrainWorker
 from elastic.config import FailureConfig, ScalingConfig
@@ -28,13 +28,9 @@ from elastic.errors import WorkerLostError
 from elastic.policies import Cause
 
 log = logging.getLogger("elastic.group")
-T = TypeVar("T")
 
 SLOW_TICK_S = 2.0    # a tick is normally milliseconds: Ray calls that block show up here
 PLACEMENT_WARN_S = 30.0   # a placement pending this long (at least startup_wait_s) is said to be stuck
-AGENT_STALL_S = 1.0       # beyond its hold and margin, an agent's poll this late is a stuck agent
-AGENT_RETRY_S = 30.0      # after an agent failed to start on a node, poll its workers directly this long
-AGENT_IDLE_S = 60.0       # an agent whose node has had no ready worker this long is stopped
 
 class SlotStatus(enum.StrEnum):
     """Where a worker slot is: its placement pending, its actor starting, ready, or dead."""
@@ -85,22 +81,6 @@ class _Slot:
     seq_seen: int = 0                  # the newest answer received (each poll acknowledges it: state.Outbox)
 
 
-@dataclass
-class _Agent:
-    """A node agent (node_agent.NodeAgent) as the group sees it."""
-
-    node_id: str
-    actor: Any
-    ready_ref: ObjectRef | None        # its ready() while it starts; None once it answered
-    started_at: float
-    poll_ref: ObjectRef | None = None
-    polled_at: float = 0.0             # when its poll went out (monotonic), held up to hold_s
-    hold_s: float = 0.0
-    carries: set[int] = field(default_factory=set)   # the workers whose polls it carries
-    idle_since: float | None = None    # since when its node has had no ready worker
-    forget: list[int] = field(default_factory=list)  # workers to drop with its next poll
-
-
 class RayWorkerGroup:
     def __init__(self, spec: RunSpec, scaling: ScalingConfig, failure: FailureConfig):
         self._spec = spec
@@ -115,10 +95,9 @@ class RayWorkerGroup:
         self._dead_kept_s = 2 * (failure.collective_timeout_s + failure.heartbeat_timeout_s
                                  + failure.rendezvous_timeout_s)
         self._alive_nodes: set[str] | None = None    # ray.nodes() as read in this tick (None: not yet)
-        # ScalingConfig.node_agents: one agent per node carries its workers' polls (node_agent).
-        self._agents_on = scaling.node_agents
-        self._agents: dict[str, _Agent] = {}
-        self._agent_failed_at: dict[str, float] = {}  # node -> when its agent last failed (start, loss, late)
+        # ScalingConfig.node_agents: one agent per node carries its workers' polls (agent_pool).
+        self._agents = AgentPool(failure.rendezvous_timeout_s, self._nodes_alive, self._released,
+                                 self._lost_with_agent) if scaling.node_agents else None
         self.poll_hold_s = 0.0       # set by the controller: how long a worker may hold a poll
         resources = dict(scaling.resources_per_worker)
         if scaling.use_gpu:
@@ -153,10 +132,12 @@ class RayWorkerGroup:
         self._alive_nodes = None
         self._drop_dead(now)
         self._advance_placements(now)
-        self._advance_agents(now)
+        if self._agents is not None:
+            self._agents.advance(self._ready_nodes(), now)
         placed = time.monotonic()
         self._collect_polls(now)
-        self._retire_agents(now)
+        if self._agents is not None:
+            self._agents.retire(self._ready_nodes(), now)
         collected = time.monotonic()
         self._send_polls()
         sent = time.monotonic()
@@ -187,8 +168,8 @@ class RayWorkerGroup:
         refs += [s.info_ref for s in self._slots.values() if s.status == STARTING and s.info_ref is not None]
         if self.poll_hold_s > 0:
             refs += [s.poll_ref for s in self._slots.values() if s.status == READY and s.poll_ref is not None]
-            refs += [a.poll_ref for a in self._agents.values() if a.poll_ref is not None]
-        refs += [a.ready_ref for a in self._agents.values() if a.ready_ref is not None]
+        if self._agents is not None:
+            refs += self._agents.refs(polls=self.poll_hold_s > 0)
         if refs:
             ray.wait(refs, num_returns=1, timeout=timeout_s)
         else:
@@ -199,7 +180,7 @@ class RayWorkerGroup:
             del self._slots[wid]
 
     def _advance_placements(self, now: float) -> None:
-        placed, pending = _answered([s for s in self._slots.values() if s.status == PENDING], lambda s: s.pg_ready)
+        placed, pending = answered([s for s in self._slots.values() if s.status == PENDING], lambda s: s.pg_ready)
         for slot, _ in placed:
             self._launch(slot)
         for slot in pending:
@@ -212,7 +193,7 @@ class RayWorkerGroup:
                             "cluster cannot place max_workers + spare_workers = %s workers; add resources or "
                             "lower them", slot.wid, now - slot.created_at, self._bundle,
                             _available_resources(), self._scaling.max_workers + self._scaling.spare_workers)
-        started, starting = _answered([s for s in self._slots.values() if s.status == STARTING], lambda s: s.info_ref)
+        started, starting = answered([s for s in self._slots.values() if s.status == STARTING], lambda s: s.info_ref)
         for slot, ref in started:
             try:
                 slot.info = ray.get(ref)
@@ -227,16 +208,19 @@ class RayWorkerGroup:
                 self.kill(slot.wid, "did not start within FailureConfig.rendezvous_timeout_s")
 
     def _collect_polls(self, now: float) -> None:
-        answered, _ = _answered([s for s in self._slots.values() if s.status == READY], lambda s: s.poll_ref)
-        for slot, ref in answered:
+        got, _ = answered([s for s in self._slots.values() if s.status == READY], lambda s: s.poll_ref)
+        for slot, ref in got:
             try:
                 answer: WorkerReport | PollFailure = ray.get(ref)
             except RayError as error:
                 answer = poll_failure(error)
             slot.poll_ref = None
             self._take(slot, answer, now)
-        if self._agents:
-            self._collect_agents(now)
+        for node_id, answers in self._agents.collect(now) if self._agents is not None else ():
+            for wid, carried in answers.items():
+                held = self._slots.get(wid)
+                if held is not None and held.status == READY and held.agent == node_id:
+                    self._take(held, carried, now)
 
     def _take(self, slot: _Slot, answer: WorkerReport | PollFailure, now: float) -> None:
         """A worker's poll answer, whether it came directly or through its node's agent."""
@@ -255,127 +239,35 @@ class RayWorkerGroup:
         slot.seq_seen = max(slot.seq_seen, answer.seq)
 
     def _send_polls(self) -> None:
-        handed: dict[str, dict[int, tuple[Any, int]]] = {}
         for slot in self._slots.values():
             if slot.status != READY or slot.poll_ref is not None or slot.agent is not None:
                 continue
-            agent = self._agent_for(slot)
-            if agent is not None:          # from now on its agent polls it
-                slot.agent = agent.node_id
-                agent.carries.add(slot.wid)
-                handed.setdefault(agent.node_id, {})[slot.wid] = (slot.actor, slot.seq_seen)
+            node_id = slot.info.node_id if slot.info is not None else None
+            if self._agents is not None and node_id is not None and self._agents.carrier(node_id):
+                slot.agent = node_id           # from now on its node's agent polls it
+                self._agents.hand(node_id, slot.wid, slot.actor, slot.seq_seen)
             else:
                 slot.poll_ref = slot.actor.poll.remote(self.poll_hold_s, slot.seq_seen)
-        for node_id, workers in handed.items():
-            self._agents[node_id].actor.watch.remote(workers)
-        for agent in self._agents.values():
-            if agent.ready_ref is None and agent.poll_ref is None and agent.carries:
-                acked = {wid: self._slots[wid].seq_seen for wid in agent.carries}
-                agent.poll_ref = agent.actor.poll.remote(self.poll_hold_s, agent.forget, acked)
-                agent.polled_at, agent.hold_s = time.monotonic(), self.poll_hold_s
-                agent.forget = []
+        if self._agents is not None:
+            self._agents.send_polls(self.poll_hold_s, lambda wid: self._slots[wid].seq_seen)
 
-    # ---- node agents (ScalingConfig.node_agents) -----------------------------------------
-    def _agent_for(self, slot: _Slot) -> _Agent | None:
-        """The started agent of the slot's node, if agents are on and it has one."""
-        if not self._agents_on or slot.info is None:
-            return None
-        agent = self._agents.get(slot.info.node_id)
-        return agent if agent is not None and agent.ready_ref is None else None
+    # ---- what the node agents tell the group (agent_pool) --------------------------------
+    def _released(self, wids: list[int]) -> None:
+        """Their agent stopped: these workers are polled directly from the next tick."""
+        for wid in wids:
+            slot = self._slots.get(wid)
+            if slot is not None and slot.status == READY:
+                slot.agent = None
 
-    def _advance_agents(self, now: float) -> None:
-        """Start an agent on each node with ready workers, take the started ones into use, and
-        give up on those that fail to start."""
-        if not self._agents_on:
-            return
-        for node_id in sorted(self._ready_nodes() - set(self._agents)):
-            if now - self._agent_failed_at.get(node_id, -AGENT_RETRY_S) >= AGENT_RETRY_S:
-                self._launch_agent(node_id, now)
-        started, starting = _answered(list(self._agents.values()), lambda a: a.ready_ref)
-        for agent, ref in started:
-            try:
-                ray.get(ref)
-                agent.ready_ref = None
-                log.info("node agent on node %s is up: it carries the polls of that node's workers", agent.node_id[:12])
-            except RayError as error:
-                self._agent_failed(agent, f"failed to start: {error}", now)
-        for agent in starting:
-            if now - agent.started_at > self._failure.rendezvous_timeout_s:
-                self._agent_failed(agent, "did not start within FailureConfig.rendezvous_timeout_s", now)
-
-    def _retire_agents(self, now: float) -> None:
-        """After the answers of this tick are taken: give up on an agent whose answer is overdue
-        (its workers would all look silent to the hang watch: they are polled directly instead;
-        what it held is sent again, state.Outbox), and stop one whose node has had no ready
-        worker for AGENT_IDLE_S (a recovery's replacement on its node would otherwise wait for
-        a new agent's start)."""
-        if not self._agents_on:
-            return
-        nodes = self._ready_nodes()
-        for agent in list(self._agents.values()):
-            late = now - agent.polled_at - agent.hold_s - WAIT_MARGIN_S
-            if agent.poll_ref is not None and late > AGENT_STALL_S:
-                self._agent_failed(agent, f"its poll is {late:.1f}s late", now)
-                continue
-            agent.idle_since = None if agent.node_id in nodes else (agent.idle_since or now)
-            if agent.poll_ref is None and agent.idle_since is not None and now - agent.idle_since >= AGENT_IDLE_S:
-                self._drop_agent(agent, "no worker left on its node", quiet=True)
-
-    def _launch_agent(self, node_id: str, now: float) -> None:
-        actor: Any = ray.remote(NodeAgent).options(
-            num_cpus=0, max_concurrency=2, max_restarts=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
-        self._agents[node_id] = _Agent(node_id=node_id, actor=actor, ready_ref=actor.ready.remote(), started_at=now)
-
-    def _agent_failed(self, agent: _Agent, why: str, now: float) -> None:
-        """An agent that failed is not replaced on its node for AGENT_RETRY_S (its workers are
-        polled directly meanwhile): one that fails again and again must not cost a start per tick."""
-        self._agent_failed_at[agent.node_id] = now
-        self._drop_agent(agent, why)
-
-    def _collect_agents(self, now: float) -> None:
-        answered, _ = _answered(list(self._agents.values()), lambda a: a.poll_ref)
-        for agent, ref in answered:
-            try:
-                answers = ray.get(ref)
-            except RayError as error:
-                self._agent_lost(agent, error_line(error), now)
-                continue
-            agent.poll_ref = None
-            for wid, answer in answers.items():
-                slot = self._slots.get(wid)
-                if slot is not None and slot.status == READY and slot.agent == agent.node_id:
-                    self._take(slot, answer, now)
-
-    def _agent_lost(self, agent: _Agent, why: str, now: float) -> None:
-        """An agent died: with its node (its workers are lost too), or alone (they go on, polled
-        directly until a new agent starts)."""
-        if agent.node_id in self._nodes_alive():
-            self._agent_failed(agent, f"was lost ({why})", now)
-            return
-        for wid in sorted(agent.carries):
+    def _lost_with_agent(self, wids: list[int], node_id: str, why: str) -> None:
+        """Their agent was lost with its node: so are they."""
+        now = time.monotonic()
+        for wid in wids:
             slot = self._slots.get(wid)
             if slot is not None and slot.status == READY:
                 slot.silent_at_death = now - slot.last_answer_at
-                self._mark_dead(slot, f"node lost: node {agent.node_id[:12]} left the cluster (its agent: {why})",
+                self._mark_dead(slot, f"node lost: node {node_id[:12]} left the cluster (its agent: {why})",
                                 Cause.NODE_LOST)
-        self._drop_agent(agent, "was lost with its node", quiet=True)
-
-    def _drop_agent(self, agent: _Agent, why: str, quiet: bool = False) -> None:
-        """Stop using an agent: the workers it carried are polled directly from the next tick."""
-        del self._agents[agent.node_id]
-        carried = [w for w in agent.carries if w in self._slots and self._slots[w].status == READY]
-        for wid in carried:
-            self._slots[wid].agent = None
-        if quiet:
-            log.debug("node agent on node %s stopped: %s", agent.node_id[:12], why)
-        else:
-            log.warning("node agent on node %s %s: %d of its workers are polled directly until a new agent "
-                        "starts", agent.node_id[:12], why, len(carried))
-        try:
-            ray.kill(agent.actor, no_restart=True)
-        except Exception:   # noqa: BLE001 - already gone
-            pass
 
     def _ready_nodes(self) -> set[str]:
         """The nodes that have a ready worker (each needs an agent)."""
@@ -394,10 +286,8 @@ class RayWorkerGroup:
         slot.died_at = time.monotonic()
         slot.death, slot.death_cause = reason, cause
         slot.poll_ref = None
-        agent = self._agents.get(slot.agent) if slot.agent is not None else None
-        if agent is not None:
-            agent.carries.discard(slot.wid)
-            agent.forget.append(slot.wid)
+        if slot.agent is not None and self._agents is not None:
+            self._agents.forget(slot.agent, slot.wid)
         slot.agent = None
         (log.info if reason == "run ended" else log.warning)("worker %d is dead: %s", slot.wid, reason)
         try:
@@ -472,8 +362,8 @@ class RayWorkerGroup:
         for slot in list(self._slots.values()):
             if slot.status != DEAD:
                 self.kill(slot.wid, "run ended")
-        for agent in list(self._agents.values()):
-            self._drop_agent(agent, "run ended", quiet=True)
+        if self._agents is not None:
+            self._agents.shutdown()
 
     def _death_reason(self, slot: _Slot, error: str) -> tuple[str, Cause]:
         """Node lost when the worker's node is gone from the cluster, else the actor died
@@ -484,42 +374,11 @@ class RayWorkerGroup:
         return f"actor died: {error}", Cause.WORKER_DIED
 
 
-def _answered(items: list[T], ref_of: Callable[[T], ObjectRef | None]) -> tuple[list[tuple[T, ObjectRef]], list[T]]:
-    """The items whose reference (`ref_of`; those without one are left out) has its answer now,
-    each with it, and the items still waiting: one ray.wait that does not block."""
-    waiting = [(item, ref) for item in items if (ref := ref_of(item)) is not None]
-    if not waiting:
-        return [], []
-    ready = set(ray.wait([ref for _, ref in waiting], num_returns=len(waiting), timeout=0)[0])
-    return [(item, ref) for item, ref in waiting if ref in ready], [item for item, ref in waiting if ref not in ready]
-
-
 def _available_resources() -> dict[str, float] | str:
     try:
         return {k: v for k, v in ray.available_resources().items() if not k.startswith("node:")}
     except Exception:   # noqa: BLE001 - only for the warning's words
         return "unknown"
-
-
-def poll_failure(error: RayError) -> PollFailure:
-    """A poll's error as the group acts on it: the poll itself raised (RayTaskError), or the
-    worker's actor is gone (any other RayError)."""
-    if isinstance(error, RayTaskError):
-        return PollFailure(actor_gone=False, message=first_line(error))
-    return PollFailure(actor_gone=True, message=error_line(error))
-
-
-def error_line(error: BaseException) -> str:
-    """The first line of Ray's error (its type's name if it has no message)."""
-    return (str(error).splitlines() or [type(error).__name__])[0]
-
-
-def first_line(error: BaseException) -> str:
-    """The exception's own message: a RayTaskError's first lines are Ray's traceback header."""
-    cause = getattr(error, "cause", None)
-    shown = cause if isinstance(cause, BaseException) else error
-    text = f"{type(shown).__name__}: {shown}"
-    return (text.splitlines() or [type(error).__name__])[0]
 
 
 def _silence(slot: _Slot, now: float) -> float:

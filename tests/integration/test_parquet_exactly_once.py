@@ -59,29 +59,29 @@ def test_kill_then_resume_on_s3_at_another_world_size_consumes_what_a_clean_run_
     run = f"s3://{s3_env['bucket']}/pretrain"
     fault = SignalAtStep(run, at_step=10, sig=signal.SIGKILL, rank=1, gate=str(tmp_path / "released"))
     fault.start()
-    first = main_job(run, env, *data, "--workers", "2:2", "--steps", "100", "--hold-at", f"10:{fault.gate}")
+    first = main_job(run, env, *data, "--workers", "2:2", "--steps", "50", "--hold-at", f"10:{fault.gate}")
     fault.join(timeout=5)
     assert fault.fired(), f"the fault never fired (run ended at step {first['final_step']})"
-    assert [r["cause"] for r in first["recoveries"]] == ["worker_died"] and first["final_step"] == 100
-    second = main_job(run, env, *data, "--workers", "3:3", "--steps", "120")
-    assert second["status"] == "finished" and second["resumed_from"] == 100 and second["final_step"] == 120
-    assert second["world_size_history"] == [[100, 3]]
-    assert second["checkpoints"] == [100, 110, 120]                  # keep=3 retention
+    assert [r["cause"] for r in first["recoveries"]] == ["worker_died"] and first["final_step"] == 50
+    second = main_job(run, env, *data, "--workers", "3:3", "--steps", "70")
+    assert second["status"] == "finished" and second["resumed_from"] == 50 and second["final_step"] == 70
+    assert second["world_size_history"] == [[50, 3]]
+    assert second["checkpoints"] == [50, 60, 70]                  # keep=3 retention
     from checkpointing.storage import Storage
     assert not Storage(run).exists(Storage(run).path("corpus"))      # --data given: nothing generated
     metrics = s3_lines(run, "metrics.jsonl")
-    assert [m["step"] for m in metrics] == list(range(1, 121))       # none repeated, none skipped
-    assert {m["world_size"] for m in metrics if m["step"] <= 100} == {2}
-    assert {m["world_size"] for m in metrics if m["step"] > 100} == {3}
-    # Consumption is counted in global samples: 100 steps x 2 x 8, then 20 steps x 3 x 8.
-    assert metrics[99]["samples_seen"] == 1600 and metrics[-1]["samples_seen"] == 1600 + 480
+    assert [m["step"] for m in metrics] == list(range(1, 71))       # none repeated, none skipped
+    assert {m["world_size"] for m in metrics if m["step"] <= 50} == {2}
+    assert {m["world_size"] for m in metrics if m["step"] > 50} == {3}
+    # Consumption is counted in global samples: 50 steps x 2 x 8, then 20 steps x 3 x 8.
+    assert metrics[49]["samples_seen"] == 800 and metrics[-1]["samples_seen"] == 800 + 480
 
-    # The same 2080 samples as 130 clean steps x 2 x 8, the first 2080 positions of the global
+    # The same 1280 samples as 80 clean steps x 2 x 8, the first 1280 positions of the global
     # order. Its hash is computed here from the loader's order function, the one a clean run
     # follows (test_runtime.py checks a clean run against it): a third, fault-free job would add
     # a minute and no check.
-    assert second["samples_consumed"] == 2080
-    assert second["data_order_sha256"] == expected_data_order(2080, n_samples=ROWS)
+    assert second["samples_consumed"] == 1280
+    assert second["data_order_sha256"] == expected_data_order(1280, n_samples=ROWS)
 
 
 @pytest.mark.timeout(60)

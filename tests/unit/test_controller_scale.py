@@ -7,6 +7,7 @@ from collections import deque
 
 import pytest
 
+import elastic._controller.ray_calls as ray_calls
 import elastic._controller.worker_group as ray_group
 from elastic._controller.intake import COMPUTE_TIMES_PER_LINE, carries_compute_times
 from elastic._controller.stragglers import StragglerDetector, others_medians
@@ -130,7 +131,9 @@ def test_status_lists_are_built_when_written_from_the_ticks_members():
 
 
 def test_a_dead_slot_is_dropped_once_no_recovery_can_ask_about_it(monkeypatch):
-    monkeypatch.setattr(ray_group, "ray", FakeRay())
+    fake = FakeRay()
+    monkeypatch.setattr(ray_group, "ray", fake)
+    monkeypatch.setattr(ray_calls, "ray", fake)
     monkeypatch.setattr(ray_group, "remove_placement_group", lambda pg: None)
     now = [1000.0]
     monkeypatch.setattr(ray_group.time, "monotonic", lambda: now[0])

@@ -9,18 +9,13 @@ import logging
 import pytest
 from ray.exceptions import ActorDiedError, RayTaskError
 
+import elastic._controller.agent_pool as agent_pool
+import elastic._controller.ray_calls as ray_calls
 import elastic._controller.worker_group as ray_group
-from elastic._controller.node_agent import NodeAgent, hold_until_beat
-from elastic._controller.worker_group import (
-    AGENT_IDLE_S,
-    AGENT_RETRY_S,
-    AGENT_STALL_S,
-    DEAD,
-    READY,
-    RayWorkerGroup,
-    _Slot,
-)
-from elastic._protocol import PollFailure, WorkerInfo, WorkerReport
+from elastic._controller.agent_pool import AGENT_IDLE_S, AGENT_RETRY_S, AGENT_STALL_S
+from elastic._controller.node_agent import NodeAgent, hold_until_beat, one_record_per_step
+from elastic._controller.worker_group import DEAD, READY, RayWorkerGroup, _Slot
+from elastic._protocol import PollFailure, StepRecord, WorkerInfo, WorkerReport
 from elastic.config import FailureConfig, ScalingConfig
 from elastic.policies import Cause
 
@@ -167,6 +162,51 @@ def test_a_worker_whose_poll_fails_is_reported_once_and_polled_no_more():
     assert [len(w.poll.calls) for w in workers.values()] == [1, 1]
 
 
+def record(step: int, *, compute_s: tuple[float, ...] = (), kind: str = "step", generation: int = 0,
+           loss: float | None = 2.0) -> StepRecord:
+    return StepRecord(step=step, loss=loss, world_size=3, time=float(step), samples_seen=8 * step, global_batch=8,
+                      compute_s=compute_s, kind=kind, generation=generation)
+
+
+def with_records(rank: int, *records: StepRecord, step: int = 4) -> WorkerReport:
+    return WorkerReport(phase="running", generation=0, rank=rank, step=step, has_state=True,
+                        records=list(records), seq=1)
+
+
+def test_each_steps_record_travels_once_per_message_the_copy_with_compute_times_kept():
+    times = (0.1, 0.2, 0.3)
+    log = record(2, kind="log", loss=None)
+    answers = {
+        5: with_records(1, record(1), record(2)),
+        6: with_records(0, record(1, compute_s=times), record(2, compute_s=times), log),
+        7: with_records(2, record(2), record(3), record(2, generation=1)),   # 3: only this rank had it yet
+        8: PollFailure(actor_gone=True, message="gone"),
+    }
+    shed = one_record_per_step(answers)
+    assert shed[5].records == []                                           # both its steps ride on rank 0's
+    assert shed[6].records == [record(1, compute_s=times), record(2, compute_s=times), log]
+    assert shed[7].records == [record(3), record(2, generation=1)]         # another generation's step 2 is another step
+    assert shed[8] == answers[8]
+    # Nothing but the copies went: every answer's other fields are the worker's own.
+    assert [(a.rank, a.step, a.seq) for a in (shed[5], shed[6], shed[7])] == [(1, 4, 1), (0, 4, 1), (2, 4, 1)]
+    # Every (generation, step) of the message is still there, exactly once.
+    steps = [(r.generation, r.step) for a in shed.values() if isinstance(a, WorkerReport)
+             for r in a.records if r.kind == "step"]
+    assert sorted(steps) == [(0, 1), (0, 2), (0, 3), (1, 2)]
+    # Without compute times anywhere, the first copy is kept.
+    assert one_record_per_step({1: with_records(1, record(4)), 2: with_records(2, record(4))}) == {
+        1: with_records(1, record(4)), 2: with_records(2)}
+
+
+def test_the_agents_answer_carries_each_steps_record_once():
+    clock = Clock()
+    agent, _, workers = agent_with(clock, 0, 1)
+    workers[0].poll.refs[0].outcome = with_records(0, record(1, compute_s=(0.1, 0.2)))
+    workers[1].poll.refs[0].outcome = with_records(1, record(1))
+    answers = agent.poll(1.0, forget=[])
+    assert answers[0].records == [record(1, compute_s=(0.1, 0.2))] and answers[1].records == []
+
+
 def test_a_forgotten_worker_is_no_longer_polled_nor_answered_for():
     clock = Clock()
     agent, _, workers = agent_with(clock, 0, 1)
@@ -181,7 +221,8 @@ def test_a_forgotten_worker_is_no_longer_polled_nor_answered_for():
 @pytest.fixture
 def fake_ray(monkeypatch):
     fake = FakeRay()
-    monkeypatch.setattr(ray_group, "ray", fake)
+    for module in (ray_group, agent_pool, ray_calls):
+        monkeypatch.setattr(module, "ray", fake)
     monkeypatch.setattr(ray_group, "remove_placement_group", lambda pg: None)
     return fake
 
@@ -261,7 +302,7 @@ def test_an_agent_lost_alone_hands_its_workers_back_to_direct_polls_and_is_not_r
     # the agent took with it sends its records again (state.Outbox).
     assert [group._slots[w].actor.poll.calls[-1] for w in (0, 1)] == [(1.0, 2), (1.0, 1)]
     assert agent in fake_ray.killed and len(fake_ray.agents) == 1
-    group._agent_failed_at[A] -= AGENT_RETRY_S                 # the retry delay has passed
+    group._agents._failed_at[A] -= AGENT_RETRY_S                 # the retry delay has passed
     group.tick()
     assert len(fake_ray.agents) == 2
 
@@ -318,4 +359,4 @@ def test_an_agent_outlives_its_nodes_workers_for_a_while_so_a_replacement_finds_
     clock = ray_group.time.monotonic() + AGENT_IDLE_S + 1
     monkeypatch.setattr(ray_group.time, "monotonic", lambda: clock)
     group.tick()
-    assert agent in fake_ray.killed and group._agents == {}
+    assert agent in fake_ray.killed and group._agents._agents == {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayTaskError
 
+import elastic._controller.ray_calls as ray_calls
 import elastic._controller.worker_group as ray_group
 from elastic._controller.worker_group import DEAD, READY, RayWorkerGroup, _Slot
 from elastic._protocol import WorkerReport
@@ -59,6 +60,7 @@ class FakeRay:
 def fake_ray(monkeypatch):
     fake = FakeRay()
     monkeypatch.setattr(ray_group, "ray", fake)
+    monkeypatch.setattr(ray_calls, "ray", fake)          # the group's non-blocking ray.wait
     monkeypatch.setattr(ray_group, "remove_placement_group", lambda pg: None)
     return fake
 
