@@ -18,7 +18,8 @@ CPU (time.process_time), repeated, medians:
 
     python benchmarks/controller_scale.py --ranks 10000 [--reps 5] [--compute-times every|one] [--node-agents]
 
---compute-times says which ranks' step records carry the per-rank compute times: `every` rank
+The garbage collector runs as in the controller's actor (`actor.tune_gc`; `--default-gc`: CPython's
+defaults). --compute-times says which ranks' step records carry the per-rank compute times: `every` rank
 (the worker's step boundary before issue 15) or only `one` (rank 0; after it). --node-agents: the
 answers come as node agents send them (ScalingConfig.node_agents): one message per node of NODE
 ranks, each step's record on one answer of the message only (node_agent.one_record_per_step).
@@ -27,7 +28,6 @@ Prints one JSON line.
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
 import json
 import os
@@ -43,6 +43,7 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "unit")]
 
+from elastic._controller.actor import tune_gc  # noqa: E402
 from elastic._controller.controller import Controller  # noqa: E402
 from elastic._controller.node_agent import one_record_per_step  # noqa: E402
 from elastic._controller.run_record import RunRecorder  # noqa: E402
@@ -137,9 +138,11 @@ class Bench:
                                      has_state=True, records=[full if rank == 0 else bare])
                    for rank, wid in enumerate(st.members)}
         if self.node_agents:
-            # One message per node: its ranks' answers with each step's record once (as agents
-            # send them), distinct objects (as the agent's own decoding makes them).
-            reports = one_record_per_step(reports)
+            # One message per node: its ranks' answers with each step's record once, as agents
+            # send them. Each answer decoded on its own first, as the agent's ray.get of each
+            # worker's answer makes them (objects shared between answers would be pickled once).
+            reports = one_record_per_step({wid: pickle.loads(pickle.dumps(r, protocol=5))
+                                           for wid, r in reports.items()})
         total = 0
         payload = b""
         for rank, wid in enumerate(st.members):
@@ -148,7 +151,7 @@ class Bench:
                 if rank % NODE == 0:
                     node = {w: reports[w] for w in st.members[rank:rank + NODE]}
                     if rank < 2 * NODE:    # the other nodes' messages are the same bytes but for the ranks
-                        payload = pickle.dumps(copy.deepcopy(node), protocol=5)
+                        payload = pickle.dumps(node, protocol=5)
                     self.group.wire[wid] = payload
                     total += len(payload)
             else:
@@ -212,12 +215,16 @@ def main() -> None:
     parser.add_argument("--compute-times", choices=("every", "one"), default="every",
                         help="which ranks' step records carry every rank's compute time")
     parser.add_argument("--no-scoring", action="store_true", help="straggler scoring off")
+    parser.add_argument("--default-gc", action="store_true",
+                        help="CPython's default collection thresholds, not the controller actor's (actor.tune_gc)")
     parser.add_argument("--node-agents", action="store_true",
                         help=f"answers come {NODE} ranks per message, each step's record once (node agents)")
     args = parser.parse_args()
     n = args.ranks
     reps = args.reps or (15 if n <= 1000 else 3)
     batch = max(1, 2000 // n)        # ticks per timed batch (small N: the CPU clock is coarse)
+    if not args.default_gc:
+        tune_gc()                    # as the controller's actor does (its own process)
     bench = Bench(n, args.compute_times, not args.no_scoring, args.node_agents)
     gc.collect()
     started = time.process_time()
@@ -232,7 +239,7 @@ def main() -> None:
     recoveries = [bench.node_loss() for _ in range(reps)]
     out: dict[str, Any] = {
         "ranks": n, "compute_times": args.compute_times, "scoring": not args.no_scoring,
-        "node_agents": args.node_agents, "reps": reps,
+        "node_agents": args.node_agents, "gc_threshold": list(gc.get_threshold()), "reps": reps,
         "idle_tick_ms": round(statistics.median(idle_ms), 3),
         "step_tick_ms": round(statistics.median(step_ms), 3),
         "step_decode_ms": round(statistics.median(decode_ms), 3),

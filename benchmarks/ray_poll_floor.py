@@ -70,7 +70,7 @@ class Answerer:
         self._answer = steady_answer(1, world, 100)
         self._batch = [steady_answer(rank, world, 100) for rank in range(batch)]
 
-    def poll(self, hold_s: float) -> WorkerReport:
+    def poll(self, hold_s: float, acked: int = 0) -> WorkerReport:
         return self._answer
 
     def poll_node(self, hold_s: float) -> list[WorkerReport]:
@@ -143,7 +143,8 @@ def node_agents(count: int, batch: int, answerers: list) -> list:
     """`count` real node agents, each carrying `batch` ranks (stood in for by the answerers)."""
     from elastic._controller.node_agent import NodeAgent
     agents = [ray.remote(NodeAgent).options(num_cpus=0, max_concurrency=2).remote() for _ in range(count)]
-    ray.get([agent.watch.remote({wid: answerers[wid % len(answerers)] for wid in range(batch)}) for agent in agents])
+    ray.get([agent.watch.remote({wid: (answerers[wid % len(answerers)], 0) for wid in range(batch)})
+             for agent in agents])
     return agents
 
 

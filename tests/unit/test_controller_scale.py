@@ -151,3 +151,37 @@ def test_a_dead_slot_is_dropped_once_no_recovery_can_ask_about_it(monkeypatch):
     assert sorted(group.tick()) == [0]
     group.kill(1, "again")                           # late calls about it are no-ops
     group.request_stop([0, 1], generation=3)
+
+
+@pytest.mark.parametrize("mode", [[], ["--node-agents"]])
+def test_the_scale_benchmark_runs_and_agents_send_each_steps_record_once(mode):
+    """benchmarks/controller_scale.py (S1) at a small N, so that the benchmark keeps working as
+    the controller changes; through node agents the step records are sent once per node."""
+    import json
+    import os
+    import subprocess
+    import sys
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "controller_scale.py")
+    done = subprocess.run([sys.executable, script, "--ranks", "64", "--reps", "1", "--compute-times", "one", *mode],
+                          capture_output=True, text=True, timeout=25)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert out["node_agents"] == bool(mode) and out["recoveries_closed"] == 1
+    # 64 ranks: every rank's answer carries a record (~680 B each), or one answer per node of 8 does.
+    assert (out["record_bytes_per_step"] < 64 * 300) == bool(mode), out
+
+
+def test_the_controller_process_collects_young_garbage_less_often_and_keeps_the_older_thresholds():
+    import gc
+
+    from elastic._controller.actor import GC_YOUNG_THRESHOLD, tune_gc
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 10, 10)
+        tune_gc()
+        assert gc.get_threshold() == (GC_YOUNG_THRESHOLD, 10, 10)
+        gc.set_threshold(50_000, 5, 7)
+        tune_gc()
+        assert gc.get_threshold() == (50_000, 5, 7)          # never lowered
+    finally:
+        gc.set_threshold(*before)
