@@ -1,9 +1,10 @@
 """The worker group on Ray: one placement group and one TrainWorker actor per worker slot.
 
-Only this module talks to Ray about workers. It is non-blocking: `tick()` advances pending
-placements, collects poll answers and sends new polls, and returns a view the controller decides
-on. A placement group that cannot be placed yet stays pending, so replacements start by
-themselves when capacity returns (a node comes back, resources free up).
+Only this module talks to Ray about workers (agent_pool, about the node agents that may carry
+their polls). It is non-blocking: `tick()` advances pending placements, collects poll answers
+and sends new polls, and returns a view the controller decides on. A placement group that cannot
+be placed yet stays pending, so replacements start by themselves when capacity returns (a node
+comes back, resources free up).
 """
 from __future__ import annotations
 
