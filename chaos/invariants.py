@@ -381,10 +381,18 @@ def _fenced_at(ev: Evidence, generation: int) -> float | None:
 
 
 def _attempt_generation(ev: Evidence, attempt: dict) -> int | None:
-    """The first generation of an attempt: the first FENCE generation seen past the one before it."""
+    """The first generation of an attempt: the first FENCE generation seen past those of the
+    attempts before it. Those are FENCE as sampled before it started, and the generations the
+    earlier attempts recovered into or committed from: the watcher samples FENCE every 0.5 s, so
+    the last generation of a short attempt may be seen only after the next one started (a chaos
+    unit test's one-second attempt was), and must not be taken for the next attempt's own."""
     start, end = attempt.get("started_at") or 0, attempt.get("ended_at") or float("inf")
+    index = next((i for i, a in enumerate(ev.attempts) if a is attempt), len(ev.attempts))
     fences = ev.events("fence")
-    before = max([e.get("generation") or -1 for e in fences if e["t"] < start] or [-1])
+    known = [e.get("generation") for e in fences if e["t"] < start]
+    known += [r.get("generation") for r in ev.recoveries() if r["attempt"] < index]
+    known += [g for e in ev.events("commits") if e["t"] < start for g in e.get("generations") or []]
+    before = max([g for g in known if g is not None] or [-1])
     return next((e["generation"] for e in fences if start <= e["t"] <= end and (e.get("generation") or -1) > before),
                 None)
 

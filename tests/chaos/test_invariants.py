@@ -315,6 +315,26 @@ def test_a_resume_from_a_fenced_writers_late_commit_is_caught():
     assert "owner of step 120 is generation 2" in result.detail
 
 
+def test_an_attempts_generation_is_not_the_last_one_of_the_attempt_before_seen_late():
+    # The watcher samples FENCE every 0.5 s: the previous attempt's last generation (2, which it
+    # recovered into) is first seen just after attempt 1 started; attempt 1's own is 3.
+    ev = good()
+    ev["history"] += [commits(65.0, [60, 80, 100], [2, 2, 2]),
+                      {"t": 80.2, "type": "fence", "generation": 2, "run_id": "r1", "history": []},
+                      {"t": 81.0, "type": "fence", "generation": 3, "run_id": "r2", "history": []}]
+    second = copy.deepcopy(ev["attempts"][0])
+    second.update(started_at=80.0, ended_at=90.0)
+    second["summary"].update(resumed_from=100, recoveries=[], checkpoint_fallbacks=[])
+    ev["attempts"].append(second)
+    ev["fence"]["history"].append([3, 100, "r2"])
+    result = {v.name: v for v in check_all(Evidence(**ev))}["no_checkpoint_from_wrong_generation"]
+    assert result.status == PASS and "2 loads" in result.detail, result.detail
+    # A resume that really loads its own generation's manifest is still caught.
+    second["summary"]["loaded_generation"] = 3
+    result = {v.name: v for v in check_all(Evidence(**ev))}["no_checkpoint_from_wrong_generation"]
+    assert result.status == FAIL and "not older than itself" in result.detail, result.detail
+
+
 def zombie(**changes) -> dict:
     report = {"phase": "put", "generation": 1, "step": 60, "outcome": "fenced", "fence_moved_to": 2,
               "new_start_step": 30, "manifest_before_put": 2, "manifest_after": 2, "deleted": []}
