@@ -143,22 +143,18 @@ class Bench:
             # worker's answer makes them (objects shared between answers would be pickled once).
             reports = one_record_per_step({wid: pickle.loads(pickle.dumps(r, protocol=5))
                                            for wid, r in reports.items()})
-        total = 0
-        payload = b""
-        for rank, wid in enumerate(st.members):
+        total, payload = 0, b""
+        per_message = NODE if self.node_agents else 1
+        for first in range(0, len(st.members), per_message):
+            carried = st.members[first:first + per_message]
+            # Only the first two messages are pickled: the others are the same bytes but for the ranks.
+            if first < 2 * per_message:
+                payload = pickle.dumps({w: reports[w] for w in carried} if self.node_agents else reports[carried[0]],
+                                       protocol=5)
+            self.group.wire[carried[0]] = payload
+            total += len(payload)
+        for wid in st.members:
             report = reports[wid]
-            if self.node_agents:
-                if rank % NODE == 0:
-                    node = {w: reports[w] for w in st.members[rank:rank + NODE]}
-                    if rank < 2 * NODE:    # the other nodes' messages are the same bytes but for the ranks
-                        payload = pickle.dumps(node, protocol=5)
-                    self.group.wire[wid] = payload
-                    total += len(payload)
-            else:
-                if rank < 2:      # the others answer as rank 1 does (the same bytes but for the rank)
-                    payload = pickle.dumps(report, protocol=5)
-                self.group.wire[wid] = payload
-                total += len(payload)
             view = self.group.views[wid]
             view.records = list(report.records)
             view.report = replace(report, records=[])

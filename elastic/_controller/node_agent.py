@@ -35,6 +35,9 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from ray.exceptions import RayError
+
+from elastic._controller.ray_calls import poll_failure
 from elastic._protocol import PollFailure, WorkerReport
 
 COALESCE_S = 0.01          # after the first answer, wait this long for those due with it
@@ -60,19 +63,15 @@ def one_record_per_step(answers: dict[int, WorkerReport | PollFailure]) -> dict[
     one with the per-rank compute times where one has them (rank 0's), as the intake prefers.
     `ctx.log` records are each rank's own: all kept. A worker whose copy was shed loses nothing:
     the answer that carries the step travels in the same message."""
-    kept: dict[tuple[int, int], tuple[int, int]] = {}    # (generation, step) -> (wid, index of its record)
+    kept: dict[tuple[int, int], tuple[int, int, bool]] = {}   # (generation, step) -> (wid, index, has times)
     for wid, answer in answers.items():
         if not isinstance(answer, WorkerReport):
             continue
         for index, record in enumerate(answer.records):
-            if record.kind != "step":
-                continue
-            held = kept.setdefault((record.generation, record.step), (wid, index))
-            if record.compute_s and held != (wid, index):
-                other = answers[held[0]]
-                if isinstance(other, WorkerReport) and not other.records[held[1]].compute_s:
-                    kept[(record.generation, record.step)] = (wid, index)
-    keep = set(kept.values())
+            key = (record.generation, record.step)
+            if record.kind == "step" and (key not in kept or (record.compute_s and not kept[key][2])):
+                kept[key] = (wid, index, bool(record.compute_s))
+    keep = {(wid, index) for wid, index, _ in kept.values()}
     out: dict[int, WorkerReport | PollFailure] = {}
     for wid, answer in answers.items():
         if isinstance(answer, WorkerReport) and answer.records:
@@ -159,9 +158,6 @@ class NodeAgent:
                 self._polls[actor.poll.remote(hold, self._acked.get(wid, 0))] = wid
 
     def _answer(self, ref: Any, wid: int) -> WorkerReport | PollFailure:
-        from ray.exceptions import RayError
-
-        from elastic._controller.ray_calls import poll_failure
         try:
             return self._ray.get(ref)
         except RayError as error:

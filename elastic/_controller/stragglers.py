@@ -70,15 +70,15 @@ class StragglerDetector:
         scored = np.flatnonzero(others > 0)       # a rank whose others computed nothing is skipped
         ratio = own[scored] / others[scored]
         full = self._len[scored] == self.window
+        rolling, filling = scored[full], scored[~full]   # windows that drop their oldest value, and the others
         # The oldest value leaves a full window with this append (its row is the start's).
-        leaving = self._ratios[self._start[scored[full]], scored[full]]
-        self._high[scored[full]] -= leaving >= clear_below
+        self._high[rolling] -= self._ratios[self._start[rolling], rolling] >= clear_below
         row = (self._start[scored] + self._len[scored]) % self.window
         self._ratios[row, scored] = ratio
         self._excess[row, scored] = own[scored] - others[scored]
         self._high[scored] += ratio >= clear_below
-        self._start[scored[full]] = (self._start[scored[full]] + 1) % self.window
-        self._len[scored[~full]] += 1
+        self._start[rolling] = (self._start[rolling] + 1) % self.window
+        self._len[filling] += 1
         ready = scored[self._len[scored] == self.window]
         if self.threshold > 0:                    # the count argument needs the line above zero ratios
             if self._flagged:                     # fewer than half reach the line: both middle ones are under it

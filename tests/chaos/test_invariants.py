@@ -294,18 +294,26 @@ def test_a_load_must_read_the_manifest_of_the_steps_owner():
     assert verdicts(ev)["no_checkpoint_from_wrong_generation"] == PASS
 
 
-def test_a_resume_from_a_fenced_writers_late_commit_is_caught():
-    ev = good()
-    # The late commit of step 120 by generation 1 is on storage (rejected) when attempt 1
-    # starts as generation 3 and resumes from it.
-    ev["history"] += [commits(65.0, [60, 80, 100], [2, 2, 2], rejected=[[120, 1]]),
-                      {"t": 3.0, "type": "fence", "generation": 2, "run_id": "r1", "history": []},
+def resumed_as_generation_3(ev: dict, *, generation_2_seen_at: float, rejected: list | None = None) -> dict:
+    """`good()`'s run with a second attempt (80-90 s) that starts as generation 3 and resumes from
+    step 100; FENCE's generation 2 (the first attempt's last) is first sampled at
+    `generation_2_seen_at`. Returns the second attempt."""
+    ev["history"] += [commits(65.0, [60, 80, 100], [2, 2, 2], rejected=rejected),
+                      {"t": generation_2_seen_at, "type": "fence", "generation": 2, "run_id": "r1", "history": []},
                       {"t": 81.0, "type": "fence", "generation": 3, "run_id": "r2", "history": []}]
     second = copy.deepcopy(ev["attempts"][0])
     second.update(started_at=80.0, ended_at=90.0)
     second["summary"].update(resumed_from=100, recoveries=[], checkpoint_fallbacks=[])
     ev["attempts"].append(second)
     ev["fence"]["history"].append([3, 100, "r2"])
+    return second
+
+
+def test_a_resume_from_a_fenced_writers_late_commit_is_caught():
+    ev = good()
+    # The late commit of step 120 by generation 1 is on storage (rejected) when attempt 1
+    # starts as generation 3 and resumes from it.
+    second = resumed_as_generation_3(ev, generation_2_seen_at=3.0, rejected=[[120, 1]])
     result = {v.name: v for v in check_all(Evidence(**ev))}["no_checkpoint_from_wrong_generation"]
     assert result.status == PASS and "2 loads" in result.detail, result.detail
     second["summary"]["resumed_from"] = 120
@@ -319,14 +327,7 @@ def test_an_attempts_generation_is_not_the_last_one_of_the_attempt_before_seen_l
     # The watcher samples FENCE every 0.5 s: the previous attempt's last generation (2, which it
     # recovered into) is first seen just after attempt 1 started; attempt 1's own is 3.
     ev = good()
-    ev["history"] += [commits(65.0, [60, 80, 100], [2, 2, 2]),
-                      {"t": 80.2, "type": "fence", "generation": 2, "run_id": "r1", "history": []},
-                      {"t": 81.0, "type": "fence", "generation": 3, "run_id": "r2", "history": []}]
-    second = copy.deepcopy(ev["attempts"][0])
-    second.update(started_at=80.0, ended_at=90.0)
-    second["summary"].update(resumed_from=100, recoveries=[], checkpoint_fallbacks=[])
-    ev["attempts"].append(second)
-    ev["fence"]["history"].append([3, 100, "r2"])
+    second = resumed_as_generation_3(ev, generation_2_seen_at=80.2)
     result = {v.name: v for v in check_all(Evidence(**ev))}["no_checkpoint_from_wrong_generation"]
     assert result.status == PASS and "2 loads" in result.detail, result.detail
     # A resume that really loads its own generation's manifest is still caught.
