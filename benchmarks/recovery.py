@@ -9,6 +9,8 @@ says it cost (`lost_s`: detection + redone + re-form + restore), then prints one
     python benchmarks/recovery.py --workers 4 --trials 5 --signal TERM
     python benchmarks/recovery.py --strategy fsdp --model-size base --workers 3 --in-memory-every 1 \
         [--storage s3]     # FSDP from memory; --in-memory-every none: from the checkpoint
+    python benchmarks/recovery.py --workers 3 --min-workers 3 --spare-workers 1 --trials 5
+                           # a hot spare takes the lost rank's place (the mixed campaign's shape)
 
 `--storage s3` runs against moto's S3 server on loopback (started here), `file` (the default) on
 a local temporary folder.
@@ -77,8 +79,8 @@ def trial(args: argparse.Namespace, run_dir: str) -> dict:
     injector.start()
     result = ElasticTrainer(
         gpt.train_loop, train_loop_config={"model_size": args.model_size, "batch_size": args.batch_size},
-        scaling=ScalingConfig(min_workers=max(1, args.workers // 2), max_workers=args.workers,
-                              strategy=args.strategy),
+        scaling=ScalingConfig(min_workers=args.min_workers or max(1, args.workers // 2), max_workers=args.workers,
+                              spare_workers=args.spare_workers, strategy=args.strategy),
         checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=args.checkpoint_every,
                                     in_memory_every_n_steps=args.in_memory_every),
         failure=FailureConfig(heartbeat_timeout_s=args.heartbeat_timeout),
@@ -123,6 +125,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--min-workers", type=int, default=None, help="default: half of --workers")
+    p.add_argument("--spare-workers", type=int, default=0,
+                   help="hot spares (the mixed chaos campaign runs 3:3 workers and 1 spare)")
     p.add_argument("--signal", choices=("KILL", "STOP", "TERM"), default="KILL")
     p.add_argument("--rank", type=int, default=1, help="rank that receives the signal")
     p.add_argument("--model-size", default="small", choices=sorted(gpt.MODEL_SIZES))
@@ -140,8 +145,8 @@ def main() -> int:
 
     import ray
     # address="local": a new instance even when another Ray runs on this (shared) machine.
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, args.workers + 2), include_dashboard=False,
-             logging_level="WARNING", log_to_driver=args.verbose)
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, args.workers + args.spare_workers + 2),
+             include_dashboard=False, logging_level="WARNING", log_to_driver=args.verbose)
     trials = []
     try:
         with storage(args.storage) as base:
@@ -156,7 +161,8 @@ def main() -> int:
     print(json.dumps({
         "benchmark": {"KILL": "R1", "STOP": "R2", "TERM": "R3"}[args.signal], "system": "elastic",
         "signal": f"SIG{args.signal}",
-        "workers": args.workers, "model_size": args.model_size, "trials": len(trials),
+        "workers": args.workers, "spare_workers": args.spare_workers, "model_size": args.model_size,
+        "trials": len(trials),
         "strategy": args.strategy, "in_memory_every": args.in_memory_every, "storage": args.storage,
         "recover_s_median": statistics.median(t["recover_s"] for t in trials),
         "recovery_s_median": statistics.median(recovery), "recovery_s_max": max(recovery),

@@ -165,7 +165,7 @@ class Controller:
     # ---- states ------------------------------------------------------------------------
     def _on_scheduling(self) -> None:
         assert isinstance(self.state, Scheduling)
-        self.group.scale_to(self.slots.target(self.views))
+        self._place_slots()
         ready = self.slots.ready(self.views)
         now = self.clock()
         gate = self.start_gate.judge(
@@ -215,7 +215,7 @@ class Controller:
             self._transition(Stopping(st.generation, list(st.members), self._recovery_deadline(), reason),
                              f"stop requested: {reason}")
         else:
-            self.group.scale_to(self.slots.target(self.views))
+            self._place_slots()
             if self.recoveries.open is None:
                 members = set(st.members)
                 spares = [w for w in self.slots.ready(self.views) if w not in members]
@@ -249,9 +249,9 @@ class Controller:
         # A lost member may never close its connections (its node is gone or cut off): the
         # survivors cut theirs, so none waits out the collective timeout on it.
         self.group.request_stop(survivors, self.generation, cut_group=bool(fault.lost))
-        self.group.scale_to(self.slots.target(self.views))
         self.recoveries.begin(failure.cause, len(members), reached, fault.detect_s, list(failure.ranks),
                               why=failure.message)
+        self._place_slots()
         self._begin_recovery(Recovering(self.generation, survivors, self._recovery_deadline()),
                              f"{failure.cause} on ranks {list(failure.ranks)}; {decision.reason}")
 
@@ -299,7 +299,7 @@ class Controller:
         members, survivors = plan_members(st, settled, self.slots.ready(self.views), self.slots.cap)
         recovery = self.recoveries.current
         if len(members) < self.scaling.min_workers:
-            self.group.scale_to(self.slots.target(self.views))
+            self._place_slots()
             if self.clock() - recovery.detected_at > self.failure.rendezvous_timeout_s:
                 self._fail(too_few_to_reform(len(members), recovery.cause, self.scaling, self.failure))
             return
@@ -317,6 +317,12 @@ class Controller:
         self._on_starting()
 
     # ---- helpers -----------------------------------------------------------------------
+    def _place_slots(self) -> None:
+        """Start placements for the slots the run keeps (Slots.target: while a recovery is open,
+        only the lost members' replacements, so that no spare's start competes with the re-form)."""
+        recovery = self.recoveries.open
+        self.group.scale_to(self.slots.target(self.views, broken_world=recovery.from_world if recovery else None))
+
     def _kill(self, wid: int, reason: str) -> None:
         """Kill a worker, and see it dead in this tick's views: a recovery may re-form in the
         tick that killed it, and must not take it for a ready spare."""

@@ -16,14 +16,25 @@ class Slots:
     def __init__(self, scaling: Callable[[], ScalingConfig]):
         self._scaling = scaling      # read when used (a test may swap the config)
 
-    def target(self, views: dict[int, WorkerView]) -> int:
+    def target(self, views: dict[int, WorkerView], *, broken_world: int | None = None) -> int:
         """Slots to keep alive or pending: max_workers and the spares; with no maximum, every placed
-        worker plus one probe placement (a spare whenever capacity appears)."""
+        worker plus one probe placement (a spare whenever capacity appears).
+
+        While a recovery is open (from the failure to the re-formed group's first step),
+        `broken_world` is the size of the group that broke: only its lost members are replaced
+        then (at least min_workers), and the spares start once the group steps again. A worker's
+        start is seconds of CPU on its host (Python, torch, the checkpoint code) that a
+        re-forming group sharing the host needs: in the mixed chaos campaign (one-CPU nodes on
+        2 cores) the spare replacing the one the group took started during every re-form."""
         scaling = self._scaling()
         if scaling.max_workers is not None:
-            return scaling.max_workers + scaling.spare_workers
-        placed = sum(1 for v in views.values() if v.status in (READY, STARTING))
-        return max(scaling.min_workers, placed + 1)
+            wanted = scaling.max_workers + scaling.spare_workers
+        else:
+            placed = sum(1 for v in views.values() if v.status in (READY, STARTING))
+            wanted = max(scaling.min_workers, placed + 1)
+        if broken_world is not None:
+            return min(wanted, max(scaling.min_workers, broken_world))
+        return wanted
 
     def cap(self, wids: list[int]) -> list[int]:
         maximum = self._scaling().max_workers

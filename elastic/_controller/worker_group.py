@@ -78,6 +78,7 @@ class _Slot:
     silent_at_death: float = 0.0
     died_at: float = 0.0               # monotonic time it was found dead (its slot is dropped later)
     warned: bool = False               # its placement was said to be stuck
+    placed_at: float = 0.0             # monotonic time its placement was granted and its actor launched
     agent: str | None = None           # the node whose agent carries its polls (None: polled directly)
     seq_seen: int = 0                  # the newest answer received (each poll acknowledges it: state.Outbox)
 
@@ -116,6 +117,7 @@ class RayWorkerGroup:
             self._slots[wid] = _Slot(wid=wid, pg=pg, pg_ready=pg.ready(), created_at=time.monotonic())
 
     def _launch(self, slot: _Slot) -> None:
+        slot.placed_at = time.monotonic()
         resources = dict(self._bundle)
         cpus = resources.pop("CPU", 0.0)
         gpus = resources.pop("GPU", 0.0)
@@ -200,6 +202,10 @@ class RayWorkerGroup:
                 slot.info = ray.get(ref)
                 slot.status = READY
                 slot.last_answer_at = now
+                # Where a replacement's start goes (a recovery may wait on it): the placement,
+                # then the process and the worker's imports.
+                log.debug("worker %d ready %.2fs after its slot was made (placed in %.2fs)", slot.wid,
+                          now - slot.created_at, slot.placed_at - slot.created_at)
             except RayTaskError as error:
                 self.kill(slot.wid, f"failed while starting: {first_line(error)}")
             except RayError as error:

@@ -140,6 +140,10 @@ def _preload() -> None:
     replacement joining a running group does not stall everyone on imports."""
     for module in ("torch.distributed.checkpoint.state_dict", "torch.nn.parallel",
                    "torch.distributed.fsdp",   # heavy; paid while the worker is still a spare
+                   # DistributedDataParallel's constructor imports it on its first call in a
+                   # process (0.5 s here, more on a loaded host): a spare joining a group made
+                   # every rank wait that long in DDP's first collective of the re-form.
+                   "torch._dynamo",
                    "torch.distributed.tensor", "checkpointing"):
         importlib.import_module(module)
 

@@ -161,7 +161,30 @@ def test_a_hot_spare_replaces_a_lost_member_at_once_and_is_itself_replaced():
     assert group.generations[-1][spare].world_size == 3        # back at full size without waiting
     group.capacity = 4
     controller.tick()
+    # The spare that replaces it starts once the re-formed group has stepped, not during the
+    # re-form (its start would take CPU the re-form needs).
+    assert len(group.live()) == 3
+    group.complete_steps(controller.state.members[0], 11, 11, 3)
+    controller.tick()
     assert len(group.live()) == 4                              # a new spare is placed
+
+
+def test_a_lost_group_starts_only_the_replacements_it_needs_until_it_steps_again():
+    # Every member lost at once (a kill-all): the spare and two new workers re-form the group;
+    # the spare that replaces the spare starts after the re-formed group's first step.
+    controller, group, clock, _ = make(min_workers=3, max_workers=3, capacity=8, spare_workers=1)
+    members = start(controller, group)
+    group.complete_steps(members[0], 1, 10, 3)
+    for wid in members:
+        group.die(wid)
+    controller.tick()
+    assert len(group.live()) == 3                  # the spare and two replacements, not a third
+    controller.tick()
+    assert controller.state.state == RunState.RUNNING and len(controller.state.members) == 3
+    new_rank0 = next(w for w, p in group.generations[-1].items() if p.rank == 0)
+    group.complete_steps(new_rank0, 1, 1, 3)
+    controller.tick()
+    assert len(group.live()) == 4
 
 
 def test_replacement_is_added_when_capacity_returns():
