@@ -553,6 +553,9 @@ class LRScalingConfig:
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LOG_LEVEL_ENV = "ELASTIC_LOG_LEVEL"     # how the level reaches the controller and worker processes
+# The controller's and the workers' log lines (Ray streams them to the driver without a time of
+# its own): a fault's story is read across processes by these times.
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 
 @_checked_arguments

@@ -14,7 +14,7 @@ from elastic._controller.run_record import RunRecorder
 from elastic._controller.states import RunState
 from elastic._controller.worker_group import RayWorkerGroup
 from elastic._protocol import RunSpec
-from elastic.config import LOG_LEVEL_ENV, CheckpointConfig, FailureConfig, ScalingConfig
+from elastic.config import LOG_FORMAT, LOG_LEVEL_ENV, CheckpointConfig, FailureConfig, ScalingConfig
 from elastic.errors import UserCodeError
 
 FULL_LISTING_EVERY_S = 30.0     # committed_since lists at least this often, whatever the hint says
@@ -104,7 +104,7 @@ class ControllerActor:
     def __init__(self, spec: RunSpec, scaling: ScalingConfig, failure: FailureConfig, checkpoint: CheckpointConfig,
                  total_steps: int, config: dict[str, Any], failure_policy, scaling_policy, feed: bool = False,
                  run_id: str | None = None):
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
         tune_gc()
         # LoggingConfig's level, from the driver through the runtime env.
         logging.getLogger("elastic").setLevel(os.environ.get(LOG_LEVEL_ENV, "INFO"))

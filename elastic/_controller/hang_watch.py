@@ -30,7 +30,14 @@ step_timeout_s): a rank in a checkpoint save, in ctx.restore or joining the grou
 is not a step's, and a save may hold the GIL from the poll thread) while it may still be there:
 once the front has collected the exchange of a later step (PositionReport.exchanged; every rank
 entered it), such an answer is stale and a silent rank is judged like any other (a rank last
-heard in its save, frozen two steps later, is found in the bound, not by the heartbeat); nor an
+heard in its save, frozen two steps later, is found in the bound, not by the heartbeat). A rank
+silent in one of these places is judged too once its silence passes the *quiet limit*:
+HANG_FACTOR x the longest gap the run has seen between two answers of its first member (at
+least the bound, and only once MIN_ANSWER_GAPS gaps are known). A healthy rank answers every
+poll hold even in a save (the save's copies and uploads release the GIL); a save, or a loaded
+host, that has kept answers away for a while shows in those gaps and lengthens the limit. (The
+mixed chaos campaign gates its faults on commits, so partitions and freezes often land in a
+save: each was found by the 10 s heartbeat, now in about 4 poll holds.) Nor is judged an
 answering one in the boundary's own work after an exchange or in the tests' hold; a front within its
 generation's first FIRST_STEPS steps (group formation, DDP's first buckets, lazy allocations);
 and, with the bound "auto", a run with fewer than MIN_STEP_TIMES step times learned.
@@ -55,6 +62,8 @@ from elastic.config import FailureConfig
 
 STEP_TIMES_KEPT = 200
 MIN_STEP_TIMES = 20
+ANSWER_GAPS_KEPT = 200
+MIN_ANSWER_GAPS = 20
 FIRST_STEPS = 2
 SILENCE_MARGIN_S = 1.0      # beyond the poll hold: a healthy rank's answer is never this late
 WAKE_SLACK_S = 0.05         # a front that woke at the bound may report a hair less than it
@@ -103,16 +112,25 @@ class HangWatch:
         self._step_times: deque[float] = deque(maxlen=STEP_TIMES_KEPT)
         self._world: int | None = None
         self._fed: WorkerReport | None = None     # the report whose step times were taken last
+        # Seconds between two answers of the first member (receive times), and its last answer.
+        self._answer_gaps: deque[float] = deque(maxlen=ANSWER_GAPS_KEPT)
+        self._last_answer: tuple[int, float] | None = None    # (worker id, received at)
 
     def learn(self, st: Running, views: dict[int, WorkerView]) -> None:
-        """Take the step times the first member's newest answer brings (once per answer)."""
+        """Take the step times the first member's newest answer brings, and the gap since its
+        previous answer (once per answer)."""
         if len(st.members) != self._world:
             self._world = len(st.members)
             self._step_times.clear()
-        report = views[st.members[0]].report
+        first = views[st.members[0]]
+        report = first.report
         if report is None or report is self._fed or report.position is None:
             return
         self._fed = report
+        received_at = self._clock() - first.silent_s
+        if self._last_answer is not None and self._last_answer[0] == first.wid:
+            self._answer_gaps.append(received_at - self._last_answer[1])
+        self._last_answer = (first.wid, received_at)
         if report.generation == st.generation:
             self._step_times.extend(report.position.step_times)
 
@@ -125,6 +143,13 @@ class HangWatch:
 
     def bound(self, failure: FailureConfig) -> float | None:
         return failure.hang_timeout(self.p99_s())
+
+    def quiet_limit(self, bound: float) -> float | None:
+        """How long a rank may be silent in a save, ctx.restore or joining before it is judged
+        (see the module docstring); None before MIN_ANSWER_GAPS gaps are known."""
+        if len(self._answer_gaps) < MIN_ANSWER_GAPS:
+            return None
+        return max(bound, FailureConfig.HANG_FACTOR * max(self._answer_gaps))
 
     def assess(self, st: Running, views: dict[int, WorkerView], failure: FailureConfig) -> Hung | None:
         bound = self.bound(failure)
@@ -151,18 +176,24 @@ class HangWatch:
         if front is None:
             return None
         behind = [m for m in seen if m.place < front.place]
+        quiet_limit = self.quiet_limit(bound)
         hung: list[tuple[_Seen, float, str]] = []
         for m in seen:
             if m is front or m.place > front.place:
                 continue
             # A save, ctx.restore or joining is exempt while the rank may still be in it: not once
-            # the front has collected an exchange the rank entered after it (its answer is stale).
+            # the front has collected an exchange the rank entered after it (its answer is stale),
+            # nor once it has been silent past the quiet limit.
+            quiet = ""
             if m.position.place in NOT_JUDGED_SILENT and front.position.exchanged <= m.position.step:
-                continue
+                if quiet_limit is None or m.silent_s < quiet_limit:
+                    continue
+                quiet = (f", beyond the quiet limit {quiet_limit:.1f}s ({FailureConfig.HANG_FACTOR:g} x the "
+                         f"longest gap between a member's answers)")
             if m.silent_s > fresh_s and (m.place < front.place or not behind):
                 hung.append((m, min(m.silent_s, now - m.there_since),
                              f"rank {m.rank} silent for {m.silent_s:.1f}s (last {m.position.place} at step "
-                             f"{m.position.step + 1})"))
+                             f"{m.position.step + 1}{quiet})"))
             elif m.silent_s <= fresh_s and m.place < front.place and m.position.place not in NOT_JUDGED:
                 known_until = max(m.answered_at, front.answered_at if len(behind) == 1 else m.answered_at)
                 stalled = min(known_until, front.answered_at) - max(m.there_since, front.there_since)

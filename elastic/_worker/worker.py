@@ -155,8 +155,11 @@ class TrainWorker:
         import torch
 
         from elastic._worker.state import WorkerState
-        from elastic.config import LOG_LEVEL_ENV
-        # LoggingConfig's level, from the driver through the runtime env.
+        from elastic.config import LOG_FORMAT, LOG_LEVEL_ENV
+        # LoggingConfig's level, from the driver through the runtime env. The root logger keeps
+        # its level (the user's own loggers print what they did); basicConfig does nothing where
+        # the user's code configured logging already.
+        logging.basicConfig(format=LOG_FORMAT)
         logging.getLogger("elastic").setLevel(os.environ.get(LOG_LEVEL_ENV, "INFO"))
         self._spec = spec
         self._loop, self._loop_config = spec.load_user_code()

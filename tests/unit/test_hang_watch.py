@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastic._controller.hang_watch import HangWatch
+from elastic._controller.hang_watch import MIN_ANSWER_GAPS, HangWatch
 from elastic._controller.running import Fault, RunningWatch
 from elastic._controller.states import Running
 from elastic._controller.worker_group import READY, WorkerView
@@ -122,6 +122,41 @@ def test_a_silent_rank_last_heard_in_a_save_is_hung_once_the_others_have_collect
         assert judge(watch, waiting[0], view(1, place, age=7.0, silent=6.5, step=40), waiting[1]) is None
         waiting = [view(w, SYNC, age=6.0, step=42, exchanged=41) for w in (0, 2)]
         assert judge(watch, waiting[0], view(1, place, age=7.0, silent=0.2, step=40), waiting[1]) is None
+
+
+def teach_gaps(watch: HangWatch, clock: FakeClock, gap: float, n: int, world: int = 4) -> None:
+    """The first member answers `n` more times, `gap` seconds apart."""
+    for _ in range(n):
+        clock.advance(gap)
+        st, views = group(*(view(w, COMPUTING, age=0.0) for w in range(world)))
+        watch.learn(st, views)
+
+
+def test_a_rank_silent_in_a_save_restore_or_join_is_hung_past_the_quiet_limit():
+    # The mixed campaign gates its faults on commits: a partition or a freeze often lands in a
+    # save, and each was found by the 10 s heartbeat. Once the run knows how far apart a healthy
+    # member's answers come (here 1 s, the poll hold), a rank silent there for HANG_FACTOR x that
+    # is hung; one that answers never is.
+    clock = FakeClock()
+    watch = taught(clock)
+    teach_gaps(watch, clock, gap=1.0, n=MIN_ANSWER_GAPS - 1)
+    assert watch.quiet_limit(2.0) is None                       # too few gaps known yet
+    teach_gaps(watch, clock, gap=1.0, n=1)
+    assert watch.quiet_limit(2.0) == pytest.approx(4.0) and watch.quiet_limit(5.0) == 5.0   # at least the bound
+    for place in (ThreadPlace.CHECKPOINT, ThreadPlace.RESTORING, ThreadPlace.JOINING):
+        waiting = [view(w, SYNC, age=6.0, step=41, exchanged=40) for w in (0, 2)]
+        assert judge(watch, waiting[0], view(1, place, age=7.0, silent=3.9, step=40), waiting[1]) is None, place
+        hung = judge(watch, waiting[0], view(1, place, age=7.0, silent=4.01, step=40), waiting[1])
+        assert hung is not None and hung.ranks == (1,) and "beyond the quiet limit 4.0s" in hung.reason, place
+        assert judge(watch, waiting[0], view(1, place, age=7.0, silent=0.2, step=40), waiting[1]) is None, place
+    # A member once answered 3 s late (a save that kept its poll thread from the GIL, a loaded
+    # host): the limit follows it.
+    teach_gaps(watch, clock, gap=3.0, n=1)
+    waiting = [view(w, SYNC, age=13.0, step=41, exchanged=40) for w in (0, 2)]
+    assert judge(watch, waiting[0], view(1, ThreadPlace.CHECKPOINT, age=13.0, silent=11.9, step=40),
+                 waiting[1]) is None
+    assert judge(watch, waiting[0], view(1, ThreadPlace.CHECKPOINT, age=13.0, silent=12.01, step=40),
+                 waiting[1]) is not None
 
 
 def test_never_on_a_generations_first_steps():
