@@ -55,21 +55,47 @@ def test_the_summary_fields_come_from_the_events():
     assert built["checkpoint_fallbacks"] == [{"step": 3, "error": "bad shard"}]
     assert built["loss_first"] == 2.0 and built["loss_last"] == 0.5 and summary.last_loss == 0.5
     assert built["samples_consumed"] == 64 and built["data_order_sha256"] == "final"
-    # kept attempts: steps 1, 2 (1 s each), 3 (2 s after the restart at 110) and 4 (1 s); step 3's lost try not
-    assert summary.step_seconds == {1: 1.0, 2: 1.0, 3: 2.0, 4: 1.0}
-    assert built["wall_s"] == 20.0 and built["goodput"] == 0.25
+    # The goodput is the ledger's productive share: here the clock stood still while the steps came.
+    assert built["wall_s"] == 20.0 and built["goodput"] == built["time_ledger"]["productive"] / 20.0 == 0.0
     assert built["total_steps"] == 4 and built["config"] == {"seed": 0} and built["metrics"] == {"loss": 0.5}
     assert (built["status"], built["final_step"], built["checkpoints"], built["model_sha256"]) == \
         ("finished", 4, [2, 4], "abc")
 
 
-def test_a_step_recorded_again_drops_the_lost_attempts_time():
-    summary = RunSummary(total_steps=10, config={}, clock=Clock(0.5))
+def test_the_goodput_is_the_time_spent_computing_kept_steps_not_a_re_formed_groups_start():
+    clock = Clock(0.0)
+    summary = RunSummary(total_steps=10, config={}, clock=clock)
     summary.on_generation_start(0, 2)
     for n in (1, 2, 3):
+        clock.now = float(n)
+        summary.on_step(step(n, float(n)))             # 1 s each
+    clock.now = 6.0
+    summary.on_recovery({"cause": "worker_died", "detected_at": 5.0, "detect_s": 0.5})
+    summary.on_generation_start(3, 2)
+    clock.now = 10.0
+    # The re-formed group's first step ends 4 s after its generation began (joining, the wrappers,
+    # the restore, then the step): the kept step's duration from the generation's start was once
+    # counted whole; only an ordinary step's second is productive.
+    summary.on_step(step(4, 10.0))
+    built = build(summary)
+    # Steps 2 and 3, and an ordinary step's second of step 4 (step 1 is the run's start-up); the
+    # old measure counted 1 + 1 + 1 + 4 s: 0.7.
+    assert built["time_ledger"]["productive"] == pytest.approx(3.0)
+    assert built["time_ledger"]["reform"] == pytest.approx(4.0) and built["goodput"] == pytest.approx(0.3)
+
+
+def test_a_step_recorded_again_moves_the_lost_attempts_time_out_of_the_goodput():
+    clock = Clock(0.0)
+    summary = RunSummary(total_steps=10, config={}, clock=clock)
+    summary.on_generation_start(0, 2)
+    for n in (1, 2, 3):
+        clock.now = float(n)
         summary.on_step(step(n, float(n)))
-    summary.on_step(step(2, 10.0))                      # redone without an explicit rollback
-    assert summary.step_seconds == {1: 0.5, 2: 7.0}
+    clock.now = 4.0
+    summary.on_step(step(2, 4.0))                      # redone without an explicit rollback
+    built = build(summary)
+    assert built["time_ledger"]["redone"] == pytest.approx(2.0)      # steps 2 and 3's first attempts
+    assert built["goodput"] == pytest.approx(1.0 / 4.0)                # step 2's second attempt
 
 
 def test_a_resumed_run_reports_its_resume_step_and_the_last_data_of_its_steps():
