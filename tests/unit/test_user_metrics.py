@@ -58,7 +58,9 @@ def test_a_user_metric_never_overwrites_a_framework_key(tmp_path, caplog):
 
 
 def test_log_values_get_a_line_of_their_own_at_their_step_and_count_no_step(tmp_path):
-    rec = recorder(tmp_path)
+    now = [100.0]
+    rec = recorder(tmp_path, clock=lambda: now[0])
+    now[0] = 110.0
     for n in (1, 2):
         rec.on_step(step(n))
     rec.on_log(log(2, val_loss=0.75))
@@ -67,7 +69,11 @@ def test_log_values_get_a_line_of_their_own_at_their_step_and_count_no_step(tmp_
     rows = lines(tmp_path)
     assert [(r["step"], r.get("kind")) for r in rows] == [(1, None), (2, None), (2, "log"), (3, None)]
     assert rows[2] == {"format": 1, "step": 2, "kind": "log", "time": 102.5, "val_loss": 0.75}
-    assert sorted(rec.summary.step_seconds) == [1, 2, 3] and rec.last_loss == 1.0    # no step, no loss of its own
+    # No step, no loss of its own: had the log line counted as step 2 again, step 2's first
+    # second would have moved from productive to redone.
+    assert rec.last_loss == 1.0
+    ledger = rec.summary.time_ledger
+    assert ledger["productive"] == pytest.approx(2.0) and ledger["redone"] == 0.0
 
 
 def test_a_log_line_of_an_older_step_does_not_confuse_the_next_flush(tmp_path):
