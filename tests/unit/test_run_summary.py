@@ -62,13 +62,19 @@ def test_the_summary_fields_come_from_the_events():
         ("finished", 4, [2, 4], "abc")
 
 
-def test_the_goodput_is_the_time_spent_computing_kept_steps_not_a_re_formed_groups_start():
+def three_steps_of_a_second() -> tuple[Clock, RunSummary]:
+    """A run whose generation 0 started at 0 and completed steps 1-3 at 1, 2 and 3 s."""
     clock = Clock(0.0)
     summary = RunSummary(total_steps=10, config={}, clock=clock)
     summary.on_generation_start(0, 2)
     for n in (1, 2, 3):
         clock.now = float(n)
-        summary.on_step(step(n, float(n)))             # 1 s each
+        summary.on_step(step(n, float(n)))
+    return clock, summary
+
+
+def test_the_goodput_is_the_time_spent_computing_kept_steps_not_a_re_formed_groups_start():
+    clock, summary = three_steps_of_a_second()
     clock.now = 6.0
     summary.on_recovery({"cause": "worker_died", "detected_at": 5.0, "detect_s": 0.5})
     summary.on_generation_start(3, 2)
@@ -85,12 +91,7 @@ def test_the_goodput_is_the_time_spent_computing_kept_steps_not_a_re_formed_grou
 
 
 def test_a_step_recorded_again_moves_the_lost_attempts_time_out_of_the_goodput():
-    clock = Clock(0.0)
-    summary = RunSummary(total_steps=10, config={}, clock=clock)
-    summary.on_generation_start(0, 2)
-    for n in (1, 2, 3):
-        clock.now = float(n)
-        summary.on_step(step(n, float(n)))
+    clock, summary = three_steps_of_a_second()
     clock.now = 4.0
     summary.on_step(step(2, 4.0))                      # redone without an explicit rollback
     built = build(summary)
