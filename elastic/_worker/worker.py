@@ -148,6 +148,24 @@ def _preload() -> None:
         importlib.import_module(module)
 
 
+def _timestamped_framework_logs() -> None:
+    """Times on the framework's log lines in a worker process (Ray streams them to the driver
+    without one; a fault's story is read across processes by them). Handlers of their own on the
+    framework's loggers, not the root's: the user's code may configure the root logger itself
+    (a basicConfig in the loop's module would otherwise do nothing). Left alone in a process
+    whose root logger is configured already (a test runner's)."""
+    from elastic.config import LOG_FORMAT
+    if logging.getLogger().handlers:
+        return
+    for name in ("elastic", "checkpointing"):
+        logger = logging.getLogger(name)
+        if not logger.handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter(LOG_FORMAT))
+            logger.addHandler(handler)
+            logger.propagate = False
+
+
 class TrainWorker:
     """One rank. Created through `ray.remote(...)` by the worker group."""
 
@@ -155,11 +173,9 @@ class TrainWorker:
         import torch
 
         from elastic._worker.state import WorkerState
-        from elastic.config import LOG_FORMAT, LOG_LEVEL_ENV
-        # LoggingConfig's level, from the driver through the runtime env. The root logger keeps
-        # its level (the user's own loggers print what they did); basicConfig does nothing where
-        # the user's code configured logging already.
-        logging.basicConfig(format=LOG_FORMAT)
+        from elastic.config import LOG_LEVEL_ENV
+        # LoggingConfig's level, from the driver through the runtime env.
+        _timestamped_framework_logs()
         logging.getLogger("elastic").setLevel(os.environ.get(LOG_LEVEL_ENV, "INFO"))
         self._spec = spec
         self._loop, self._loop_config = spec.load_user_code()
