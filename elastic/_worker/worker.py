@@ -174,8 +174,8 @@ class TrainWorker:
 
         from elastic._worker.state import WorkerState
         from elastic.config import LOG_LEVEL_ENV
-        # LoggingConfig's level, from the driver through the runtime env.
         _timestamped_framework_logs()
+        # LoggingConfig's level, from the driver through the runtime env.
         logging.getLogger("elastic").setLevel(os.environ.get(LOG_LEVEL_ENV, "INFO"))
         self._spec = spec
         self._loop, self._loop_config = spec.load_user_code()
