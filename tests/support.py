@@ -97,12 +97,19 @@ class SignalAtStep(threading.Thread):
     gate file is created after it, and always when this thread ends): the fault lands at exactly
     that step however fast the machine. The examples' `--hold-at {at_step}:{gate}` sets the same
     gate. Without the hold it lands wherever the run is when the controller next reports (about
-    once a second), and a short run may finish first."""
+    once a second), and a short run may finish first; a save there may be where it lands.
+
+    With `after_release_s`, the hold is released first and the signal follows that many seconds
+    later: the fault lands mid-step a few steps past `at_step` (the ranks resume within the gate's
+    10 ms poll), in a step's compute or sync rather than in the hold, with the steps between
+    `at_step` and the next checkpoint as the margin."""
 
     def __init__(self, run_dir: str, at_step: int, sig: int, rank: int, timeout_s: float = 120.0,
-                 gate: str | None = None, when: Callable[[dict], bool] = lambda status: True):
+                 gate: str | None = None, when: Callable[[dict], bool] = lambda status: True,
+                 after_release_s: float | None = None):
         super().__init__(daemon=True)
         self.when = when                  # a further condition on status.json (e.g. a spare is ready)
+        self.after_release_s = after_release_s
         self.run_dir, self.at_step, self.sig, self.rank, self.timeout_s = run_dir, at_step, sig, rank, timeout_s
         # A local file the workers can see (give one for a run on object storage).
         self.gate = gate or run_dir.rstrip("/") + f".released-after-{at_step}"
@@ -129,6 +136,9 @@ class SignalAtStep(threading.Thread):
                 pids = [w["pid"] for w in status.get("workers", []) if w["rank"] == self.rank]
                 if pids:
                     self.pid, self.step_seen, self.status_seen = pids[0], status["step"], status
+                    if self.after_release_s is not None:
+                        open(self.gate, "w").close()
+                        time.sleep(self.after_release_s)    # the run's steps after the hold, not a wait for a state
                     self.sent_at = time.time()
                     os.kill(self.pid, self.sig)
                     return

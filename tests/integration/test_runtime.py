@@ -240,15 +240,20 @@ def test_kill_with_replacement_is_bitwise_identical_to_a_clean_run(ray_session, 
 def test_sigstop_is_detected_within_the_hang_bound_and_replaced(ray_session, run_dir, _no_stray_stopped_workers):
     # The default detection (heartbeat_timeout_s 10 s, hang_timeout_s "auto"): the others wait for
     # the stopped rank in DDP's sync, and it is declared hung after the learned bound (2 s with
-    # these steps), long before the heartbeat timeout (issue 14: <= 3 s with steps <= 0.3 s). Not
-    # held at the step: stopped mid-step, as R2 stops it, detect_s is since it last moved or answered
-    # (stopped in the tests' hold, it would count the hold too).
-    fault = SignalAtStep(run_dir, at_step=40, sig=signal.SIGSTOP, rank=1)
-    result = fit_with_fault(run_dir, fault, hold=False, workers=(3, 3), steps=400, every=50)
+    # these steps), long before the heartbeat timeout (issue 14: <= 3 s with steps <= 0.3 s).
+    # Stopped mid-step, as R2 stops it, a few steps after the hold at step 60 is released (detect_s
+    # is since it last moved or answered: stopped in the tests' hold, it would count the hold too),
+    # with the commit of step 50 behind it and the next save 40 steps away. Not left to land where
+    # the run happens to be: stopped inside a save in the run's first seconds, before the quiet
+    # limit has learned the answers' gaps, a rank is found by the 10 s heartbeat, by design
+    # (elastic/_controller/hang_watch.py; CI saw it once at step 50).
+    fault = SignalAtStep(run_dir, at_step=60, sig=signal.SIGSTOP, rank=1, after_release_s=0.05)
+    result = fit_with_fault(run_dir, fault, workers=(3, 3), steps=400, every=50)
     _no_stray_stopped_workers.append(fault.pid)
     assert result.ok and result.final_step == 400
     (recovery,) = result.summary["recoveries"]
     assert recovery["cause"] == "hang" and recovery["detect_s"] <= 3.0, recovery
+    assert 60 <= recovery["step"] < 100, recovery          # stopped between the hold and the next save
     assert recovery["rung"] == "warm" and recovery["to_world"] == 3   # the stopped worker was replaced
     # Wake the stopped worker as an operator would: it must not write or commit anything.
     woken_at = time.time()
