@@ -70,7 +70,7 @@ class Answerer:
         self._answer = steady_answer(1, world, 100)
         self._batch = [steady_answer(rank, world, 100) for rank in range(batch)]
 
-    def poll(self, hold_s: float, acked: int = 0) -> WorkerReport:
+    def poll(self, hold_s: float, acked: int = 0, wake_s: float | None = None) -> WorkerReport:
         return self._answer
 
     def poll_node(self, hold_s: float) -> list[WorkerReport]:

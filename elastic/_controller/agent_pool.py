@@ -127,15 +127,17 @@ class AgentPool:
             if agent.poll_ref is None and agent.idle_since is not None and now - agent.idle_since >= AGENT_IDLE_S:
                 self._drop(agent, "no worker left on its node", quiet=True)
 
-    def send_polls(self, hold_s: float, acked: Callable[[int], int]) -> None:
+    def send_polls(self, hold_s: float, acked: Callable[[int], int], wake_s: float | None = None) -> None:
         """The handed workers to their agents, and a poll to each started agent that carries
-        workers and has none out (`acked(wid)`: the newest answer received from a worker)."""
+        workers and has none out (`acked(wid)`: the newest answer received from a worker;
+        `hold_s`, `wake_s`: worker.poll's)."""
         for agent in self._agents.values():
             if agent.handed:
                 agent.actor.watch.remote(agent.handed)
                 agent.handed = {}
             if agent.ready_ref is None and agent.poll_ref is None and agent.carries:
-                agent.poll_ref = agent.actor.poll.remote(hold_s, agent.forget, {w: acked(w) for w in agent.carries})
+                agent.poll_ref = agent.actor.poll.remote(hold_s, agent.forget, {w: acked(w) for w in agent.carries},
+                                                         wake_s)
                 agent.polled_at, agent.hold_s = time.monotonic(), hold_s
                 agent.forget = []
 

@@ -14,7 +14,8 @@ from elastic._protocol import GenerationPlan
 class WorkerGroup(Protocol):
     """The workers (worker_group.RayWorkerGroup; fakes.FakeGroup)."""
 
-    poll_hold_s: float            # a worker may hold its answer this long when nothing happens
+    poll_hold_s: float            # a worker may hold its answer this long when nothing happens,
+    poll_wake_s: float | None     # and answers when its training thread's wait crosses this (or None)
     def scale_to(self, n: int) -> None: ...
     def tick(self) -> dict[int, WorkerView]: ...
     def wait(self, timeout_s: float) -> None: ...

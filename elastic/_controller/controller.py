@@ -140,8 +140,11 @@ class Controller:
     def tick(self) -> None:
         # While a generation runs, recovers or stops, polls are held (answered at once on news,
         # else once a hold): the 5 Hz polls cost each worker ~2 % of its CPU. Otherwise they are
-        # answered at once.
+        # answered at once. While it runs, a rank that has waited for the others as long as the
+        # hang bound answers then, not at its next hold (thread_position).
         self.group.poll_hold_s = self.failure.poll_hold_s if self.state.state in _HELD_POLLS else 0.0
+        self.group.poll_wake_s = self.running.hangs.bound(self.failure) if self.state.state == RunState.RUNNING \
+            else None
         self.views = self.group.tick()
         self.intake.absorb(self.views, self.state, self._current_members(), self.generation)
         for wid in self.slots.preempted_spares(self.views, self._current_members()):

@@ -23,7 +23,8 @@ and a suspect is declared hung when
   is the only one behind, the front's answer also proves it had not arrived by then.
 Only facts from answers count (ages at the moment of answering), never an age extrapolated past
 an answer, which could make a wait that already ended look long. The front's answer comes when
-it matters: a worker's held poll returns when its wait crosses HANG_FLOOR_S and half of it.
+it matters: a worker's held poll returns when its wait crosses HANG_FLOOR_S, half of it, and the
+bound (the controller sends it with each poll while a generation runs).
 
 Never judged (the other rules stand: heartbeat_timeout_s, the collective timeout,
 step_timeout_s): a rank in a checkpoint save, in ctx.restore or joining the group (their length

@@ -96,6 +96,7 @@ class NodeAgent:
         self._polls: dict[Any, int] = {}          # the outstanding poll of each worker -> its wid
         self._acked: dict[int, int] = {}          # wid -> the newest answer the controller received
         self._hold_s = 0.0                        # the controller's newest hold
+        self._wake_s: float | None = None         # and hang bound (worker.poll's wake_s)
 
     def ready(self) -> str:
         """The node it runs on (the group starts using it when this answers)."""
@@ -110,17 +111,18 @@ class NodeAgent:
                 self._workers[wid], self._acked[wid] = actor, acked
             self._send_polls(only=set(workers))
 
-    def poll(self, hold_s: float, forget: list[int],
-             acked: dict[int, int] | None = None) -> dict[int, WorkerReport | PollFailure]:
+    def poll(self, hold_s: float, forget: list[int], acked: dict[int, int] | None = None,
+             wake_s: float | None = None) -> dict[int, WorkerReport | PollFailure]:
         """Drop the workers in `forget`, make sure every other worker has a poll out (held up to
-        `hold_s`, to the beat, acknowledging `acked[wid]`: the newest of its answers the
-        controller has received, all of this agent's earlier ones), and return the answers
+        `hold_s`, to the beat, or until its wait crosses `wake_s` (worker.poll), acknowledging
+        `acked[wid]`: the newest of its answers the controller has received, all of this agent's
+        earlier ones), and return the answers
         that came: as soon as one is there (with those that come within COALESCE_S), else after
         the hold plus WAIT_MARGIN_S, with whatever came by then (possibly nothing). Each step's
         record comes once (`one_record_per_step`)."""
         deadline = self._clock() + hold_s + WAIT_MARGIN_S
         with self._lock:
-            self._hold_s = hold_s
+            self._hold_s, self._wake_s = hold_s, wake_s
             self._acked.update(acked or {})
             for wid in forget:
                 self._workers.pop(wid, None)
@@ -155,7 +157,7 @@ class NodeAgent:
         hold = hold_until_beat(self._hold_s, self._clock())
         for wid, actor in self._workers.items():
             if wid not in polled and (only is None or wid in only):
-                self._polls[actor.poll.remote(hold, self._acked.get(wid, 0))] = wid
+                self._polls[actor.poll.remote(hold, self._acked.get(wid, 0), self._wake_s)] = wid
 
     def _answer(self, ref: Any, wid: int) -> WorkerReport | PollFailure:
         try:

@@ -100,7 +100,8 @@ class RayWorkerGroup:
         # ScalingConfig.node_agents: one agent per node carries its workers' polls (agent_pool).
         self._agents = AgentPool(failure.rendezvous_timeout_s, self._nodes_alive, self._released,
                                  self._lost_with_agent) if scaling.node_agents else None
-        self.poll_hold_s = 0.0       # set by the controller: how long a worker may hold a poll
+        self.poll_hold_s = 0.0       # set by the controller: how long a worker may hold a poll,
+        self.poll_wake_s: float | None = None    # and the hang bound its wait wakes it at (worker.poll)
         resources = dict(scaling.resources_per_worker)
         if scaling.use_gpu:
             resources.setdefault("GPU", 1.0)
@@ -254,9 +255,9 @@ class RayWorkerGroup:
                 slot.agent = node_id           # from now on its node's agent polls it
                 self._agents.hand(node_id, slot.wid, slot.actor, slot.seq_seen)
             else:
-                slot.poll_ref = slot.actor.poll.remote(self.poll_hold_s, slot.seq_seen)
+                slot.poll_ref = slot.actor.poll.remote(self.poll_hold_s, slot.seq_seen, self.poll_wake_s)
         if self._agents is not None:
-            self._agents.send_polls(self.poll_hold_s, lambda wid: self._slots[wid].seq_seen)
+            self._agents.send_polls(self.poll_hold_s, lambda wid: self._slots[wid].seq_seen, self.poll_wake_s)
 
     # ---- what the node agents tell the group (agent_pool) --------------------------------
     def _released(self, wids: list[int]) -> None:

@@ -15,7 +15,9 @@ The waiting places (SYNC: backward done, in DDP's gradient all-reduce; EXCHANGE:
 all-gather) are where a rank waits for the others: a rank that has waited there long says the
 group is held up by someone. So that the controller hears it when it matters, not a held poll
 later, `hold` returns early when the thread's wait crosses WAKE_AGES_S (the least automatic
-bound and half of it): once per crossing, so a healthy run's polls stay one a second.
+bound and half of it) or the bound the controller judges by now (the poll's `wake_s`: a learned
+bound of 2.4 s would otherwise be heard at the next answer, at 3 s): once per crossing, so a
+healthy run's polls, whose waits stay far below the bound, stay one a second.
 
 A report also carries the newest step whose exchange this rank has collected (`exchanged`):
 every rank of the group had entered that exchange, so a rank whose own last answer placed it
@@ -117,10 +119,11 @@ class ThreadPosition:
         with self._lock:
             self._exchanged = max(self._exchanged, step)
 
-    def hold(self, hold_s: float) -> None:
-        """Wait until news, `hold_s`, or the thread's wait crossing one of WAKE_AGES_S."""
+    def hold(self, hold_s: float, wake_s: float | None = None) -> None:
+        """Wait until news, `hold_s`, or the thread's wait crossing one of WAKE_AGES_S or `wake_s`."""
         start = self._clock()
         end = start + hold_s
+        wake_ages = WAKE_AGES_S if wake_s is None else (*WAKE_AGES_S, wake_s)
         while True:
             now = self._clock()
             if now >= end:
@@ -129,7 +132,7 @@ class ThreadPosition:
                 place, since = self._place, self._since
             timeout = min(end - now, RECHECK_S)
             if place in WAITING:
-                crossings = [since + age for age in WAKE_AGES_S if since + age > start]
+                crossings = [since + age for age in wake_ages if since + age > start]
                 if any(at <= now for at in crossings):
                     return
                 if crossings:

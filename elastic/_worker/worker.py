@@ -295,15 +295,17 @@ class TrainWorker:
         if cut_group and training:
             self._cut_group(sockets)
 
-    def poll(self, hold_s: float = 0.0, acked: int | None = None) -> WorkerReport:
+    def poll(self, hold_s: float = 0.0, acked: int | None = None, wake_s: float | None = None) -> WorkerReport:
         """What this worker is doing. With `hold_s` the answer waits until something the
         controller must hear at once happens (a phase change, an error, a preemption notice, a
         generation's first step) or `hold_s` passes: one answer per hold while training goes
         on, at once when it stops going on. `acked`: the number (WorkerReport.seq) of the newest
-        answer the controller received; the records of later ones are sent again (state.Outbox)."""
+        answer the controller received; the records of later ones are sent again (state.Outbox).
+        `wake_s`: the hang bound the controller judges by, if it has one: a held answer also
+        comes when the training thread's wait for the others crosses it (thread_position)."""
         state = self._state
         if hold_s > 0:
-            self._position.hold(hold_s)   # or until its training thread has waited long (thread_position)
+            self._position.hold(hold_s, wake_s)   # or until its training thread has waited long
         state.outbox.news.clear()
         with self._lock:
             seq, records = state.outbox.answer(acked)

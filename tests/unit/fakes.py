@@ -30,6 +30,7 @@ class FakeGroup:
     def __init__(self, capacity: int):
         self.capacity = capacity
         self.poll_hold_s = 0.0                  # set by the controller each tick
+        self.poll_wake_s: float | None = None   # likewise
         self.views: dict[int, WorkerView] = {}
         self.killed: list[tuple[int, str]] = []
         self.generations: list[dict[int, GenerationPlan]] = []

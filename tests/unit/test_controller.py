@@ -1,10 +1,12 @@
 """The controller's state machine, driven by a fake worker group (no Ray)."""
+from dataclasses import replace
+
 import pytest
 
 from elastic._controller.controller import Controller, run_loop
 from elastic._controller.states import RunState
 from elastic._controller.worker_group import READY, STARTING
-from elastic._protocol import WorkerPhase
+from elastic._protocol import PositionReport, ThreadPlace, WorkerPhase
 from elastic.config import FailureConfig, ScalingConfig
 from elastic.errors import InsufficientWorkersError, TooManyFailuresError
 from elastic.policies import FailureDecision, FailurePolicy, ScalingPolicy
@@ -409,7 +411,6 @@ def test_no_maximum_grows_while_the_cluster_has_room():
 
 
 def test_preempted_member_leaves_after_its_checkpoint_and_the_rest_go_on():
-    from dataclasses import replace
     controller, group, _, _ = make(capacity=3, max_failures=5)
     members = start(controller, group)
     group.capacity = 2
@@ -424,7 +425,6 @@ def test_preempted_member_leaves_after_its_checkpoint_and_the_rest_go_on():
 
 
 def test_the_step_workers_really_restored_wins_over_the_planned_one():
-    from dataclasses import replace
     controller, group, _, _ = make(latest=20)
     members = start(controller, group)
     assert controller.recorder.resumed_from == 20          # the plan: the newest manifest
@@ -446,6 +446,26 @@ def test_polls_are_held_while_a_generation_trains_recovers_or_stops():
     controller.tick()                                 # -> recovering
     controller.tick()
     assert controller.state.state == RunState.RECOVERING and group.poll_hold_s == 1.0
+
+
+def test_a_running_groups_polls_wake_at_the_hang_bound_the_controller_judges_by():
+    controller, group, clock, _ = make()
+    members = start(controller, group)
+    controller.tick()
+    assert group.poll_wake_s is None                 # no step times learned yet: no bound
+    # Rank 0's answer brings 20 step times of 0.6 s: the bound is 4 x 0.6 s, above the 2 s floor,
+    # and the polls sent from the next tick on carry it.
+    position = PositionReport(generation=0, place=ThreadPlace.COMPUTING, step=20, nth=21, age_s=0.1,
+                              step_times=(0.6,) * 20, exchanged=20)
+    group.set_report(members[0], WorkerPhase.RUNNING, generation=0, step=20)
+    group.views[members[0]].report = replace(group.views[members[0]].report, position=position)
+    controller.tick()
+    controller.tick()
+    assert group.poll_wake_s == pytest.approx(2.4) == controller.running.hangs.bound(controller.failure)
+    group.die(members[1])
+    controller.tick()                                 # -> recovering
+    controller.tick()                                 # no hang is judged there: no wake
+    assert controller.state.state == RunState.RECOVERING and group.poll_wake_s is None
 
 
 def test_a_grow_stops_at_the_scaling_policys_target_world_size():

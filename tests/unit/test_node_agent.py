@@ -129,17 +129,17 @@ def agent_with(clock: Clock, *wids: int) -> tuple[NodeAgent, FakeRay, dict[int, 
 def test_the_agent_polls_each_worker_once_and_returns_every_answer_that_came():
     clock = Clock(100.25)
     agent, _, workers = agent_with(clock, 0, 1, 2)
-    assert [w.poll.calls for w in workers.values()] == [[(0.0, 0)]] * 3   # no hold known yet: at once
+    assert [w.poll.calls for w in workers.values()] == [[(0.0, 0, None)]] * 3   # no hold known yet: at once
     workers[0].poll.refs[0].outcome = report(1)
     workers[2].poll.refs[0].outcome = report(1)
     answers = agent.poll(1.0, forget=[])
     assert answers == {0: report(1), 2: report(1)}
     workers[1].poll.refs[0].outcome = report(2)
-    assert agent.poll(1.0, forget=[], acked={0: 7, 2: 5}) == {1: report(2)}
+    assert agent.poll(1.0, forget=[], acked={0: 7, 2: 5}, wake_s=2.4) == {1: report(2)}
     # The next poll sent the answered ones a new poll, held to the beat and acknowledging the
     # answers the controller has; worker 1's first was still out.
-    assert workers[0].poll.calls[-1] == (pytest.approx(0.75), 7)
-    assert workers[2].poll.calls[-1] == (pytest.approx(0.75), 5)
+    assert workers[0].poll.calls[-1] == (pytest.approx(0.75), 7, 2.4)   # and to wake at the hang bound
+    assert workers[2].poll.calls[-1] == (pytest.approx(0.75), 5, 2.4)
     assert len(workers[1].poll.calls) == 1
 
 
@@ -262,13 +262,14 @@ def test_each_nodes_agent_takes_its_workers_polls_and_their_answers_reach_the_vi
     assert {w: v.via_agent for w, v in views.items()} == {0: True, 1: True, 2: True}
     assert a.watch.calls == [({0: (group._slots[0].actor, 0), 1: (group._slots[1].actor, 0)},)]
     assert b.watch.calls == [({2: (group._slots[2].actor, 0)},)]
-    assert a.poll.calls == [(1.0, [], {0: 0, 1: 0})] and b.poll.calls == [(1.0, [], {2: 0})]
+    assert a.poll.calls == [(1.0, [], {0: 0, 1: 0}, None)] and b.poll.calls == [(1.0, [], {2: 0}, None)]
     a.poll.refs[0].outcome = {0: report(2, seq=2), 1: report(3, seq=4)}
+    group.poll_wake_s = 2.4                                       # the controller has learned a hang bound
     views = group.tick()
     assert (views[0].report.step, views[1].report.step, views[2].report.step) == (2, 3, 1)
     assert [len(group._slots[w].actor.poll.calls) for w in (0, 1, 2)] == [1, 1, 1]   # no direct polls since
     assert len(a.poll.calls) == 2 and len(b.poll.calls) == 1      # a new poll to the agent that answered,
-    assert a.poll.calls[-1] == (1.0, [], {0: 2, 1: 4})             # acknowledging what came
+    assert a.poll.calls[-1] == (1.0, [], {0: 2, 1: 4}, 2.4)        # acknowledging what came, with the bound
 
 
 def test_deaths_and_failed_polls_that_an_agent_reports_are_acted_on_as_direct_ones(fake_ray):
@@ -284,7 +285,7 @@ def test_deaths_and_failed_polls_that_an_agent_reports_are_acted_on_as_direct_on
     assert views[0].death == "actor died: The actor died unexpectedly"
     assert views[1].status == DEAD and views[1].death == "its poll failed: RuntimeError: poll broke"
     assert group._slots[1].actor in fake_ray.killed and views[2].status == READY
-    assert agent.poll.calls[-1] == (1.0, [0, 1], {2: 0})          # the agent is told to drop them
+    assert agent.poll.calls[-1] == (1.0, [0, 1], {2: 0}, None)    # the agent is told to drop them
 
 
 def test_an_agent_lost_alone_hands_its_workers_back_to_direct_polls_and_is_not_restarted_at_once(fake_ray):
@@ -296,11 +297,12 @@ def test_an_agent_lost_alone_hands_its_workers_back_to_direct_polls_and_is_not_r
     agent.poll.refs[0].outcome = {0: report(2, seq=2)}
     group.tick()
     agent.poll.refs[1].outcome = died()
+    group.poll_wake_s = 2.4
     views = group.tick()
     assert all(v.status == READY and not v.via_agent for v in views.values())
     # Polled directly again, acknowledging the newest answers that came: a worker whose answer
     # the agent took with it sends its records again (state.Outbox).
-    assert [group._slots[w].actor.poll.calls[-1] for w in (0, 1)] == [(1.0, 2), (1.0, 1)]
+    assert [group._slots[w].actor.poll.calls[-1] for w in (0, 1)] == [(1.0, 2, 2.4), (1.0, 1, 2.4)]
     assert agent in fake_ray.killed and len(fake_ray.agents) == 1
     group._agents._failed_at[A] -= AGENT_RETRY_S                 # the retry delay has passed
     group.tick()

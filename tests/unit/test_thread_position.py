@@ -104,6 +104,22 @@ def test_the_held_poll_wakes_when_a_wait_crosses_one_and_two_seconds_and_on_news
     assert time.monotonic() - started < 1.0
 
 
+def test_the_held_poll_also_wakes_when_a_wait_crosses_the_controllers_bound():
+    # A learned bound of 2.4 s: a wait that passed the 2 s crossing before the hold began is heard
+    # at 2.4 s, not when the hold runs out (the next answer, up to a poll hold later).
+    shift = [0.0]
+    position = ThreadPosition(completed=lambda: 0, news=threading.Event(), clock=lambda: time.monotonic() + shift[0])
+    position.mark(ThreadPlace.SYNC)
+    shift[0] = 2.15
+    started = time.monotonic()
+    position.hold(5.0, wake_s=2.4)
+    assert 0.2 < time.monotonic() - started < 0.9
+    position.mark(ThreadPlace.COMPUTING)                # computing: the bound wakes nothing either
+    started = time.monotonic()
+    position.hold(0.3, wake_s=0.1)
+    assert time.monotonic() - started >= 0.3
+
+
 def test_a_syncing_backward_marks_sync_and_one_without_the_sync_does_not(bound):
     position = bound[0]
     timer = StepTimer()
