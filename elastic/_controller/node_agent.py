@@ -116,10 +116,9 @@ class NodeAgent:
         """Drop the workers in `forget`, make sure every other worker has a poll out (held up to
         `hold_s`, to the beat, or until its wait crosses `wake_s` (worker.poll), acknowledging
         `acked[wid]`: the newest of its answers the controller has received, all of this agent's
-        earlier ones), and return the answers
-        that came: as soon as one is there (with those that come within COALESCE_S), else after
-        the hold plus WAIT_MARGIN_S, with whatever came by then (possibly nothing). Each step's
-        record comes once (`one_record_per_step`)."""
+        earlier ones), and return the answers that came: as soon as one is there (with those
+        that come within COALESCE_S), else after the hold plus WAIT_MARGIN_S, with whatever came
+        by then (possibly nothing). Each step's record comes once (`one_record_per_step`)."""
         deadline = self._clock() + hold_s + WAIT_MARGIN_S
         with self._lock:
             self._hold_s, self._wake_s = hold_s, wake_s
