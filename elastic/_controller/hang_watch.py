@@ -33,8 +33,8 @@ once the front has collected the exchange of a later step (PositionReport.exchan
 entered it), such an answer is stale and a silent rank is judged like any other (a rank last
 heard in its save, frozen two steps later, is found in the bound, not by the heartbeat). A rank
 silent in one of these places is judged too once its silence passes the *quiet limit*:
-HANG_FACTOR x the longest gap the run has seen between two answers of its first member (at
-least the bound, and only once MIN_ANSWER_GAPS gaps are known). A healthy rank answers every
+HANG_FACTOR x the longest gap the run has seen between two answers of its first member within a
+generation (at least the bound, and only once MIN_ANSWER_GAPS gaps are known). A healthy rank answers every
 poll hold even in a save (the save's copies and uploads release the GIL); a save, or a loaded
 host, that has kept answers away for a while shows in those gaps and lengthens the limit. (The
 mixed chaos campaign gates its faults on commits, so partitions and freezes often land in a
@@ -113,13 +113,17 @@ class HangWatch:
         self._step_times: deque[float] = deque(maxlen=STEP_TIMES_KEPT)
         self._world: int | None = None
         self._fed: WorkerReport | None = None     # the report whose step times were taken last
-        # Seconds between two answers of the first member (receive times), and its last answer.
+        # Seconds between two answers of the first member within one generation (receive times),
+        # and its last answer. Not across generations: learn() sees no answer while the group
+        # recovers, and a gap that spans a recovery (seconds: detection, the re-form) says nothing
+        # about how long a save or the host keeps answers away, yet would lengthen the limit to
+        # the heartbeat's (G1 saw a rank silent in a save found at 10 s that way).
         self._answer_gaps: deque[float] = deque(maxlen=ANSWER_GAPS_KEPT)
-        self._last_answer: tuple[int, float] | None = None    # (worker id, received at)
+        self._last_answer: tuple[int, int, float] | None = None    # (worker id, generation, received at)
 
     def learn(self, st: Running, views: dict[int, WorkerView]) -> None:
         """Take the step times the first member's newest answer brings, and the gap since its
-        previous answer (once per answer)."""
+        previous answer in the same generation (once per answer)."""
         if len(st.members) != self._world:
             self._world = len(st.members)
             self._step_times.clear()
@@ -129,9 +133,9 @@ class HangWatch:
             return
         self._fed = report
         received_at = self._clock() - first.silent_s
-        if self._last_answer is not None and self._last_answer[0] == first.wid:
-            self._answer_gaps.append(received_at - self._last_answer[1])
-        self._last_answer = (first.wid, received_at)
+        if self._last_answer is not None and self._last_answer[:2] == (first.wid, report.generation):
+            self._answer_gaps.append(received_at - self._last_answer[2])
+        self._last_answer = (first.wid, report.generation, received_at)
         if report.generation == st.generation:
             self._step_times.extend(report.position.step_times)
 

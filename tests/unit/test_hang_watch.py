@@ -33,8 +33,8 @@ def view(wid: int, place: ThreadPlace, *, age: float, silent: float = 0.2, step:
     return WorkerView(wid=wid, status=READY, report=report, silent_s=silent)
 
 
-def group(*views: WorkerView) -> tuple[Running, dict[int, WorkerView]]:
-    return Running(GEN, [v.wid for v in views], started_at=FakeClock().now), {v.wid: v for v in views}
+def group(*views: WorkerView, generation: int = GEN) -> tuple[Running, dict[int, WorkerView]]:
+    return Running(generation, [v.wid for v in views], started_at=FakeClock().now), {v.wid: v for v in views}
 
 
 def taught(clock: FakeClock, step_s: float = 0.1, n: int = 40, world: int = 4) -> HangWatch:
@@ -124,11 +124,13 @@ def test_a_silent_rank_last_heard_in_a_save_is_hung_once_the_others_have_collect
         assert judge(watch, waiting[0], view(1, place, age=7.0, silent=0.2, step=40), waiting[1]) is None
 
 
-def teach_gaps(watch: HangWatch, clock: FakeClock, gap: float, n: int, world: int = 4) -> None:
+def teach_gaps(watch: HangWatch, clock: FakeClock, gap: float, n: int, world: int = 4,
+               generation: int = GEN) -> None:
     """The first member answers `n` more times, `gap` seconds apart."""
     for _ in range(n):
         clock.advance(gap)
-        st, views = group(*(view(w, COMPUTING, age=0.0) for w in range(world)))
+        st, views = group(*(view(w, COMPUTING, age=0.0, generation=generation) for w in range(world)),
+                          generation=generation)
         watch.learn(st, views)
 
 
@@ -157,6 +159,19 @@ def test_a_rank_silent_in_a_save_restore_or_join_is_hung_past_the_quiet_limit():
                  waiting[1]) is None
     assert judge(watch, waiting[0], view(1, ThreadPlace.CHECKPOINT, age=13.0, silent=12.01, step=40),
                  waiting[1]) is not None
+
+
+def test_a_recovery_between_two_answers_is_not_a_gap_that_lengthens_the_quiet_limit():
+    # Seen in G1: the first member's last answer before a fault and its first in the re-formed
+    # group were 12 s apart (detection and re-form), and the limit became 4 x 12 s: a rank silent
+    # in a save was found by the 10 s heartbeat. The same member, another generation: no gap.
+    clock = FakeClock()
+    watch = taught(clock)
+    teach_gaps(watch, clock, gap=1.0, n=MIN_ANSWER_GAPS)
+    assert watch.quiet_limit(2.0) == pytest.approx(4.0)
+    teach_gaps(watch, clock, gap=12.0, n=1, generation=GEN + 1)
+    teach_gaps(watch, clock, gap=1.0, n=3, generation=GEN + 1)
+    assert watch.quiet_limit(2.0) == pytest.approx(4.0)
 
 
 def test_never_on_a_generations_first_steps():
