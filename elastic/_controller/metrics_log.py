@@ -169,7 +169,7 @@ class MetricsLog:
                 "format": METRICS_FORMAT, "step": record.step, "loss": record.loss, "world_size": record.world_size,
                 "time": record.time, "lr": record.metrics.get("lr"),
                 "global_batch": record.global_batch, "accum_steps": record.accum_steps,
-                "samples_seen": record.samples_seen, "compute_s": list(record.compute_s)}
+                "samples_seen": record.samples_seen, "compute_s": [round(c, 6) for c in record.compute_s]}
             user = self._user_metrics(record, STEP_KEYS)
             line.update(user)
             kept = {"loss": record.loss} if record.loss is not None else {}

@@ -23,10 +23,10 @@ import enum
 import json
 import keyword
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from elastic._determinism import DATA_ORDER_START
+from elastic._determinism import DataOrder
 from elastic._lr import ScaleRamp
 from elastic.errors import StateError
 
@@ -62,27 +62,31 @@ class Progress:
 
     step: int = 0                          # optimizer steps completed
     samples_seen: int = 0                  # global samples consumed by those steps
-    data_order: str = DATA_ORDER_START     # chained hash of every consumed sample id, in order
+    data_order: DataOrder = field(default_factory=DataOrder)   # hash of every consumed sample id, in order
     pending_samples: int = 0               # samples of the step in flight (counted at its report)
     base_lr: float | None = None           # LR rule: LR at base_world_size
     lr_ramp: ScaleRamp | None = None       # LR rule: batch-size scale and its ramp
 
     def state_dict(self) -> dict[str, Any]:
+        chain, tail = self.data_order.state()
         state: dict[str, Any] = {"step": self.step, "samples_seen": self.samples_seen,
-                                 "data_order": self.data_order}
+                                 "data_order": chain, "data_order_tail": tail}
         if self.lr_ramp is not None:
             state.update(self.lr_ramp.to_state(self.base_lr))
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.step, self.samples_seen = int(state["step"]), int(state["samples_seen"])
-        self.data_order, self.pending_samples = str(state["data_order"]), 0
+        # A state saved before the chain advanced by blocks has no tail: its digest goes on as the
+        # chain (the run's digest from then on is not the one a run of the old code would give).
+        self.data_order = DataOrder(str(state["data_order"]), bytes.fromhex(str(state.get("data_order_tail", ""))))
+        self.pending_samples = 0
         if "lr_base" in state:
             self.base_lr, self.lr_ramp = float(state["lr_base"]), ScaleRamp.from_state(state)
 
     def reset(self) -> None:
         """Back to step 0 (a fresh start), keeping the LR rule's base LR."""
-        self.step, self.samples_seen, self.data_order, self.pending_samples = 0, 0, DATA_ORDER_START, 0
+        self.step, self.samples_seen, self.data_order, self.pending_samples = 0, 0, DataOrder(), 0
         self.lr_ramp = None
 
 
@@ -152,7 +156,8 @@ class TrainState:
         `framework_in_meta` False, a checkpoint of an earlier runtime (framework state in DCP)."""
         if not framework_in_meta:
             template = self.state_dict(extra=rank_extra, legacy=True)
-            del template[EXTRA][STATE_KINDS]      # earlier runtimes did not save it
+            del template[EXTRA][STATE_KINDS]      # earlier runtimes did not save these
+            del template[EXTRA]["data_order_tail"]
             return template
         template = self.state_dict()
         del template[EXTRA]

@@ -322,7 +322,7 @@ class TrainWorker:
                 else None,
                 checkpoint_fallbacks=list(session.load_fallbacks),
                 model_sha256=self._model_sha256, resumed_from=session.resumed_from,
-                samples_seen=progress.samples_seen, data_order=progress.data_order,
+                samples_seen=progress.samples_seen, data_order=progress.data_order.hexdigest(),
                 replicas=state.replicas.held(), position=self._position.report(), seq=seq)
 
     def shutdown(self) -> None:

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from elastic._data import ElasticLoader
-from elastic._determinism import mix_seed, state_sha256
+from elastic._determinism import DATA_ORDER_BLOCK, DataOrder, mix_seed, state_sha256
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -39,6 +39,49 @@ def test_order_is_a_pure_function_of_seed_and_epoch():
     assert sorted(full) == list(range(960))
     second_epoch = consumed([4] * 120, n=960)[960:]
     assert sorted(second_epoch) == list(range(960)) and second_epoch != full
+
+
+def test_a_steps_ids_across_an_epochs_end_are_the_two_epochs_orders():
+    loader = ElasticLoader(FakeCtx(1, seed=3), list(range(10)), 4)
+    orders = [torch.randperm(10, generator=torch.Generator().manual_seed(mix_seed(3, "epoch", e))).tolist()
+              for e in range(3)]
+    assert loader._dataset_indices(7, 23) == orders[0][7:] + orders[1] + orders[2][:3]
+    assert [loader._dataset_index(g) for g in range(7, 23)] == orders[0][7:] + orders[1] + orders[2][:3]
+    unshuffled = ElasticLoader(FakeCtx(1), list(range(10)), 4, shuffle=False)
+    assert unshuffled._dataset_indices(8, 13) == [8, 9, 0, 1, 2]
+
+
+def test_the_data_order_depends_on_the_ids_in_order_not_on_their_grouping_into_steps():
+    ids = list(range(1000, 1000 + 3 * DATA_ORDER_BLOCK + 5))
+    whole = DataOrder.of(ids)
+    for step in (1, 7, 16, DATA_ORDER_BLOCK, DATA_ORDER_BLOCK + 3):
+        grouped = DataOrder()
+        for start in range(0, len(ids), step):
+            grouped.extend(ids[start:start + step])
+        assert grouped == whole and grouped.hexdigest() == whole.hexdigest()
+    swapped = ids[:]
+    swapped[3], swapped[4] = swapped[4], swapped[3]
+    assert DataOrder.of(swapped).hexdigest() != whole.hexdigest()
+    # Every prefix has its own digest, on both sides of a block's end.
+    digests = {DataOrder.of(ids[:n]).hexdigest() for n in range(DATA_ORDER_BLOCK - 2, DATA_ORDER_BLOCK + 3)}
+    assert len(digests) == 5
+
+
+def test_the_data_order_goes_on_from_its_saved_state_and_from_a_digest_saved_without_a_tail():
+    ids = list(range(2 * DATA_ORDER_BLOCK + 9))
+    head = DataOrder.of(ids[:DATA_ORDER_BLOCK + 4])
+    chain, tail = head.state()
+    resumed = DataOrder(chain, bytes.fromhex(tail))
+    resumed.extend(ids[DATA_ORDER_BLOCK + 4:])
+    assert resumed == DataOrder.of(ids)
+    # A state from before the tail existed (one digest) goes on as the chain: the digest reads
+    # the same at once and moves on with the ids after it.
+    legacy = DataOrder("ab" * 32)
+    assert legacy.hexdigest() == "ab" * 32
+    legacy.extend([1, 2])
+    assert legacy.hexdigest() not in ("ab" * 32, DataOrder.of([1, 2]).hexdigest())
+    with pytest.raises(ValueError, match="whole ids"):
+        DataOrder(chain, b"\x00" * 3)
 
 
 def test_loader_requires_report_each_step():

@@ -19,7 +19,7 @@ import torch
 from chaos.services import wait_until
 from elastic._accumulation import Accumulation
 from elastic._data import ElasticLoader
-from elastic._determinism import DATA_ORDER_START, chain_sample_ids, mix_seed
+from elastic._determinism import DataOrder, mix_seed
 from elastic.context import RescaleInterrupt
 from elastic.errors import ConfigError, ElasticError
 from support import no_children, pid_alive
@@ -137,8 +137,9 @@ def test_a_rescale_mid_epoch_stops_the_workers_and_counts_only_reported_steps():
     clean = Ctx(total_steps=40)
     run(clean)
     assert ctx.consumed + after.consumed == clean.consumed
-    assert chain_sample_ids(chain_sample_ids(DATA_ORDER_START, ctx.consumed), after.consumed) == \
-        chain_sample_ids(DATA_ORDER_START, clean.consumed)
+    resumed = DataOrder.of(ctx.consumed)
+    resumed.extend(after.consumed)
+    assert resumed == DataOrder.of(clean.consumed)
 
 
 def test_an_iterator_held_past_its_generation_is_closed_by_the_next_one():

@@ -354,6 +354,7 @@ def test_a_checkpoint_of_the_earlier_runtime_resumes(generations):
     assert ctx.restore(model=model, optimizer=optimizer) == 7 and ctx.samples_seen == 56
     assert all(torch.equal(a, b) for a, b in zip(model.module.state_dict().values(),
                                                  old_model.state_dict().values(), strict=True))
+    assert ctx._worker.progress.data_order.hexdigest() == "ab" * 32   # a digest saved without a tail
     assert optimizer.state_dict()["state"][0]["step"] == old_opt.state_dict()["state"][0]["step"]
 
 
