@@ -178,6 +178,17 @@ EXTRAS = {"plain+find_unused": ("find_unused",), "plain+py_hook": ("py_hook",),
           "plain+blocking_gather": ("blocking_gather",)}
 
 
+def _system(title: str, args: argparse.Namespace) -> str:
+    """The category of a process of the Ray instance that is neither a worker nor our controller:
+    "ray_system", or with --cpu-by-process "ray_system/<what it is>" (raylet, gcs_server, an
+    actor's class, ...): which of them a system's extra CPU is spent in."""
+    if not args.cpu_by_process:
+        return "ray_system"
+    if title.startswith("ray::"):
+        return "ray_system/" + title[len("ray::"):].split(".")[0].split()[0]
+    return "ray_system/" + os.path.basename(title.split()[0]) if title.strip() else "ray_system/?"
+
+
 def run_plain(args: argparse.Namespace, profile_to: str | None,
               extras: tuple[str, ...] = ()) -> tuple[list[float], pc.CpuSampler]:
     import ray
@@ -191,7 +202,8 @@ def run_plain(args: argparse.Namespace, profile_to: str | None,
                "extras": list(extras)}
 
         def categorise() -> dict[int, str]:
-            return {pid: "workers" if pid in pids else "ray_system" for pid in pc.ray_processes()}
+            return {pid: "workers" if pid in pids else _system(title, args)
+                    for pid, title in pc.ray_processes().items()}
         with pc.CpuSampler(categorise) as cpu:
             times = ray.get([a.run.remote(r, args.workers, addr, port, cfg) for r, a in enumerate(actors)])[0]
         if prof:
@@ -218,7 +230,7 @@ def run_elastic(args: argparse.Namespace, profile_to: str | None) -> tuple[list[
             status = pc.read_json(os.path.join(run_dir, "status.json")) or {}
             workers.update(w["pid"] for w in status.get("workers", []))
             return {pid: "workers" if pid in workers else "controller" if "ControllerActor" in title
-                    else "ray_system" for pid, title in pc.ray_processes().items()}
+                    else _system(title, args) for pid, title in pc.ray_processes().items()}
 
         prof = _profile(rank0_pid, profile_to, args.profile_after_s, args.profile_s) if profile_to else None
         with pc.CpuSampler(categorise) as cpu:
@@ -278,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", help="write a PNG of step times")
     p.add_argument("--out", help="also write the JSON line to this file")
     p.add_argument("--profile", metavar="DIR", help="py-spy rank 0 of each system into DIR")
+    p.add_argument("--cpu-by-process", action="store_true",
+                   help="split the Ray instance's own CPU per step by process (raylet, GCS, each actor class)")
     p.add_argument("--profile-after-s", type=float, default=8.0)
     p.add_argument("--profile-s", type=float, default=10.0)
     args = p.parse_args(argv)
@@ -326,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
                         "steps_per_s": [round(r, 3) for r in rates],
                         "step_s_median": pc.median_interval(reps[0][args.warmup:]),
                         "cpu_s_per_step_median": {k: round(statistics.median(c.get(k, 0.0) for c in cpu[name]), 4)
-                                                  for k in cpu[name][0]},
+                                                  for k in sorted({k for c in cpu[name] for k in c})},
                         "cpu_s_per_step": cpu[name]}
     # Step times pooled over reps: on a shared machine they are bimodal (quiet / contended); the
     # low quantiles estimate the uncontended step, the one a dedicated machine would see.
