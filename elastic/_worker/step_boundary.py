@@ -298,8 +298,8 @@ class StepBoundary:
         # in N² floats a step (906 MB at 10,000 ranks). The intake scores a step's times from
         # whichever record carries them, in whatever tick it arrives.
         carries = ranks > 1 and self.rank == 0
-        # One read of the column: a float() per rank's element cost 29 ms a step at 10,000 ranks
-        # (rounded for metrics.jsonl where its line is written, on the lines that keep them).
+        # One read of the column, not a float() per rank (part of the exchange's 23 ms a step at
+        # 10,000 ranks: step_exchange); rounded for metrics.jsonl where its line is written.
         compute_s = tuple(shared[:, 3].tolist()) if carries else ()
         stall_s, self.checkpoint_stall_s = self.checkpoint_stall_s, 0.0
         self._worker.outbox.put(StepRecord(
