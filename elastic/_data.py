@@ -351,9 +351,6 @@ class ElasticLoader:
         positions = rank_positions(samples_seen, self.global_batch, self._ctx.world_size, rank)
         return self._dataset_indices(positions.start, positions.stop)
 
-    def _dataset_index(self, global_position: int) -> int:
-        return self._dataset_indices(global_position, global_position + 1)[0]
-
     def _dataset_indices(self, start: int, stop: int) -> list[int]:
         """Dataset indices at global positions [start, stop): slices of each epoch's order, not one
         tensor read per sample (every rank reads the whole group's ids at every step: 80,000 at
