@@ -8,7 +8,8 @@ module holds what only tests use:
 - faults injected from outside, like an operator would: the target's pid comes from
   status.json, the signal from os.kill (`SignalAtStep`, with the framework's fault gate, and
   `SlowDown`);
-- checks on processes (`pid_alive`, `no_children`).
+- checks on processes (`pid_alive`, `no_children`), and code run in a fresh interpreter
+  (`fresh_python`: what a new Ray worker or controller process imports, unseen by this one).
 """
 from __future__ import annotations
 
@@ -16,12 +17,16 @@ import json
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
 
 from chaos.services import wait_until
 from elastic._worker.fault_gate import HoldAt
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # ---- a run's files ------------------------------------------------------------------------------
@@ -49,6 +54,14 @@ def wait_for(condition: Callable[[], object], timeout_s: float, what: str) -> No
 
 
 # ---- processes ----------------------------------------------------------------------------------
+def fresh_python(code: str, *args: str, timeout_s: float, cwd: str = REPO_ROOT,
+                 stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
+    """Run `code` (`python -c code *args`) in a new interpreter that imports this checkout; its
+    output is captured (bytes), its exit status left to the caller."""
+    return subprocess.run([sys.executable, "-c", code, *args], input=stdin, capture_output=True, cwd=cwd,
+                          env={**os.environ, "PYTHONPATH": REPO_ROOT}, timeout=timeout_s)
+
+
 def pid_alive(pid: int) -> bool:
     """The process exists and is no zombie."""
     try:

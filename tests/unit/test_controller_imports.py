@@ -5,16 +5,13 @@ of CPU on the critical path of every start (and ~300 MB per controller). The use
 config travel as bytes only workers load (RunSpec.user_code).
 """
 import os
-import subprocess
-import sys
 import threading
 
 import pytest
 
 import gpt
 from elastic import CheckpointConfig, ConfigError, ElasticTrainer, ScalingConfig
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from support import REPO_ROOT, fresh_python
 
 # What the controller actor's process does: import its module, then unpickle its arguments.
 CONTROLLER_PROCESS = """
@@ -41,9 +38,7 @@ def test_the_controller_process_imports_neither_torch_nor_the_users_code(tmp_pat
                                   trainer.scaling_policy))
     finally:
         cloudpickle.unregister_pickle_by_value(gpt)
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    out = subprocess.run([sys.executable, "-c", CONTROLLER_PROCESS], input=args, capture_output=True,
-                         env=env, cwd=str(tmp_path), timeout=120)
+    out = fresh_python(CONTROLLER_PROCESS, stdin=args, cwd=str(tmp_path), timeout_s=120)
     assert out.returncode == 0, out.stderr.decode()[-2000:]
     lines = out.stdout.decode().split()
     assert lines[0] == "none", f"the controller's process imported {lines[0]}"
@@ -70,14 +65,13 @@ def test_the_package_still_exports_what_it_imports_lazily():
 def test_no_module_of_the_controller_folder_imports_torch():
     # The folder is the rule (elastic/_controller/): a module added there that pulls torch in
     # fails here, whatever imports it.
-    folder = os.path.join(ROOT, "elastic", "_controller")
+    folder = os.path.join(REPO_ROOT, "elastic", "_controller")
     modules = sorted(f"elastic._controller.{name[:-3]}" for name in os.listdir(folder)
                      if name.endswith(".py") and name != "__init__.py")
     assert "elastic._controller.controller" in modules and len(modules) >= 10
     code = ("import importlib, sys\n"
             f"for m in {modules!r}: importlib.import_module(m)\n"
             "print(','.join(sorted(m for m in ('torch', 'pyarrow') if m in sys.modules)) or 'none')")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, env={**os.environ, "PYTHONPATH": ROOT},
-                         timeout=120)
+    out = fresh_python(code, timeout_s=120)
     assert out.returncode == 0, out.stderr.decode()[-2000:]
     assert out.stdout.decode().split() == ["none"]

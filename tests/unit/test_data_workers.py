@@ -8,8 +8,6 @@ import multiprocessing
 import os
 import random
 import signal
-import subprocess
-import sys
 import textwrap
 
 import numpy
@@ -22,11 +20,9 @@ from elastic._data import ElasticLoader
 from elastic._determinism import DataOrder, mix_seed
 from elastic.context import RescaleInterrupt
 from elastic.errors import ConfigError, ElasticError
-from support import no_children, pid_alive
+from support import REPO_ROOT, fresh_python, no_children, pid_alive
 
 pytestmark = pytest.mark.timeout(60)
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 CPU = torch.device("cpu")
@@ -307,9 +303,9 @@ KILLED_PARENT = textwrap.dedent("""
 def test_the_workers_of_a_killed_rank_die_with_it():
     # Otherwise they live on until torch's watchdog notices (about 5 s), holding copies of the
     # rank's sockets: its peers would not see its connections close.
-    done = subprocess.run([sys.executable, "-c", KILLED_PARENT, ROOT], capture_output=True, text=True, timeout=20)
-    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
-    pids = [int(p) for p in done.stdout.split()]
+    done = fresh_python(KILLED_PARENT, REPO_ROOT, timeout_s=20)
+    assert done.returncode == -signal.SIGKILL, done.stderr.decode()[-2000:]
+    pids = [int(p) for p in done.stdout.decode().split()]
     assert len(pids) == 2
     wait_until(lambda: not any(pid_alive(p) for p in pids), 2.0, "the workers to end after their parent was killed",
                interval_s=0.01)

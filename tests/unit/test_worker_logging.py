@@ -2,16 +2,14 @@
 works: the handlers are the framework loggers' own, not the root's (worker._timestamped_framework_logs)."""
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
+from support import fresh_python
+
 pytestmark = pytest.mark.timeout(60)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # A fresh interpreter, as a Ray worker process is: the worker sets its logging up, then the
 # user's module configures the root logger at INFO (a common first line of a training script).
@@ -27,9 +25,9 @@ logging.getLogger("my_loop").info("epoch 3")
 
 
 def test_framework_lines_carry_times_and_the_users_basicconfig_still_applies():
-    out = subprocess.run([sys.executable, "-c", _WORKER_THEN_USER], cwd=ROOT, capture_output=True, text=True,
-                         timeout=50, check=True)
-    lines = out.stderr.strip().splitlines()
+    out = fresh_python(_WORKER_THEN_USER, timeout_s=50)
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    lines = out.stderr.decode().strip().splitlines()
     stamp = r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} "
     assert re.match(stamp + r"elastic\.worker WARNING rank 1 left generation 8$", lines[0]), lines
     assert re.match(stamp + r"checkpointing WARNING abandoning in-flight save$", lines[1]), lines

@@ -5,15 +5,13 @@ in a process: 0.5 s on this machine, every warm recovery with a spare)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
+from support import fresh_python
+
 pytestmark = pytest.mark.timeout(120)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # In a fresh interpreter: what a rank's first DDP wrap and first step import after the preload.
 _FIRST_STEP = """
@@ -34,9 +32,9 @@ print(json.dumps(sorted(set(sys.modules) - before)))
 
 
 def test_a_spares_first_ddp_wrap_and_step_import_nothing():
-    out = subprocess.run([sys.executable, "-c", _FIRST_STEP], cwd=ROOT, capture_output=True, text=True,
-                         timeout=100, check=True)
-    imported = json.loads(out.stdout.strip().splitlines()[-1])
+    out = fresh_python(_FIRST_STEP, timeout_s=100)
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    imported = json.loads(out.stdout.decode().strip().splitlines()[-1])
     # Autograd's record_function probes for CUPTI on first use: a module of a few lines (under a
     # millisecond), private to torch's profiler, so not worth a preload that could break on upgrade.
     assert [m for m in imported if m.split(".")[0] == "torch" and m != "torch.profiler._cupti_monitor"] == []
