@@ -11,6 +11,13 @@ quantiles of the step time (`ratio_uncontended_p10/p25`: plain step / our step).
 Ratios are paired per rep (each system against the bare loop of the same rep) and given with their
 spread (`vs_plain_ddp`: median, min, max, quartiles).
 
+With --gpu each rank runs on one GPU with NCCL (ours: ScalingConfig(use_gpu=True)). The plain loop
+is then the best plain loop a user writes on a GPU: batches pinned and copied without blocking, and
+no host-device synchronisation at the step (no `loss.item()`): it reads the step before's loss
+behind a CUDA event, so its host runs at most one step ahead of the device, as ours does
+(elastic._worker.step_boundary). Step times are then the host's times at the end of each step on
+both sides, and the rate over many steps is the device's.
+
 With --breakdown the bare loop also runs with each of the framework's former per-step costs added
 alone (EXTRAS: DDP's find_unused_parameters, a Python comm hook stamping every bucket, a blocking
 all-gather with its host copy per step): the difference to the bare loop is that part's cost
@@ -65,9 +72,15 @@ class PlainWorker:
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
         extras = set(cfg.get("extras", ()))
-        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=120))
-        model = DistributedDataParallel(pc.build_model(cfg["model_size"]),
+        gpu = bool(cfg.get("gpu"))
+        # Ray's num_gpus=1 leaves this actor its one GPU, as cuda:0.
+        device = torch.device("cuda", 0) if gpu else torch.device("cpu")
+        if gpu:
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if gpu else "gloo", init_method=f"tcp://{addr}:{port}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=120))
+        model = DistributedDataParallel(pc.build_model(cfg["model_size"]).to(device),
+                                        device_ids=[device.index] if gpu else None,
                                         find_unused_parameters="find_unused" in extras)
         stamps: list[float] = []
         if "py_hook" in extras:
@@ -80,8 +93,12 @@ class PlainWorker:
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
         batches = pc.Batches(cfg["model_size"], cfg["batch_size"])
         times = []
+        before: torch.cuda.Event | None = None
         for step in range(cfg["steps"]):
-            loss = pc.train_step(model, optimizer, batches.batch(step, rank, world))
+            batch = batches.batch(step, rank, world)
+            if gpu:
+                batch = batch.pin_memory().to(device, non_blocking=True)
+            loss = pc.train_step(model, optimizer, batch)
             if "blocking_gather" in extras:
                 # What report() did before this change: one blocking all-gather of 37 float64 per
                 # step (loss, flags, compute time, metric slots), read back on the host.
@@ -90,10 +107,21 @@ class PlainWorker:
                 gathered = [torch.empty_like(mine) for _ in range(world)]
                 dist.all_gather(gathered, mine)
                 torch.stack(gathered).cpu().tolist()
-            if rank == 0:
+            if gpu:
+                # The step before's loss is what a loop logs, read once its event has passed: the
+                # host never waits for the step it has just queued.
+                done = torch.cuda.Event()
+                done.record()
+                if before is not None:
+                    before.synchronize()
+                before = done
+            elif rank == 0:
                 loss.item()   # what a loop logs
+            if rank == 0:
                 times.append(time.time())
             stamps.clear()
+        if gpu:
+            torch.cuda.synchronize()
         dist.destroy_process_group()
         return times
 
@@ -192,14 +220,14 @@ def _system(title: str, args: argparse.Namespace) -> str:
 def run_plain(args: argparse.Namespace, profile_to: str | None,
               extras: tuple[str, ...] = ()) -> tuple[list[float], pc.CpuSampler]:
     import ray
-    cls = ray.remote(num_cpus=1)(PlainWorker)
+    cls = ray.remote(num_cpus=1, num_gpus=1 if args.gpu else 0)(PlainWorker)
     actors = [cls.remote(1) for _ in range(args.workers)]
     try:
         addr, port = ray.get(actors[0].address.remote())
         pids = ray.get([a.pid.remote() for a in actors])
         prof = _profile(lambda: pids[0], profile_to, args.profile_after_s, args.profile_s) if profile_to else None
         cfg = {"model_size": args.model_size, "batch_size": args.batch_size, "lr": 3e-3, "steps": args.steps,
-               "extras": list(extras)}
+               "extras": list(extras), "gpu": args.gpu}
 
         def categorise() -> dict[int, str]:
             return {pid: "workers" if pid in pids else _system(title, args)
@@ -236,7 +264,7 @@ def run_elastic(args: argparse.Namespace, profile_to: str | None) -> tuple[list[
         with pc.CpuSampler(categorise) as cpu:
             result = ElasticTrainer(
                 pc.gpt.train_loop, train_loop_config={"model_size": args.model_size, "batch_size": args.batch_size},
-                scaling=ScalingConfig(min_workers=args.workers, max_workers=args.workers),
+                scaling=ScalingConfig(min_workers=args.workers, max_workers=args.workers, use_gpu=args.gpu),
                 checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=None),
                 total_steps=args.steps, seed=0).fit()
         if prof:
@@ -290,11 +318,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", help="write a PNG of step times")
     p.add_argument("--out", help="also write the JSON line to this file")
     p.add_argument("--profile", metavar="DIR", help="py-spy rank 0 of each system into DIR")
+    p.add_argument("--gpu", action="store_true", help="one GPU per rank, NCCL (see the docstring)")
     p.add_argument("--cpu-by-process", action="store_true",
                    help="split the Ray instance's own CPU per step by process (raylet, GCS, each actor class)")
     p.add_argument("--profile-after-s", type=float, default=8.0)
     p.add_argument("--profile-s", type=float, default=10.0)
     args = p.parse_args(argv)
+    if args.gpu and args.breakdown:
+        p.error("--breakdown measures the CPU loop's former costs (gloo's blocking all-gather): run it without --gpu")
 
     import ray
     pc.ship_by_value(sys.modules[__name__])
@@ -331,8 +362,12 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr, flush=True)
     finally:
         ray.shutdown()
+    if args.gpu:
+        import torch
+        start["gpu"] = torch.cuda.get_device_name(0)
     result = {"benchmark": "O1", "workers": args.workers, "model_size": args.model_size, "batch_size": args.batch_size,
-              "steps": args.steps, "warmup": args.warmup, "reps": args.reps, "backend": "gloo", "torch_threads": 1,
+              "steps": args.steps, "warmup": args.warmup, "reps": args.reps,
+              "backend": "nccl" if args.gpu else "gloo", "torch_threads": 1,
               "systems": systems, **start, "loadavg_1m_at_end": round(os.getloadavg()[0], 2)}
     for name, reps in runs.items():
         rates = [pc.steady_rate(t, args.warmup) for t in reps]

@@ -110,6 +110,12 @@ _GRAVEYARD = _Graveyard()
 atexit.register(_GRAVEYARD.at_exit)
 
 
+# The one-tensor all-gather: torch 2.13 names it all_gather_single and deprecates
+# all_gather_into_tensor, the only name before it (torch 2.11, in the CUDA images the GPU suite
+# ran on). Same arguments and semantics.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class PendingExchange:
     """One step's all-gather in flight, with this rank's own vector for a fallback."""
 
@@ -119,13 +125,18 @@ class PendingExchange:
         # (dist.all_gather), stacked, cost every rank 23 ms a step at 10,000 ranks with rank 0's
         # read of the compute times, 0.33 ms now (benchmarks/step_overhead.py).
         self._gathered = torch.empty((world_size, mine.numel()), dtype=mine.dtype, device=mine.device)
-        # On NCCL the current stream waits for the collective, which orders the copy below
-        # after it; the host does not wait. On gloo the work runs on gloo's threads.
-        work = dist.all_gather_single(self._gathered.view(-1), mine, async_op=True)
+        # On gloo the work runs on gloo's threads. On NCCL it runs on the group's own stream,
+        # which waits for the current one (so for `mine`); an async_op's caller orders its own
+        # stream after the collective with work.wait(), which does not block the host (unless
+        # TORCH_NCCL_BLOCKING_WAIT). Without it the copy below read `_gathered` before the
+        # all-gather wrote it: on an H100 the records of steps whose compute was still queued
+        # carried another step's or uninitialised values (tests/gpu/test_gpu_steady_state.py).
+        work = _all_gather_single(self._gathered.view(-1), mine, async_op=True)
         self._host: torch.Tensor | None = None
         self._event: Any = None
         self._work: Any = None
         if mine.is_cuda:
+            work.wait()
             self._host = torch.empty((world_size, mine.numel()), dtype=mine.dtype, pin_memory=True)
             self._host.copy_(self._gathered, non_blocking=True)
             self._event = torch.cuda.Event()

@@ -16,6 +16,7 @@ from elastic import ScalingConfig
 from elastic._worker import wrap as _wrap
 from elastic._worker.precision import Precision
 from elastic._worker.step_timer import StepTimer
+from elastic._worker.train_state import _plain_steps
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(180),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (make test-gpu)")]
@@ -107,12 +108,16 @@ def test_fp16_scaler_state_is_saved_and_restored_with_the_checkpoint(nccl_group,
 
     model2, optimizer2, precision2 = wrapped("fp16", seed=1)
     # The restore's target state, built from the fresh (fp16-prepared) optimizer as ctx.restore
-    # builds it: DCP initialises the optimizer's state with a zero-gradient step().
-    model_sd2, optim_sd2 = get_state_dict(model2, optimizer2)
+    # builds it: DCP initialises the optimizer's state with a zero-gradient step(), which the
+    # runtime (TrainState) lets reach the optimizer's own step(), not the fp16 one that refuses a
+    # step without ctx.backward.
+    with _plain_steps(optimizer2):
+        model_sd2, optim_sd2 = get_state_dict(model2, optimizer2)
     state = {"model": model_sd2, "optim": optim_sd2, "extra": {"step": 0, **precision2.state()}}
     loaded = CheckpointManager(url).load_latest(state)
     assert loaded is not None and loaded.step == 12 and state["extra"]["step"] == 12
-    set_state_dict(model2, (optimizer2,), model_state_dict=state["model"], optim_state_dict=state["optim"])
+    with _plain_steps(optimizer2):
+        set_state_dict(model2, (optimizer2,), model_state_dict=state["model"], optim_state_dict=state["optim"])
     precision2.load_state(state["extra"])
 
     assert precision2.scaler.state_dict() == scaler_state

@@ -9,7 +9,9 @@ tensor (it never reads it itself):
 - a spin kernel queued just before `ctx.report()` is still running when report() returns: the
   boundary did not wait for the device to finish the step it closed (it reads the step's values at
   the next report, behind an event recorded after them);
-- the records still arrive, each step's at the next report, with the losses the device computed.
+- the records still arrive, each step's at the next report, with that step's values: the loss and
+  a tensor metric the device computed, a number the host gave (one that held another step's values,
+  or memory the all-gather had not written yet, fails).
 """
 import threading
 
@@ -41,7 +43,11 @@ def _context(tmp_path):
                         stop_requested=threading.Event(), preempted=threading.Event(), device=CUDA)
 
 
-def _step(ctx, model, optimizer, step: int, *, spin: bool = False) -> None:
+def _step(ctx, model, optimizer, step: int, *, spin: bool = False) -> torch.Tensor:
+    """One step (0-based `step`, counted as step + 1); its loss, still on the device. Reported: the
+    loss and the batch's token sum as device tensors, the step's index as a host number, each
+    different at every step, so a record that carried another step's values (or memory nothing
+    wrote) shows."""
     batch = torch.stack([DATA[step * 8 + i] for i in range(8)]).pin_memory().to(CUDA, non_blocking=True)
     logits = model(batch[:, :-1])
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
@@ -50,7 +56,12 @@ def _step(ctx, model, optimizer, step: int, *, spin: bool = False) -> None:
     optimizer.zero_grad(set_to_none=True)
     if spin:
         torch.cuda._sleep(SPIN_CYCLES)
-    ctx.report(loss=loss.detach(), tokens=batch.numel())
+    ctx.report(loss=loss.detach(), token_sum=batch.sum(), index=step, tokens=batch.numel())
+    return loss.detach()
+
+
+def _token_sum(step: int) -> int:
+    return int(torch.stack([DATA[step * 8 + i] for i in range(8)]).sum())
 
 
 def test_steady_state_steps_make_no_host_device_sync_and_report_does_not_wait_for_its_step(nccl_group, tmp_path):
@@ -59,14 +70,15 @@ def test_steady_state_steps_make_no_host_device_sync_and_report_does_not_wait_fo
     model = ctx.prepare_model(gpt.GPT(CFG).to(CUDA))
     optimizer = ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, foreach=True))
     ctx.restore()
+    losses: dict[int, torch.Tensor] = {}   # by the step's number (index + 1)
     for step in range(3):                 # the first steps: DDP's first-iteration work, pinned buffers cached
-        _step(ctx, model, optimizer, step)
+        losses[step + 1] = _step(ctx, model, optimizer, step)
     assert [r.step for r in ctx._worker.outbox.drain()] == [1, 2]   # the first at once, then a step late
     still_busy = []
     torch.cuda.set_sync_debug_mode("error")
     try:
         for step in range(3, 9):
-            _step(ctx, model, optimizer, step, spin=True)
+            losses[step + 1] = _step(ctx, model, optimizer, step, spin=True)
             still_busy.append(not torch.cuda.current_stream().query())
     finally:
         torch.cuda.set_sync_debug_mode("default")
@@ -76,7 +88,10 @@ def test_steady_state_steps_make_no_host_device_sync_and_report_does_not_wait_fo
     # the ninth's exchange is still pending, read when someone needs it settled.
     records = ctx._worker.outbox.drain()
     assert [r.step for r in records] == [3, 4, 5, 6, 7, 8]
-    assert all(r.loss is not None and 0 < r.loss < 20 for r in records)
-    assert all(r.metrics["tokens"] == 8 * DATA[0].numel() for r in records)
+    # Each record holds its own step's values: the device's loss and token sum, the host's index.
+    got = {r.step: (r.loss, r.metrics["token_sum"], r.metrics["index"], r.metrics["tokens"]) for r in records}
+    want = {s: (pytest.approx(losses[s].item(), rel=1e-6), _token_sum(s - 1), s - 1, 8 * DATA[0].numel())
+            for s in got}
+    assert got == want
     ctx._boundary.settle()
     assert [r.step for r in ctx._worker.outbox.drain()] == [9]
