@@ -8,7 +8,8 @@ others at its own end:
 - CPU (gloo): the all-gather runs on gloo's threads while the next step computes.
 - GPU (NCCL): the vector is assembled on the device (the loss and tensor metrics are never read
   on the host at their step), all-gathered on the group's stream like DDP's all-reduces, and
-  copied to pinned host memory with a non-blocking copy behind an event. The host never waits
+  copied to pinned host memory with a non-blocking copy, ordered after the all-gather
+  (`work.wait()` on the device, not the host) and followed by an event. The host never waits
   for the device at the step: a wait at the next step's end, for a device still busy with the
   step before, holds the host at most one step ahead of the device, which keeps its queue full.
   A broken group's pending NCCL work is aborted with its communicator, like DDP's.
