@@ -130,8 +130,8 @@ class PendingExchange:
         # which waits for the current one (so for `mine`); an async_op's caller orders its own
         # stream after the collective with work.wait(), which does not block the host (unless
         # TORCH_NCCL_BLOCKING_WAIT). Without it the copy below read `_gathered` before the
-        # all-gather wrote it: on an H100 the records of steps whose compute was still queued
-        # carried another step's or uninitialised values (tests/gpu/test_gpu_steady_state.py).
+        # all-gather wrote it: on an H100, with each step's compute still queued, a record's
+        # metric was not the value reported (tests/gpu/test_gpu_steady_state.py).
         work = _all_gather_single(self._gathered.view(-1), mine, async_op=True)
         self._host: torch.Tensor | None = None
         self._event: Any = None

@@ -43,12 +43,17 @@ def _context(tmp_path):
                         stop_requested=threading.Event(), preempted=threading.Event(), device=CUDA)
 
 
+def _batch(step: int) -> torch.Tensor:
+    """The 8 samples of 0-based `step`, on the host."""
+    return torch.stack([DATA[step * 8 + i] for i in range(8)])
+
+
 def _step(ctx, model, optimizer, step: int, *, spin: bool = False) -> torch.Tensor:
     """One step (0-based `step`, counted as step + 1); its loss, still on the device. Reported: the
     loss and the batch's token sum as device tensors, the step's index as a host number, each
     different at every step, so a record that carried another step's values (or memory nothing
     wrote) shows."""
-    batch = torch.stack([DATA[step * 8 + i] for i in range(8)]).pin_memory().to(CUDA, non_blocking=True)
+    batch = _batch(step).pin_memory().to(CUDA, non_blocking=True)
     logits = model(batch[:, :-1])
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
     loss.backward()
@@ -58,10 +63,6 @@ def _step(ctx, model, optimizer, step: int, *, spin: bool = False) -> torch.Tens
         torch.cuda._sleep(SPIN_CYCLES)
     ctx.report(loss=loss.detach(), token_sum=batch.sum(), index=step, tokens=batch.numel())
     return loss.detach()
-
-
-def _token_sum(step: int) -> int:
-    return int(torch.stack([DATA[step * 8 + i] for i in range(8)]).sum())
 
 
 def test_steady_state_steps_make_no_host_device_sync_and_report_does_not_wait_for_its_step(nccl_group, tmp_path):
@@ -90,7 +91,7 @@ def test_steady_state_steps_make_no_host_device_sync_and_report_does_not_wait_fo
     assert [r.step for r in records] == [3, 4, 5, 6, 7, 8]
     # Each record holds its own step's values: the device's loss and token sum, the host's index.
     got = {r.step: (r.loss, r.metrics["token_sum"], r.metrics["index"], r.metrics["tokens"]) for r in records}
-    want = {s: (pytest.approx(losses[s].item(), rel=1e-6), _token_sum(s - 1), s - 1, 8 * DATA[0].numel())
+    want = {s: (pytest.approx(losses[s].item(), rel=1e-6), int(_batch(s - 1).sum()), s - 1, 8 * DATA[0].numel())
             for s in got}
     assert got == want
     ctx._boundary.settle()
