@@ -34,7 +34,7 @@ from elastic._worker.state import WorkerState
 from elastic._worker.step_boundary import StepBoundary, StepOutcome
 from elastic._worker.train_state import TrainState
 from elastic.config import ScalingConfig
-from elastic.errors import ConfigError, RestoreRequiredError
+from elastic.errors import ConfigError, NonFiniteLossError, RestoreRequiredError
 
 
 class RescaleInterrupt(BaseException):
@@ -243,9 +243,16 @@ class TrainContext:
     def _commit_before_leaving(self) -> None:
         """Commit this step and make sure it is committed: the group is about to change and this
         state will not be in memory to retry with. A failed commit is raised, not left behind
-        unseen (the recovery then counts the steps it loses)."""
-        self.save_checkpoint(wait=True)
-        self._worker.checkpoints.check_committed(self.step, self._spec.storage)
+        unseen (the recovery then counts the steps it loses). The step's save may have been
+        issued already (a scheduled one at this step): then it is waited for and checked alike."""
+        session = self._worker.checkpoints
+        if session.last_saved_step != self.step:
+            self.save_checkpoint(wait=True)
+        elif session.manager is not None:
+            started = time.monotonic()
+            session.manager.wait()
+            self._boundary.checkpoint_stall_s += time.monotonic() - started
+        session.check_committed(self.step, self._spec.storage)
 
     # ---- step boundary --------------------------------------------------------------
     def report(self, **metrics: Any) -> None:
@@ -268,7 +275,7 @@ class TrainContext:
         outcome = self._boundary.end_step(metrics)
         if outcome is None:
             return
-        session, step = self._worker.checkpoints, self.step
+        step = self.step
         every, in_memory = self._spec.checkpoint_every, self._spec.in_memory_every
         if every is not None and step % every == 0 and step < self.total_steps:
             self.save_checkpoint()
@@ -283,7 +290,7 @@ class TrainContext:
             self._copy_to_memory()
             self._boundary.checkpoint_stall_s += time.monotonic() - started
         if leaving:
-            if session.last_saved_step != step and not self._stays_in_memory(outcome):
+            if not self._stays_in_memory(outcome):
                 self._commit_before_leaving()
             self._boundary.settle()   # this step's record, before the loop unwinds
             raise RescaleInterrupt()
@@ -305,7 +312,9 @@ class TrainContext:
             return False
         if self._worker.warm.capable:
             return True
-        return self._spec.in_memory_every is not None and outcome.preempted <= 1
+        # No copies are taken at the final step (the run commits it instead), so a group leaving
+        # from it would restore older copies and redo steps: it commits, like `elastic stop`.
+        return self._spec.in_memory_every is not None and outcome.preempted <= 1 and self.step < self.total_steps
 
     def _copy_to_memory(self) -> None:
         """Collective: this rank's state into host memory, and a copy to its ring neighbour."""
@@ -314,10 +323,11 @@ class TrainContext:
                                       world_size=self.world_size, step=self.step,
                                       device=self.device if self._spec.use_gpu else torch.device("cpu"))
 
-    def _abandon(self) -> None:
+    def _abandon(self) -> NonFiniteLossError | None:
         """The loop failed (a broken group, the user's error): keep the records of the steps
-        whose exchange is still pending, without waiting on the group (see StepBoundary.abandon)."""
-        self._boundary.abandon()
+        whose exchange is still pending, without waiting on the group (see StepBoundary.abandon);
+        the error of a pending step whose loss was not finite, to report instead."""
+        return self._boundary.abandon()
 
     def log(self, **metrics: Any) -> None:
         """Record metrics at the current step without counting a step (validation, eval).

@@ -21,7 +21,7 @@ from elastic._controller.forming import GenerationFormer
 from elastic._controller.intake import ReportIntake
 from elastic._controller.ledgers import RecoveryLedger, Rung, StepLedger
 from elastic._controller.recovering import RecoveryWatch, plan_members, too_few_to_reform
-from elastic._controller.running import AllFinished, Fault, Resize, RunningWatch, still_in_loop
+from elastic._controller.running import AllFinished, Fault, Resize, RunningWatch, reported_failure, still_in_loop
 from elastic._controller.scheduling import Gate, StartGate, too_few_to_start
 from elastic._controller.slots import Slots
 from elastic._controller.states import (
@@ -40,7 +40,7 @@ from elastic._controller.status import StatusReport
 from elastic._controller.storage_retry import StorageRetry
 from elastic._controller.stragglers import StragglerDetector
 from elastic._controller.worker_group import DEAD, READY, SLOW_TICK_S, WorkerView
-from elastic._protocol import RestoreKind, WorkerReport
+from elastic._protocol import RestoreKind, WorkerPhase, WorkerReport
 from elastic.config import FailureConfig, ScalingConfig
 from elastic.policies import Cause, Failure, FailurePolicy, ScalingPolicy
 
@@ -276,6 +276,13 @@ class Controller:
             self.recoveries.note(cause, ranks)
         if tick.cold:
             self.recoveries.current.rung = Rung.COLD
+        if tick.errored:
+            failure = reported_failure(tick.errored)
+            decision = self.budget.charge(failure, self.step)
+            if decision.action == "fail":
+                self._transition(Failed.of_report(decision.reason, failure, next(iter(tick.errored.values()))),
+                                 decision.reason)
+                return
         if tick.finished is not None:
             self._record_final(tick.finished)
             self._transition(Finished(list(st.survivors)), "finished while recovering")
@@ -293,6 +300,16 @@ class Controller:
             return
         for wid in in_loop:
             self._kill(wid, "still training at the stop's deadline")
+        # A member that left with an error (its stop commit failed: check_committed raised) did
+        # not commit the step the run stops at: the run fails with that error, never "stopped".
+        errored = {rank: report for rank, wid in enumerate(st.members)
+                   if (report := self.views[wid].report) is not None and report.generation == st.generation
+                   and report.phase == WorkerPhase.FAILED}
+        if errored:
+            failure = reported_failure(errored)
+            reason = f"the stop at step {self.step} did not commit: {failure.message}"
+            self._transition(Failed.of_report(reason, failure, next(iter(errored.values()))), reason)
+            return
         self._transition(Stopped(list(st.members), st.reason), f"stopped at step {self.step}: {st.reason}")
 
     def _reform(self, st: Recovering, settled: dict[int, WorkerReport]) -> None:

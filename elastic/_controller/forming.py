@@ -57,7 +57,9 @@ class GenerationFormer:
         if fence is not None:
             self.generation = max(self.generation, fence)
         self.intake.first_generation = self.generation + 1
-        latest = self._checkpoints().latest_step()
+        # Fence before listing (see reform_plan): a previous run's writer still committing is
+        # refused from here on, so the listing is all the run keeps from before this generation.
+        latest = self._fence_then_list()
         if latest is None:
             return RestorePlan(RestoreKind.FRESH)
         self.recorder.resumed_from = latest
@@ -79,7 +81,16 @@ class GenerationFormer:
             return True, RestorePlan(RestoreKind.BROADCAST, source_rank=sources[0], sources=sources, step=newest,
                                      reason=f"{len(sources)} survivor(s) hold the full state of step {newest}")
         memory = memory_source(members, settled)
-        ok, latest = self._storage("list the committed checkpoints", self._checkpoints().latest_step)
+        # Fence the next generation before listing (the protocol of checkpointing.manifest's
+        # advance_fence): a broken generation's rank 0 may still be committing a save issued
+        # before its peer died. Listed first, that late commit could land after the listing, run
+        # its retention (deleting the checkpoint this plan names) and then be hidden by the
+        # fence's start step: nothing left to restore. Fenced first, the late commit is refused,
+        # or it landed before the fence and its retention sees the fence moved and skips; either
+        # way the listing below is what the new generation keeps. `form` records the start step.
+        # One storage call for both: a storage error in either is one trouble, retried whole.
+        ok, latest = self._storage("fence the next generation and list the committed checkpoints",
+                                   self._fence_then_list)
         if not ok:
             return False, None
         if isinstance(memory, RestorePlan):
@@ -91,6 +102,11 @@ class GenerationFormer:
         if latest is None:
             return True, RestorePlan(RestoreKind.FRESH, reason=f"{why}, and no checkpoint is committed")
         return True, RestorePlan(RestoreKind.CHECKPOINT, step=latest, reason=why)
+
+    def _fence_then_list(self) -> int | None:
+        checkpoints = self._checkpoints()
+        checkpoints.fence(self.generation + 1)
+        return checkpoints.latest_step()
 
     def form(self, st: Starting, views: dict[int, WorkerView]) -> tuple[Running, WorkerLostError | None] | None:
         """Fence the storage for the next generation and start it on `st.members`. None: storage

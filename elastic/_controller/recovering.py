@@ -29,6 +29,9 @@ class RecoveryTick:
     noted: list[tuple[Cause, list[int]]] = field(default_factory=list)   # failures absorbed: cause, ranks
     cold: bool = False                         # a survivor is replaced: the state comes from storage
     finished: WorkerReport | None = None       # a survivor finished the run meanwhile
+    # Survivors (by rank) that left the broken group with an error of the loop's own (e.g. a
+    # pending step's non-finite loss): the run fails with it as it would while running.
+    errored: dict[int, WorkerReport] = field(default_factory=dict)
     settled: dict[int, WorkerReport] | None = None   # re-form with these (by worker id); None: wait
 
 
@@ -58,6 +61,10 @@ class RecoveryWatch:
             elif report.phase == WorkerPhase.FINISHED and report.step >= total_steps:
                 tick.finished = report
                 return tick
+            elif (report.phase == WorkerPhase.FAILED and report.generation == st.generation
+                  and report.error_kind == "user" and report.rank is not None):
+                tick.errored[report.rank] = report
+                settled[wid] = report
             else:
                 settled[wid] = report
         now = self._clock()

@@ -92,13 +92,7 @@ class RunningWatch:
                 elif report.phase == WorkerPhase.FINISHED:
                     finished.append(report)
         if errored:
-            report = next(iter(errored.values()))
-            cause = CAUSE_OF_ERROR_KIND.get(report.error_kind or "user", Cause.USER_ERROR)
-            # A failed GPU stays failed: its worker is replaced, not taken into the next group.
-            broken = [st.members[r] for r, failed in errored.items() if failed.error_kind == "hardware"]
-            return Fault(Failure(cause, tuple(errored), f"{report.error_type}: {report.error_message}",
-                                 **_error_of(report)),
-                         broken if cause == Cause.HARDWARE_ERROR else [], 0.0, report)
+            return reported_fault(errored, st.members)
         # Ranks by worker id, built once: .index() per lost worker is O(N^2) when all are lost.
         rank_of = {w: r for r, w in enumerate(st.members)} if lost or preempted else {}
         if lost:
@@ -192,6 +186,21 @@ def still_in_loop(generation: int, members: list[int], views: dict[int, WorkerVi
     """Members still training in `generation` (not dead, not out of its loop)."""
     return [w for w in members if views[w].status != DEAD and (report := views[w].report) is not None
             and report.generation == generation and report.phase == WorkerPhase.RUNNING]
+
+
+def reported_fault(errored: dict[int, WorkerReport], members: list[int]) -> Fault:
+    """The fault of the ranks that reported an error of their own (`errored`, by rank)."""
+    failure = reported_failure(errored)
+    # A failed GPU stays failed: its worker is replaced, not taken into the next group.
+    broken = [members[r] for r, failed in errored.items() if failed.error_kind == "hardware"]
+    return Fault(failure, broken if failure.cause == Cause.HARDWARE_ERROR else [], 0.0, next(iter(errored.values())))
+
+
+def reported_failure(errored: dict[int, WorkerReport]) -> Failure:
+    """The failure of the ranks that reported an error of their own, as the first one says."""
+    report = next(iter(errored.values()))
+    cause = CAUSE_OF_ERROR_KIND.get(report.error_kind or "user", Cause.USER_ERROR)
+    return Failure(cause, tuple(errored), f"{report.error_type}: {report.error_message}", **_error_of(report))
 
 
 def _error_of(report: WorkerReport) -> dict[str, str | None]:

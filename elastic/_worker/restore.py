@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from checkpointing import CheckpointError
+from checkpointing import CheckpointError, StorageError
+from elastic._credentials import mask_url
 from elastic._lr import ScaleRamp
 from elastic._protocol import GenerationPlan, ReplicaSource, RestoreKind, RestorePlan, RunSpec
 from elastic._worker import wrap as _wrap
@@ -128,8 +129,15 @@ class Restorer:
             lambda with_keys: _legacy_names(state.checkpoint_template(with_keys, framework_in_meta=in_meta),
                                             legacy=not in_meta))
         if loaded is None:
+            planned = self._plan.restore.step
+            if planned is not None:
+                # The controller planned from a checkpoint it listed; its vanishing is a storage
+                # fault to recover from (the re-plan lists again), never a silent start from step 0.
+                raise StorageError(f"the checkpoint of step {planned} that generation {self._plan.generation} "
+                                   f"was planned to restore is no longer committed under "
+                                   f"{mask_url(self._spec.storage)}; re-planning", url=self._spec.storage)
             log.warning("rank %d: no committed checkpoint under %s; starting fresh", self._plan.rank,
-                        self._spec.storage)
+                        mask_url(self._spec.storage))
             self._start_over()
             return
         if in_meta:

@@ -253,9 +253,15 @@ class StepBoundary:
             self._decisions[step.step] = StepOutcome.of(shared[:, 1:3])
             self._keep_record(step, shared)
 
-    def abandon(self) -> None:
+    def abandon(self) -> NonFiniteLossError | None:
         """The group broke or the loop failed: keep every pending step's record now, without
-        waiting, with the group's values where the exchange completed, else this rank's own."""
+        waiting, with the group's values where the exchange completed, else this rank's own.
+
+        A pending step's loss is still checked (a non-finite own loss makes the mean non-finite),
+        but nothing is raised here: the error of the first such step is returned, for the worker
+        to report in place of the broken group's, so that the run fails with it (under
+        on_nonfinite_loss="fail") instead of a re-form restoring and committing that step."""
+        found: NonFiniteLossError | None = None
         while self._pending:
             step, pending = self._pending.popleft()
             table = None
@@ -265,9 +271,18 @@ class StepBoundary:
                 except BaseException:   # noqa: BLE001 - the group broke: this rank's values below
                     table = None
             try:
-                self._keep_record(step, table if table is not None else pending.own_values(), check=False)
+                mean_loss = self._keep_record(step, table if table is not None else pending.own_values(), check=False)
             except Exception:   # a dead device cannot give its values; the step goes unrecorded
                 log.warning("no record of step %d: this rank's values could not be read", step.step, exc_info=True)
+                continue
+            # Under "ignore" the step is left unflagged, as before: only the ranks whose own row
+            # shows it would know, and a rank that alone skipped a save's collective would hang
+            # the others in it.
+            if (found is None and self._spec.on_nonfinite_loss == "fail" and mean_loss is not None
+                    and not math.isfinite(mean_loss)):
+                self._worker.checkpoints.nonfinite_step = step.step
+                found = _nonfinite_error(step.step, mean_loss, table.shape[0] if table is not None else 1)
+        return found
 
     def log(self, metrics: dict[str, Any]) -> None:
         """Metrics at the current step, counting no step: this rank's record only, after the
@@ -280,8 +295,9 @@ class StepBoundary:
             samples_seen=progress.samples_seen, global_batch=self._global_batch,
             metrics=dict(zip(names, values, strict=True)), generation=self._plan.generation, kind="log"))
 
-    def _keep_record(self, step: _Step, shared: torch.Tensor, *, check: bool = True) -> None:
-        """The record of `step` from its exchange's table (one row per rank that answered)."""
+    def _keep_record(self, step: _Step, shared: torch.Tensor, *, check: bool = True) -> float | None:
+        """The record of `step` from its exchange's table (one row per rank that answered); its
+        mean loss (None: no loss reported)."""
         names, ranks = step.names, shared.shape[0]
         if check and bool((shared[:, 4] != shared[0, 4]).any()):
             raise StateError(f"ctx.report() at step {step.step}: the ranks reported different metric names "
@@ -317,10 +333,15 @@ class StepBoundary:
             self._worker.checkpoints.nonfinite_step = step.step
             if self._spec.on_nonfinite_loss == "fail":
                 # Every rank raises the same error (the values are all-gathered).
-                raise NonFiniteLossError(
-                    f"the loss of step {step.step} is {mean_loss} (mean over {self.world_size} ranks); no "
-                    f"checkpoint was committed from it. Lower the learning rate, clip gradients or check the "
-                    f"data; FailureConfig.on_nonfinite_loss='ignore' trains on")
+                raise _nonfinite_error(step.step, mean_loss, ranks)
+        return mean_loss
+
+
+def _nonfinite_error(step: int, mean_loss: float, ranks: int) -> NonFiniteLossError:
+    return NonFiniteLossError(
+        f"the loss of step {step} is {mean_loss} (mean over {ranks} rank(s)); no checkpoint was committed "
+        f"from it. Lower the learning rate, clip gradients or check the data; "
+        f"FailureConfig.on_nonfinite_loss='ignore' trains on")
 
 
 class _Step(NamedTuple):

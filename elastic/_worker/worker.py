@@ -364,15 +364,16 @@ class TrainWorker:
                 return
             self._set_phase(WorkerPhase.INTERRUPTED)
         except BaseException as error:  # noqa: BLE001 - every outcome is reported, none raised here
-            if ctx is not None:
-                # The steps this rank completed keep their records (their exchange may be pending).
-                ctx._abandon()
+            # The steps this rank completed keep their records (their exchange may be pending).
+            nonfinite = ctx._abandon() if ctx is not None else None
             if classify_error(error) == "comm":
                 self._state.checkpoints.settle(peers_alive=False)
                 # Close this rank's connections now: a peer waiting on us (not on the dead rank)
                 # gets "connection closed" at once instead of sitting out the collective timeout.
                 self._leave_group(abort=True)
-            self._record_error(error)
+            # A pending step's non-finite loss outranks the broken group: reported as the user's
+            # error, it fails the run (a re-form would restore that step and could commit it).
+            self._record_error(nonfinite if nonfinite is not None else error)
 
     def _leave_group(self, abort: bool = False) -> None:
         """Destroy the current group. With `abort` (the group broke), first cut its connections

@@ -35,12 +35,12 @@ class Generations:
         self.worker = WorkerState()
         self.generation = 0
 
-    def context(self, restore: str = "fresh", source_rank: int | None = None):
+    def context(self, restore: str = "fresh", source_rank: int | None = None, step: int | None = None):
         from elastic._protocol import GenerationPlan, RestorePlan
         from elastic.context import TrainContext
         self.generation += 1
         plan = GenerationPlan(generation=self.generation, rank=0, world_size=1, master_addr="127.0.0.1",
-                              master_port=0, restore=RestorePlan(restore, source_rank=source_rank),
+                              master_port=0, restore=RestorePlan(restore, source_rank=source_rank, step=step),
                               timeout_s=60.0)
         return TrainContext(plan=plan, spec=self.spec, worker=self.worker, loop_config=None,
                             stop_requested=threading.Event(), preempted=threading.Event(),

@@ -167,9 +167,12 @@ class FakeCheckpoints:
     def __init__(self, latest: int | None = None, fence: int | None = None):
         self.latest = latest
         self.fences: list[int] = [] if fence is None else [fence]
+        self.start_steps: dict[int, int | None] = {}   # generation -> the start step recorded with it
+        self.calls: list[tuple] = []           # ("fence", generation, start_step) and ("list",), in order
         self.stop: dict | None = None          # a STOP request (elastic stop), as read
 
     def latest_step(self) -> int | None:
+        self.calls.append(("list",))
         return self.latest
 
     def committed_steps(self) -> list[int]:
@@ -179,8 +182,14 @@ class FakeCheckpoints:
         return [s for s in self.committed_steps() if step is None or s > step]
 
     def fence(self, generation: int, start_step: int | None = None) -> None:
+        # Like advance_fence: a compare-and-swap to a generation never older; the same generation
+        # again only records its start step.
         assert not self.fences or generation >= self.fences[-1], "generations must never go back"
-        self.fences.append(generation)
+        self.calls.append(("fence", generation, start_step))
+        if not self.fences or generation > self.fences[-1]:
+            self.fences.append(generation)
+        if start_step is not None or generation not in self.start_steps:
+            self.start_steps[generation] = start_step
 
     def current_fence(self) -> int | None:
         return self.fences[-1] if self.fences else None

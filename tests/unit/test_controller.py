@@ -581,3 +581,40 @@ def test_fsdp_survivors_missing_two_neighbours_copies_take_the_checkpoint_and_sa
     controller.tick()
     (recovery,) = controller.recorder.recoveries
     assert recovery["rung"] == "checkpoint" and "rank(s) [1]" in recovery["reason"]
+
+
+def test_a_stop_whose_commit_failed_on_its_members_fails_the_run_not_stopped():
+    """R3-2: a member leaving the stop with its commit refused reports FAILED (check_committed
+    raised); the run must say so, not end "stopped" with the step uncommitted."""
+    controller, group, clock, _ = make()
+    members = start(controller, group)
+    group.complete_steps(members[0], 1, 7, 3)
+    controller.tick()
+    controller.checkpoints.stop = {"format": 1, "reason": "maintenance"}
+    controller.tick()
+    assert controller.state.state == RunState.STOPPING
+    for rank, wid in enumerate(members):
+        group.set_report(wid, WorkerPhase.FAILED, generation=0, rank=rank, step=8, error_kind="infra",
+                         error_type="CheckpointError",
+                         error_message="the checkpoint of step 8, taken before the group changes, was not committed")
+    controller.tick()
+    assert controller.state.state == RunState.FAILED
+    assert "was not committed" in controller.error["message"] and "did not commit" in controller.state.reason
+
+
+def test_a_survivor_leaving_a_broken_group_with_a_nonfinite_loss_fails_the_run_not_a_warm_re_form():
+    """R3-3: a step whose exchange was abandoned (the group broke) had a non-finite loss; the
+    survivor reports it as the user's error. A warm re-form would restore and commit that step."""
+    controller, group, clock, _ = make()
+    members = start(controller, group)
+    group.complete_steps(members[0], 1, 9, 3)
+    controller.tick()
+    group.die(members[2])
+    controller.tick()
+    assert controller.state.state == RunState.RECOVERING
+    interrupt(group, [members[0]], 0, 10)
+    group.set_report(members[1], WorkerPhase.FAILED, generation=0, rank=1, step=10, error_kind="user",
+                     error_type="NonFiniteLossError", error_message="the loss of step 10 is nan")
+    controller.tick()
+    assert controller.state.state == RunState.FAILED and controller.generation == 0
+    assert controller.error["type"] == "NonFiniteLossError"

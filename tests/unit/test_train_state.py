@@ -399,3 +399,83 @@ def test_answers_the_controller_never_got_are_sent_again_and_received_ones_never
         outbox.answer(acked=6)
     # The answer after them (no new record) sends again the ANSWERS_KEPT - 1 kept besides itself.
     assert [r.step for r in outbox.answer(acked=6)[1]] == list(range(last - ANSWERS_KEPT + 1, last))
+
+
+def _failing_save_at(monkeypatch, failing_step: int) -> None:
+    """Every save of `failing_step` fails in storage (a transient 503), the others commit."""
+    from checkpointing import StorageError, _save
+    real = _save.run_save
+
+    def run_save(job):
+        if job.step == failing_step:
+            raise StorageError(f"503 SlowDown writing step {job.step}", url=job.storage.url)
+        return real(job)
+    monkeypatch.setattr(_save, "run_save", run_save)
+
+
+def test_a_leave_at_a_scheduled_checkpoint_step_checks_that_its_save_committed(generations, monkeypatch):
+    """R3-2: the step the group leaves from is also a scheduled checkpoint step: its save is issued
+    by the schedule, and the commit check before leaving must still see that it failed."""
+    from checkpointing import CheckpointError
+    run = generations(checkpoint_every=4)
+    ctx = run.context("fresh")
+    ctx.prepare_model(nn.Linear(4, 1))
+    ctx.restore()
+    for _ in range(3):
+        ctx.report(loss=1.0)
+    _failing_save_at(monkeypatch, 4)
+    ctx._preempted.set()                       # a notice to every rank (world 1): leave with a commit
+    with pytest.raises(CheckpointError, match="step 4, taken before the group changes, was not committed"):
+        ctx.report(loss=1.0)
+
+
+def test_a_checkpoint_plan_whose_checkpoint_vanished_is_a_storage_error_not_a_start_over(generations):
+    """R3-1: the controller planned a restore of step 3; the checkpoint is gone by the time the
+    ranks load. Starting over from step 0 silently would throw the run's progress away."""
+    from checkpointing import StorageError
+    run = generations()
+    ctx = run.context("checkpoint", step=3)
+    ctx.prepare_model(nn.Linear(4, 1))
+    with pytest.raises(StorageError, match="checkpoint of step 3 .* is no longer committed"):
+        ctx.restore()
+    ctx = run.context("checkpoint")           # nothing planned from a listing: a fresh start, as before
+    ctx.prepare_model(nn.Linear(4, 1))
+    assert ctx.restore() == 0
+
+
+def test_a_nonfinite_loss_whose_exchange_the_broken_group_abandoned_is_reported(generations):
+    """R3-3: the group breaks before the step's exchange is collected; abandon() still checks its
+    loss and hands the error back for the worker to report, and the step is never committed."""
+    from elastic import NonFiniteLossError
+    run = generations(checkpoint_every=None)
+    ctx = run.context("fresh")
+    ctx.prepare_model(nn.Linear(4, 1))
+    ctx.restore()
+    ctx.report(loss=1.0)
+    ctx.report(loss=float("nan"))              # its exchange is collected at the next report...
+    error = ctx._abandon()                     # ... which never comes: the group broke
+    assert isinstance(error, NonFiniteLossError) and "the loss of step 2 is nan" in str(error)
+    assert run.worker.checkpoints.nonfinite_step == 2
+    ignoring = generations(on_nonfinite_loss="ignore")
+    ctx = ignoring.context("fresh")
+    ctx.prepare_model(nn.Linear(4, 1))
+    ctx.restore()
+    ctx.report(loss=float("nan"))
+    assert ctx._abandon() is None              # "ignore" trains on
+
+
+def test_an_fsdp_group_leaving_at_the_final_step_commits_it(generations):
+    """R3-9: no copies are taken at the final step, so a group leaving from it (a rescale) does
+    not keep that step in memory: it commits it instead of restoring older copies."""
+    from elastic._worker.step_boundary import StepOutcome
+    run = generations(in_memory_every=100, total_steps=3)
+    ctx = run.context("fresh")
+    ctx.prepare_model(nn.Linear(4, 1))
+    ctx.restore()
+    run.worker.warm.capable = False           # FSDP: no rank holds a full replica
+    rescale = StepOutcome(stop=True, preempted=0, commit=False)
+    ctx.report(loss=1.0)
+    ctx.report(loss=1.0)
+    assert ctx._stays_in_memory(rescale)       # step 2: copies of the step the group leaves from
+    ctx.report(loss=1.0)
+    assert ctx.step == 3 and not ctx._stays_in_memory(rescale)
