@@ -167,6 +167,26 @@ class StorageOutage(Fault):
 
 
 @dataclass(frozen=True, kw_only=True)
+class StorageStall(Fault):
+    """Object storage stalls: every request, reads and writes, hangs for `duration_s` and then
+    goes through (S3 stalls of about 55 s have been seen). Nothing may be judged hung for it:
+    storage calls stay off the paths that judge the workers, and the run lease, renewed on its own
+    thread, outlasts a stall shorter than its staleness bound. With `kill`, one worker is
+    SIGKILLed once the stall has begun, so that the recovery's re-form (its fence, its listing)
+    runs inside the stall: that recovery is due, with the killed worker's cause."""
+
+    kind: ClassVar[str] = "storage_stall"
+    duration_s: float = 20.0
+    kill: bool = False
+
+    def __post_init__(self) -> None:
+        _check_positive("duration_s", self.duration_s)
+
+    def expectation(self, heartbeat_timeout_s: float) -> Expectation:
+        return Expectation(required=self.kill, causes=("worker_died",))
+
+
+@dataclass(frozen=True, kw_only=True)
 class CrashBeforeCommit(Fault):
     """Rank 0 is killed while a step directory holds shards but no COMMITTED manifest: the
     half-written checkpoint must never be loaded. Waits up to `within_s` for such a moment."""
@@ -280,8 +300,8 @@ class SecondRun(Fault):
 
 
 FAULT_TYPES: dict[str, type[Fault]] = {cls.kind: cls for cls in (
-    KillWorker, KillNode, Hang, Slow, Partition, StorageOutage, CrashBeforeCommit, CorruptCheckpoint,
-    Preempt, UserError, LateCommit, SecondRun)}
+    KillWorker, KillNode, Hang, Slow, Partition, StorageOutage, StorageStall, CrashBeforeCommit,
+    CorruptCheckpoint, Preempt, UserError, LateCommit, SecondRun)}
 
 
 def fault_from_dict(data: dict[str, Any]) -> Fault:

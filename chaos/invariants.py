@@ -32,6 +32,8 @@ see the violation reported. `check_all` returns one Verdict per invariant:
                             no generation between the writer and the loader restarted from an
                             earlier step (the writer's commit was not a fenced writer's late
                             commit), and the writer had not started past the step
+  no_false_hang             no rank was judged hung while object storage stalled or refused
+                            writes (a storage_stall or storage_outage, plus a heartbeat timeout)
   intruders_refused         a late_commit zombie's commit was refused (FencedError), or, when its
                             PUT landed, the fence history rejects it; it never replaced a newer
                             generation's manifest nor deleted anything; a second_run exited
@@ -150,7 +152,7 @@ def check_all(ev: Evidence) -> list[Verdict]:
     return [terminates_typed(ev), committed_steps_kept(ev, matches), no_bad_checkpoint_loaded(ev, matches),
             model_matches_reference(ev), data_order_matches_reference(ev), metrics_complete(ev),
             faults_recovered(ev, matches), no_committed_checkpoint_lost(ev),
-            no_checkpoint_from_wrong_generation(ev), intruders_refused(ev)]
+            no_checkpoint_from_wrong_generation(ev), intruders_refused(ev), no_false_hang(ev)]
 
 
 # ---- the invariants --------------------------------------------------------------------------
@@ -519,6 +521,27 @@ def _second_run_problems(invoke: dict) -> tuple[list[str], str]:
         problems.append(f"{name}: the first run did not go on: {went_on.get('why') or went_on}")
     outcome = f"second_run: exit {d.get('exit_code')} after {d.get('elapsed_s')}s"
     return problems, outcome
+
+
+STORAGE_FAULTS = ("storage_stall", "storage_outage")
+
+
+def no_false_hang(ev: Evidence) -> Verdict:
+    """No rank is judged hung because object storage stalled or refused: storage calls stay off
+    the paths that judge the workers. A hang failure detected while a storage fault lasted (or
+    within a heartbeat timeout after it) is a false alarm; no fault of these kinds hangs a rank."""
+    windows = [(e["t"], e["t"] + float(e["fault"].get("duration_s") or 0.0) + ev.heartbeat_timeout_s,
+                e["fault"]["kind"]) for e in ev.events("invoke") if e["fault"]["kind"] in STORAGE_FAULTS]
+    if not windows:
+        return Verdict("no_false_hang", SKIP, "no storage fault was injected")
+    false = [f"rank(s) {f.get('ranks')} judged hung at {f['detected_at']:.1f} during a {kind} "
+             f"({start:.1f}-{end:.1f})"
+             for r in ev.recoveries() for f in r.get("failures") or []
+             if f.get("cause") == "hang" and f.get("detected_at") is not None
+             for start, end, kind in windows if start <= f["detected_at"] <= end]
+    return Verdict("no_false_hang", FAIL if false else PASS,
+                   "; ".join(false) or f"no hang judged during {len(windows)} storage fault(s)",
+                   {"windows": windows, "false_hangs": false})
 
 
 def intruders_refused(ev: Evidence) -> Verdict:

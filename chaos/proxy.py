@@ -9,6 +9,9 @@ the client signed) unless a fault is active:
   hold(suffix)       writes to keys ending in `suffix` are held, not forwarded, until
                      `release(drop=...)`: dropped ones are answered 503 and never reach the
                      store (a commit lost with its writer), the others go through late.
+  stall(duration)    every request, reads too, waits until the stall ends and then goes through,
+                     as S3 stalls for tens of seconds; a client timing out first retries into
+                     the same stall.
 
 Every request is counted by outcome so the history shows that a fault really bit. Root can
 write through any file mode, so refusing writes at the protocol level is the real mechanism.
@@ -36,10 +39,11 @@ class FaultProxy:
         self.upstream = (parts.hostname, parts.port or 80)
         self._lock = threading.Condition()
         self._refuse_until = 0.0
+        self._stall_until = 0.0
         self._hold_suffix: str | None = None
         self._held = 0
         self._release: str | None = None      # None while holding; "drop" or "forward" once released
-        self.counts = {"forwarded": 0, "refused": 0, "held": 0, "dropped": 0, "errors": 0}
+        self.counts = {"forwarded": 0, "refused": 0, "held": 0, "dropped": 0, "stalled": 0, "errors": 0}
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -66,9 +70,27 @@ class FaultProxy:
     def stop_refusing(self) -> None:
         with self._lock:
             self._refuse_until = 0.0
+        self._stall_until = 0.0
 
     def refusing(self) -> bool:
         return time.monotonic() < self._refuse_until
+
+    def stall(self, duration_s: float) -> None:
+        with self._lock:
+            self._stall_until = time.monotonic() + duration_s
+
+    def stop_stalling(self) -> None:
+        with self._lock:
+            self._stall_until = 0.0
+            self._lock.notify_all()
+
+    def _wait_out_stall(self) -> None:
+        with self._lock:
+            if time.monotonic() >= self._stall_until:
+                return
+            self.counts["stalled"] += 1
+            while (left := self._stall_until - time.monotonic()) > 0:
+                self._lock.wait(timeout=left)
 
     def hold(self, suffix: str) -> None:
         with self._lock:
@@ -96,6 +118,7 @@ class FaultProxy:
     def close(self) -> None:
         self.release(drop=False)
         self.stop_refusing()
+        self.stop_stalling()
         self._server.shutdown()
         self._server.server_close()
 
@@ -107,6 +130,7 @@ class FaultProxy:
     def _handle(self, req: BaseHTTPRequestHandler) -> None:
         body = _read_body(req)
         path = urlsplit(req.path).path
+        self._wait_out_stall()
         if req.command in _WRITE_METHODS:
             if self.refusing():
                 self._count("refused")

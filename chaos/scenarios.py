@@ -24,6 +24,7 @@ from chaos.faults import (
     SecondRun,
     Slow,
     StorageOutage,
+    StorageStall,
     UserError,
 )
 from chaos.schedule import Schedule, fixed, randomized
@@ -113,6 +114,16 @@ def _commit(sc: Scenario, seed: int) -> Schedule:
     return fixed(_spread(rng, [SecondRun(), *zombies], gap_s=5.0), seed=seed)
 
 
+def _storage_stall(sc: Scenario, seed: int) -> Schedule:
+    # A stall with a worker killed inside it (the re-form fences and lists while storage hangs),
+    # a longer one across the run lease's renewals, then a second run on the storage: the lease
+    # renewed through the stalls must still refuse it. The stalls' lengths are the seed's.
+    rng = random.Random(seed)
+    faults = [StorageStall(duration_s=round(rng.uniform(15, 25), 1), kill=True),
+              StorageStall(duration_s=round(rng.uniform(25, 35), 1)), SecondRun()]
+    return fixed(_spread(rng, faults, gap_s=12.0, start_s=5.0), seed=seed)
+
+
 MIXED_MENU = [
     (3.0, lambda r: KillWorker(target=r.choice(["one", "one", "minority"]))),
     (1.5, lambda r: KillNode(target="one")),
@@ -121,6 +132,7 @@ MIXED_MENU = [
                          stopped_share=round(r.uniform(0.5, 0.85), 2))),
     (1.5, lambda r: Preempt(target="one")),
     (1.5, lambda r: StorageOutage(duration_s=round(r.uniform(4, 12), 1))),
+    (1.0, lambda r: StorageStall(duration_s=round(r.uniform(10, 25), 1), kill=r.random() < 0.5)),
     (1.0, lambda r: CrashBeforeCommit()),
     (1.0, lambda r: CorruptCheckpoint()),
     (1.0, lambda r: Partition(target="one", duration_s=round(r.uniform(16, 24), 1))),
@@ -151,6 +163,9 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              build=_stragglers, steps=2500),
     Scenario(name="storage", description="S3 write outages, crashes between shards and commit, rotted shards",
              build=_storage, steps=3500),
+    Scenario(name="storage-stall", description="S3 stalls of every request (15-35 s), one with a worker killed "
+                                               "inside it, then a second run on the storage",
+             build=_storage_stall, steps=3000, workers="2:2"),
     Scenario(name="partition", description="3 link cuts of one node's network namespace, 15-25 s each",
              build=_partition, steps=3000, heartbeat_timeout_s=6.0, nodes=4, namespaced=True),
     Scenario(name="commit", description="attacks on the commit protocol: a second run on the storage, a fenced "
@@ -159,7 +174,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              # it reaches its lease check (after its imports and Ray start, tens of seconds here).
              build=_commit, steps=3000, workers="2:2", checkpoint_every=20, heartbeat_timeout_s=6.0,
              job_timeout_s=900),
-    Scenario(name="mixed", description="a user error, then 50 faults of 11 kinds, one every 20-30 s",
+    Scenario(name="mixed", description="a user error, then 50 faults of 13 kinds, one every 20-30 s",
              # Every 20 steps (a few seconds): each fault waits for a commit since the previous
              # one (the gate), so the interval bounds how close faults can come.
              build=_mixed, steps=2000, model_size="small", checkpoint_every=20, nodes=4, namespaced=True,

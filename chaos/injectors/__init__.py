@@ -112,8 +112,13 @@ def build_injectors(env: Env) -> dict[str, Injector]:
     from chaos.injectors.node import KillNodeInjector
     from chaos.injectors.partition import PartitionInjector
     from chaos.injectors.process import HangInjector, KillWorkerInjector, PreemptInjector, SlowInjector
-    from chaos.injectors.storage import CorruptCheckpointInjector, CrashBeforeCommitInjector, StorageOutageInjector
+    from chaos.injectors.storage import (
+        CorruptCheckpointInjector,
+        CrashBeforeCommitInjector,
+        StorageOutageInjector,
+        StorageStallInjector,
+    )
     classes = (KillWorkerInjector, PreemptInjector, HangInjector, SlowInjector, KillNodeInjector,
-               PartitionInjector, StorageOutageInjector, CrashBeforeCommitInjector, CorruptCheckpointInjector,
-               LateCommitInjector, SecondRunInjector)
+               PartitionInjector, StorageOutageInjector, StorageStallInjector, CrashBeforeCommitInjector,
+               CorruptCheckpointInjector, LateCommitInjector, SecondRunInjector)
     return {cls.kind: cls(env) for cls in classes}

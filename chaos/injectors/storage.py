@@ -1,13 +1,14 @@
-"""Faults on checkpoint storage: an outage that refuses writes, a crash between the shards and
-the commit, and bit rot in a committed shard."""
+"""Faults on checkpoint storage: an outage that refuses writes, a stall of every request, a
+crash between the shards and the commit, and bit rot in a committed shard."""
 from __future__ import annotations
 
 import random
 import signal
 import time
 
-from chaos.faults import CorruptCheckpoint, CrashBeforeCommit, Fault
+from chaos.faults import CorruptCheckpoint, CrashBeforeCommit, Fault, StorageStall
 from chaos.injectors import Active, Injector, Skip, Unsupported
+from chaos.injectors.process import _detail
 from chaos.procs import Proc
 
 _POLL_S = 0.005   # polling interval of the local-storage watch for a half-written checkpoint
@@ -32,6 +33,33 @@ class StorageOutageInjector(Injector):
         self.env.proxy.stop_refusing()
         after = self.env.proxy.snapshot()
         return {"refused_requests": after["refused"] - active.state["refused"]}
+
+
+class StorageStallInjector(Injector):
+    kind = "storage_stall"
+
+    def setup(self) -> None:
+        if self.env.proxy is None:
+            raise Unsupported("storage_stall needs s3:// storage (the runner puts a fault proxy in front of it)")
+
+    def invoke(self, fault: Fault, rng: random.Random) -> Active:
+        assert isinstance(fault, StorageStall)
+        before = self.env.proxy.snapshot()
+        # Stalled for longer than asked: the heal ends the stall (see StorageOutageInjector).
+        self.env.proxy.stall(fault.duration_s + 3600)
+        detail: dict = {"stalling": "every request"}
+        if fault.kill:
+            # The death is seen through Ray, not storage: the recovery starts inside the stall.
+            workers = self.targets("one", rng)
+            procs = self.procs(workers)
+            detail.update(_detail(workers, procs, [p.signal(signal.SIGKILL) for p in procs]))
+            detail["acted_at"] = round(time.time(), 3)
+        return Active(fault, detail, state=before)
+
+    def heal(self, active: Active) -> dict:
+        self.env.proxy.stop_stalling()
+        after = self.env.proxy.snapshot()
+        return {"stalled_requests": after["stalled"] - active.state["stalled"]}
 
 
 class CrashBeforeCommitInjector(Injector):

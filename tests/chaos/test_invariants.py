@@ -53,7 +53,8 @@ def summary(ev: dict) -> dict:
 def test_a_good_history_passes_every_invariant():
     assert set(verdicts(good()).values()) == {PASS, SKIP}
     assert [name for name, status in verdicts(good()).items() if status == SKIP] == [
-        "data_order_matches_reference", "intruders_refused"]         # summaries without it; no intruder
+        "data_order_matches_reference", "intruders_refused", "no_false_hang"]   # summaries without it; no
+                                                                                 # intruder; no storage fault
 
 
 def test_a_recovery_older_than_a_commit_made_before_the_fault_loses_a_committed_step():
@@ -412,3 +413,23 @@ def test_a_fault_that_reports_when_it_acted_is_matched_from_then():
     assert result["committed_steps_kept"].status == PASS
     del ev["history"][[e["t"] for e in ev["history"]].index(40.0)]["detail"]["acted_at"]
     assert verdicts(ev)["faults_recovered"] == FAIL
+
+
+def _storage_stall_at(ev: dict, t: float, duration_s: float) -> None:
+    ev["history"].append({"t": t, "type": "invoke", "index": 9,
+                          "fault": {"kind": "storage_stall", "duration_s": duration_s, "kill": False},
+                          "detail": {"stalling": "every request"}})
+
+
+def test_a_hang_judged_while_storage_stalled_is_a_false_hang():
+    ev = good()
+    hang = {"cause": "hang", "rung": "warm", "detect_s": 10.0, "recover_s": 1.0, "lost_steps": 0,
+            "from_world": 2, "to_world": 2, "step": 90, "generation": 3, "detected_at": 80.0,
+            "recovered_at": 81.0, "failures": [{"cause": "hang", "ranks": [1], "detected_at": 80.0}]}
+    summary(ev)["recoveries"].append(hang)
+    _storage_stall_at(ev, 75.0, 20.0)
+    assert verdicts(ev)["no_false_hang"] == FAIL
+    ev = good()
+    summary(ev)["recoveries"].append(hang)
+    _storage_stall_at(ev, 10.0, 20.0)         # over (and a heartbeat timeout past it) before the hang
+    assert verdicts(ev)["no_false_hang"] == PASS
