@@ -67,3 +67,44 @@ def test_a_held_commit_is_dropped_or_forwarded_late(s3, drop):
     writer.join(timeout=20)
     assert exists(direct, "run/step_00000010/COMMITTED") is (not drop)
     assert ("error" in outcome) is drop
+
+
+def test_a_stall_holds_reads_and_writes_until_it_ends():
+    """Against a stand-in upstream that is never reached while the stall lasts: requests wait in
+    the proxy (counted as stalled), and go through once the stall is ended."""
+    import http.client
+    import http.server
+
+    class Upstream(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"ok")
+
+        def log_message(self, *args):
+            pass
+
+    upstream = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    proxy = FaultProxy(f"http://127.0.0.1:{upstream.server_address[1]}")
+    answers: list[int] = []
+    try:
+        proxy.stall(3600)
+
+        def get():
+            conn = http.client.HTTPConnection(proxy.endpoint.split("//")[1], timeout=30)
+            conn.request("GET", "/bucket/key")
+            answers.append(conn.getresponse().status)
+            conn.close()
+        thread = threading.Thread(target=get)
+        thread.start()
+        thread.join(timeout=1.0)
+        assert thread.is_alive() and answers == [] and proxy.snapshot()["stalled"] == 1
+        proxy.stop_stalling()
+        thread.join(timeout=10)
+        assert answers == [200] and proxy.snapshot()["forwarded"] == 1
+    finally:
+        proxy.close()
+        upstream.shutdown()
+        upstream.server_close()
