@@ -9,9 +9,11 @@ one PUT; local files: temp file + fsync + rename), and turns backend exceptions 
 Conditional writes (`read_versioned` + `put_if`) are what make a commit or a fence update a
 compare-and-swap rather than check-then-act:
   s3://      `If-None-Match: *` (create only) and `If-Match: <ETag>` (replace only that version) on
-             the PUT. A store that ignores these headers is found by a probe on first use and
-             then gets check-then-put with a warning (the fence history still rejects a late
-             commit from a fenced writer; see manifest.py).
+             the PUT. A store that ignores these headers, or refuses them (501, or a 400 that
+             names the header), is found by a probe on first use and then gets check-then-put
+             with a warning (the fence history still rejects a late commit from a fenced writer;
+             see manifest.py). A probe that fails otherwise (an expired token, a timeout) decides
+             nothing: it is raised and the next conditional write probes again.
   local      create: `os.link` of a fsynced temp file (fails if the name exists); replace: under an
              exclusive `flock` of a sidecar lock file, compare the content hash then `os.replace`.
   memory://  under a process-wide lock (memory:// is one process's dict).
@@ -59,15 +61,26 @@ def _chain(e: BaseException) -> Iterator[BaseException]:
         link = link.__cause__ or link.__context__
 
 
+# A 400 that answers the conditional header itself (`If-None-Match header is not supported`),
+# not the request around it (ExpiredToken, RequestTimeout, AuthorizationHeaderMalformed: 400s too).
+_NAMES_CONDITION = ("if-none-match", "if-match", "conditional")
+
+
 def _refuses_header(e: BaseException) -> bool:
-    """An S3-compatible store that rejects a conditional header outright (501, 400)."""
+    """An S3-compatible store that refuses a conditional header outright: 501 NotImplemented, or
+    a 400 whose error names the header. Any other error says nothing about the headers."""
     for link in _chain(e):
         response = getattr(link, "response", None)
         if isinstance(response, dict):
-            code = str((response.get("Error") or {}).get("Code", ""))
+            error = response.get("Error") or {}
+            code = str(error.get("Code", ""))
             status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
-            if code in ("NotImplemented", "InvalidArgument", "InvalidRequest") or status in (400, 501):
+            if code == "NotImplemented" or status == 501:
                 return True
+            if status == 400 or code in ("InvalidArgument", "InvalidRequest"):
+                said = " ".join(str(v) for v in error.values()).lower()
+                if any(name in said for name in _NAMES_CONDITION):
+                    return True
     return False
 
 
@@ -387,7 +400,10 @@ class Storage:
 
     def _probe_s3_conditional(self) -> bool:
         """True/False when the store answered clearly; raises when the probe itself failed
-        (a transient error must not switch the process to check-then-put for good)."""
+        (a transient error must not switch the process to check-then-put for good). Clear
+        answers: the headers are honoured (True), ignored (a second create or a wrong If-Match
+        went through), or refused (`_refuses_header`). Anything else, an expired token or a
+        timeout included, is raised, and the caller's next conditional write probes again."""
         probe = f"{self.root}/.conditional-write-probe-{uuid.uuid4().hex}"
         try:
             try:
