@@ -4,7 +4,8 @@ Everything else in `checkpointing` names locations by URL (`runs/x`, `file:///ab
 `s3://bucket/prefix`) and goes through `Storage`. This module decides how a URL maps to a
 filesystem, which caches are off (commit markers must be read fresh: fsspec caches directory
 listings and filesystem instances), how a small object is written atomically (S3 has no rename:
-one PUT; local files: temp file + fsync + rename), and turns backend exceptions into `StorageError`.
+one PUT; local files: temp file + fsync + rename), and turns backend exceptions into `StorageError`,
+naming the URL and its paths as `display_url` shows them (no password).
 
 Conditional writes (`read_versioned` + `put_if`) are what make a commit or a fence update a
 compare-and-swap rather than check-then-act:
@@ -34,6 +35,7 @@ from typing import IO
 from fsspec.core import split_protocol, url_to_fs
 
 from checkpointing.errors import StorageError
+from checkpointing.masking import mask_text, mask_url
 
 log = logging.getLogger("checkpointing")
 
@@ -130,12 +132,13 @@ class Storage:
         if not url:
             raise StorageError("empty storage URL: set CheckpointManager(url=...)", url=url)
         self.url = url.rstrip("/") or url
+        self.display_url = mask_url(self.url)   # as messages and logs show it: no password
         self.storage_options = dict(storage_options or {})
         try:
             self.fs, root = url_to_fs(self.url, **_fs_options(self.url, storage_options))
         except (ImportError, ValueError, TypeError) as e:
             raise StorageError(
-                f"cannot open storage {self.url!r}: {e}; check the URL scheme and storage_options",
+                f"cannot open storage {self.display_url!r}: {e}; check the URL scheme and storage_options",
                 url=self.url,
             ) from e
         self.root = root.rstrip("/") or root
@@ -157,10 +160,23 @@ class Storage:
             return path
         return self.fs.unstrip_protocol(path)
 
+    def display(self, path: str) -> str:
+        """A path under this storage, or its URL (`url_for`), as messages and logs show it: under
+        `display_url` when the URL has a password to hide, whichever way the backend maps URLs to
+        paths (an HTTP path is the whole URL, memory:// keeps the user-info as text of the
+        path); any other path as `url_for` names it, with every URL in it masked."""
+        if self.display_url != self.url:
+            for base in (self.root, self.url_for(self.root)):
+                base = base.rstrip("/")
+                if path == base or path.startswith(base + "/"):
+                    return self.display_url + path[len(base):]
+        return mask_text(self.url_for(path))
+
     def _error(self, op: str, path: str, e: BaseException) -> StorageError:
+        # The backend's text may name the URL too (an endpoint, the key): masked like the rest.
         return StorageError(
-            f"{op} {self.url_for(path)!r} failed: {type(e).__name__}: {e} "
-            f"(storage {self.url!r}; check credentials/endpoint in storage_options or AWS_* variables)",
+            f"{op} {self.display(path)!r} failed: {type(e).__name__}: {mask_text(str(e))} "
+            f"(storage {self.display_url!r}; check credentials/endpoint in storage_options or AWS_* variables)",
             url=self.url,
         )
 
@@ -381,7 +397,7 @@ class Storage:
             _WARNED.add(key)
             log.warning("storage %s has no conditional writes%s: commits and fence updates are "
                         "check-then-put (a fenced writer's late commit is still rejected by the fence "
-                        "history, but can overwrite a manifest)", self.url, why)
+                        "history, but can overwrite a manifest)", self.display_url, why)
 
     def _s3_conditional_ok(self) -> bool:
         """Whether this S3 store honours If-None-Match / If-Match on PUT; probed once per process
@@ -394,7 +410,8 @@ class Storage:
             if key not in _PROBED:
                 _PROBED[key] = self._probe_s3_conditional()  # raises (uncached) if inconclusive
                 if not _PROBED[key]:
-                    self._warn_unconditional(f" (the S3 endpoint {endpoint or 'AWS'} ignores If-None-Match "
+                    shown = mask_url(endpoint) if endpoint else "AWS"
+                    self._warn_unconditional(f" (the S3 endpoint {shown} ignores If-None-Match "
                                              f"or If-Match on bucket {bucket!r})")
             return _PROBED[key]
 

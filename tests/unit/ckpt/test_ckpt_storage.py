@@ -4,14 +4,17 @@ Storage, its errors made as botocore and s3fs make them."""
 from __future__ import annotations
 
 import logging
+import uuid
 
 import pytest
 from botocore.exceptions import ClientError
 from s3fs.errors import translate_boto_error
 
 import checkpointing.storage as storage_module
-from checkpointing import StorageError
+from checkpointing import CheckpointManager, FencedError, RunConflictError, SaveFailureLimitError, StorageError
+from checkpointing.lease import acquire_run_lease
 from checkpointing.storage import PreconditionFailed, Storage
+from ckpt_conformance import make_state
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -120,3 +123,80 @@ def test_r3_7_a_store_that_refuses_the_header_is_cached_as_unconditional(s3_stor
         assert st._s3_conditional_ok() is False          # cached: no second probe
     assert store.puts == 1
     assert any("no conditional writes" in r.message for r in caplog.records)
+
+
+# ---- R3-8: no URL password in a message or a log line ----------------------------------------------
+SECRET_URL = "http://alice:hunter2@127.0.0.1:9/runs/x"
+
+
+def test_r3_8_a_storage_error_shows_no_password_of_the_url_nor_of_the_wrapped_error():
+    st = Storage(SECRET_URL)
+
+    class Refusing:
+        def __init__(self, fs):
+            self._fs = fs
+
+        def __getattr__(self, name):
+            return getattr(self._fs, name)
+
+        def pipe_file(self, path, data):
+            raise OSError(f"Cannot connect to host for {path}")     # a backend's text names the URL
+
+    st.fs = Refusing(st.fs)
+    with pytest.raises(StorageError) as raised:
+        st.write_atomic(st.path("status.json"), b"{}")
+    text = str(raised.value)
+    assert "hunter2" not in text, text
+    assert "http://alice:***@127.0.0.1:9/runs/x/status.json" in text
+    assert raised.value.url == SECRET_URL                # the attribute still opens the storage
+    assert st.display_url == "http://alice:***@127.0.0.1:9/runs/x"
+
+
+def test_r3_8_checkpointing_errors_mask_every_url_in_their_text():
+    error = StorageError(f"x {SECRET_URL}/a failed: OSError: GET 'https://u:pw@host:1/b' (storage 'http://tok@h/c')")
+    assert str(error) == ("x http://alice:***@127.0.0.1:9/runs/x/a failed: OSError: GET 'https://u:***@host:1/b' "
+                          "(storage 'http://***@h/c')")
+    assert str(StorageError("http://host:9000/a@b and s3://bucket/k")) == "http://host:9000/a@b and s3://bucket/k"
+
+
+class _RefusingWrites:
+    """The storage's filesystem, refusing every write (a quota, a revoked credential)."""
+
+    def __init__(self, fs):
+        self._fs = fs
+
+    def __getattr__(self, name):
+        return getattr(self._fs, name)
+
+    def open(self, path, mode="rb", **kwargs):
+        if "w" in mode:
+            raise PermissionError("injected: storage refuses writes")
+        return self._fs.open(path, mode, **kwargs)
+
+
+def test_r3_8_the_managers_and_the_leases_messages_show_no_password(caplog):
+    """A URL's user-info as memory:// keeps it: in the URL and, as text, in every path under it."""
+    url = f"memory://alice:hunter2@ckpt-{uuid.uuid4().hex[:10]}/run"
+    mgr = CheckpointManager(url, async_save=False, max_consecutive_failures=1)
+    mgr.set_generation(3)
+    with caplog.at_level(logging.INFO, logger="checkpointing"):
+        mgr.save(1, make_state(1), generation=3)
+        assert mgr.wait().step == 1
+        with pytest.raises(FencedError) as fenced:
+            mgr.save(2, make_state(2), generation=2)
+        mgr.storage.fs = _RefusingWrites(mgr.storage.fs)
+        with pytest.raises(SaveFailureLimitError) as limit:
+            mgr.save(4, make_state(4), generation=3)
+    shown = [str(fenced.value), str(limit.value), limit.value.last_cause or ""]
+    # checkpointing's own lines (torch's DCP logger, a NullHandler unless configured, names its paths)
+    logged = [r.getMessage() for r in caplog.records if r.name == "checkpointing"]
+    assert any("committed step 1" in line and "alice:***@" in line for line in logged), logged
+    assert any("checkpoint save to" in line and "alice:***@" in line for line in logged), logged
+    assert "alice:***@" in str(fenced.value) and "alice:***@" in str(limit.value)
+    acquire_run_lease(url, "run-a")
+    with pytest.raises(RunConflictError) as conflict:
+        acquire_run_lease(url, "run-b")
+    shown.append(str(conflict.value))
+    assert "alice:***@" in str(conflict.value)
+    assert not [text for text in shown + logged if "hunter2" in text], shown + logged
+    assert mgr.storage.display_url == url.replace("hunter2", "***")
