@@ -5,7 +5,8 @@ Everything else in `checkpointing` names locations by URL (`runs/x`, `file:///ab
 filesystem, which caches are off (commit markers must be read fresh: fsspec caches directory
 listings and filesystem instances), how a small object is written atomically (S3 has no rename:
 one PUT; local files: temp file + fsync + rename), and turns backend exceptions into `StorageError`,
-naming the URL and its paths as `display_url` shows them (no password).
+naming the URL and its paths as `display_url` shows them (no password). `file:///` is the
+filesystem root and `memory://` the memory store's root (trailing slashes go from the path only).
 
 Conditional writes (`read_versioned` + `put_if`) are what make a commit or a fence update a
 compare-and-swap rather than check-then-act:
@@ -131,7 +132,7 @@ class Storage:
     def __init__(self, url: str, storage_options: dict | None = None) -> None:
         if not url:
             raise StorageError("empty storage URL: set CheckpointManager(url=...)", url=url)
-        self.url = url.rstrip("/") or url
+        self.url = _without_trailing_slash(url)
         self.display_url = mask_url(self.url)   # as messages and logs show it: no password
         self.storage_options = dict(storage_options or {})
         try:
@@ -153,7 +154,11 @@ class Storage:
 
     # ---- paths -------------------------------------------------------------------------------
     def path(self, *parts: str) -> str:
-        return "/".join([self.root, *[p.strip("/") for p in parts if p]])
+        names = [p.strip("/") for p in parts if p]
+        if not names:
+            return self.root
+        # The filesystem root ("/", "file:///") joins as "/x", not "//x".
+        return "/".join([self.root if self.root != "/" else "", *names])
 
     def url_for(self, path: str) -> str:
         if self.is_local:
@@ -505,6 +510,19 @@ class Storage:
             fileno = getattr(stream, "fileno", None)
             if fileno is not None:
                 os.fsync(fileno())
+
+
+def _without_trailing_slash(url: str) -> str:
+    """`url` without trailing slashes on its path, and nothing else: `file:///` stays the
+    filesystem root (stripped whole it became "file:", a relative path: the process's cwd) and
+    `memory://` the memory store's root (not a local folder named "memory:")."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url.rstrip("/") or url               # "/" stays the root
+    stripped = rest.rstrip("/")
+    if not stripped and rest:
+        stripped = "/"                              # file:///, file:////: the root
+    return f"{scheme}://{stripped}"
 
 
 async def _s3_get_with_etag(fs, path: str) -> tuple[bytes, str]:

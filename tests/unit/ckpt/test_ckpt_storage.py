@@ -4,6 +4,7 @@ Storage, its errors made as botocore and s3fs make them."""
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 
 import pytest
@@ -200,3 +201,24 @@ def test_r3_8_the_managers_and_the_leases_messages_show_no_password(caplog):
     assert "alice:***@" in str(conflict.value)
     assert not [text for text in shown + logged if "hunter2" in text], shown + logged
     assert mgr.storage.display_url == url.replace("hunter2", "***")
+
+
+# ---- R3-9: the root URLs --------------------------------------------------------------------------
+def test_r3_9_file_root_url_is_the_filesystem_root_not_the_cwd(tmp_path, monkeypatch):
+    """`file:///` was stripped to "file:", a relative path: every process wrote under its own cwd."""
+    monkeypatch.chdir(tmp_path)
+    for url in ("file:///", "file:////", "/"):
+        st = Storage(url)
+        assert st.is_local and st.root == "/" and st.path("checkpoints") == "/checkpoints", url
+    assert Storage("file:///").url == "file:///"
+    assert Storage("file:///tmp//").root == "/tmp"
+    from elastic.config import normalized_storage
+    assert Storage(normalized_storage("file:///")).root == Storage(normalized_storage("/")).root == "/"
+    assert not os.listdir(tmp_path)
+
+
+def test_r3_9_the_memory_root_url_is_the_memory_store_not_a_local_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    st = Storage("memory://")
+    assert st._is_memory() and not st.is_local
+    assert st.url == "memory://"
