@@ -129,7 +129,7 @@ def _read_metadata(storage: Storage, info: mf.CommitInfo) -> tuple[Any, list[dic
     try:
         return pickle.loads(raw), []
     except Exception as e:  # a manifest-matching file that does not unpickle
-        raise CheckpointError(f"cannot read {info.path}/{name}: {type(e).__name__}: {e} (written by "
+        raise CheckpointError(f"cannot read {storage.display(info.path)}/{name}: {type(e).__name__}: {e} (written by "
                               f"an incompatible torch version?)", url=storage.url) from e
 
 
@@ -175,7 +175,7 @@ def _dcp_load(storage: Storage, info: mf.CommitInfo, state: dict) -> None:
     except (Exception, CheckpointException) as e:
         excs = [f[0] if isinstance(f, tuple) else f for f in getattr(e, "failures", {0: e}).values()]
         cls = StorageError if any(isinstance(x, (StorageError, OSError)) for x in excs) else CheckpointError
-        raise cls(f"reading step {info.step} from {info.path} failed: "
+        raise cls(f"reading step {info.step} from {storage.display(info.path)} failed: "
                   f"{'; '.join(f'{type(x).__name__}: {x}' for x in excs)}", url=storage.url) from e
 
 
@@ -205,7 +205,7 @@ def _module_names(storage: Storage, info: mf.CommitInfo, metadata: Any, checked:
         if LEGACY_MODULE in top:
             return [LEGACY_MODULE], []
         raise CheckpointError(
-            f"step {info.step} at {info.path} has no '{flat_kinds}' entry and no '{LEGACY_MODULE}' "
+            f"step {info.step} at {storage.display(info.path)} has no '{flat_kinds}' entry and no '{LEGACY_MODULE}' "
             f"entry (top-level entries: {top}): cannot tell which entries are modules", url=storage.url)
     files = _files_of(info, metadata, [flat_kinds]) - checked
     bad = _check(storage, info, files, rep)
@@ -225,12 +225,12 @@ def _modules_of_kinds(storage: Storage, info: mf.CommitInfo, raw: Any, top: list
         if not isinstance(kinds, dict):
             raise ValueError(f"expected a JSON object, got {type(kinds).__name__}")
     except (TypeError, ValueError) as e:
-        raise CheckpointError(f"step {info.step} at {info.path}: unreadable {flat_kinds} {raw!r}: {e}",
+        raise CheckpointError(f"step {info.step} at {storage.display(info.path)}: unreadable {flat_kinds} {raw!r}: {e}",
                               url=storage.url) from e
     modules = [name for name, kind in kinds.items() if kind == "module"]
     if not modules:
-        raise CheckpointError(f"step {info.step} at {info.path} holds no module (state kinds: {kinds})",
-                              url=storage.url)
+        raise CheckpointError(f"step {info.step} at {storage.display(info.path)} holds no module "
+                              f"(state kinds: {kinds})", url=storage.url)
     missing = [m for m in modules if m not in top]
     if missing:
         rep.warning(f"step {info.step}: module entries {missing} hold no saved items; exported empty")
@@ -264,18 +264,18 @@ def _reason(bad: list[dict]) -> str:
 def _select(storage: Storage, step: int | None, rep: _Reporter) -> _Selected:
     committed = mf.list_committed(storage, log=log)
     if not committed:
-        raise CheckpointError(f"no committed checkpoint under {storage.url}: nothing to export "
-                              f"(list them with `elastic ckpt list {storage.url}`)", url=storage.url)
+        raise CheckpointError(f"no committed checkpoint under {storage.display_url}: nothing to export "
+                              f"(list them with `elastic ckpt list {storage.display_url}`)", url=storage.url)
     if step is not None:
         chosen = [c for c in committed if c.step == step]
         if not chosen:
             raise CheckpointError(
-                f"no committed checkpoint at step {step} under {storage.url}; committed steps: "
+                f"no committed checkpoint at step {step} under {storage.display_url}; committed steps: "
                 f"{', '.join(str(c.step) for c in committed)}", url=storage.url)
         sel, bad = _verify_for_export(storage, chosen[0], rep)
         if sel is None:
             raise CorruptCheckpointError(
-                f"step {step} at {chosen[0].path} does not match its manifest ({_reason(bad)}); "
+                f"step {step} at {storage.display(chosen[0].path)} does not match its manifest ({_reason(bad)}); "
                 f"refusing to export it (without --step the newest checkpoint that verifies is "
                 f"exported)", url=storage.url)
         return sel
@@ -286,15 +286,15 @@ def _select(storage: Storage, step: int | None, rep: _Reporter) -> _Selected:
             sel.skipped = skipped
             return sel
         reason = _reason(bad)
-        rep.warning(f"checkpoint step {info.step} at {info.path} does not match its manifest "
+        rep.warning(f"checkpoint step {info.step} at {storage.display(info.path)} does not match its manifest "
                     f"({reason}); falling back to the previous committed checkpoint")
         skipped.append({"step": info.step, "reason": reason})
     detail = "; ".join(f"step {s['step']}: {s['reason']}" for s in skipped[:3])
     if len(skipped) > 3:
         detail += f"; and {len(skipped) - 3} older steps"
     raise CorruptCheckpointError(
-        f"no committed checkpoint under {storage.url} matches its manifest ({detail}); inspect "
-        f"with `elastic ckpt verify {storage.url}`", url=storage.url)
+        f"no committed checkpoint under {storage.display_url} matches its manifest ({detail}); inspect "
+        f"with `elastic ckpt verify {storage.display_url}`", url=storage.url)
 
 
 def _read_modules(storage: Storage, sel: _Selected, rep: _Reporter) -> tuple[dict, int, int]:
@@ -302,7 +302,7 @@ def _read_modules(storage: Storage, sel: _Selected, rep: _Reporter) -> tuple[dic
     count, size = _tensor_bytes(sel.metadata, keys)
     info = sel.info
     rep.info(f"step {info.step}: reading {', '.join(sel.modules)} ({count} tensors, {_size(size)}) "
-             f"from {info.path}")
+             f"from {storage.display(info.path)}")
     t0 = time.monotonic()
     state = _placeholders(sel.metadata, keys)
     if keys:

@@ -66,7 +66,8 @@ class _Candidates:
                 log.warning("%s", e)
                 return None
             if info is not None and self.fence is not None and (why := self.fence.rejects(info)):
-                log.warning("ignoring the manifest of step %d at %s: %s", step, info.path, why)
+                log.warning("ignoring the manifest of step %d at %s: %s", step, self.storage.display(info.path),
+                            why)
                 return None
             return dataclasses.asdict(info) if info is not None else None
         d = _on_rank0(self.group, read)
@@ -118,13 +119,13 @@ def load_latest(storage: Storage, state: dict, group: GroupView) -> mf.LoadResul
             newer = candidates.newer_committed(info.step)
             if newer:
                 raise StorageError(
-                    f"checkpoint step {info.step} under {storage.url} lost files while loading "
+                    f"checkpoint step {info.step} under {storage.display_url} lost files while loading "
                     f"({_reason(bad)}) and newer committed step(s) {newer} appeared meanwhile (another "
                     f"writer committed and collected); retry the load", url=storage.url)
         if bad:
             reason = _reason(bad)
             log.warning("checkpoint step %d at %s does not match its manifest (%s); falling back "
-                        "to the previous committed checkpoint", info.step, info.path, reason)
+                        "to the previous committed checkpoint", info.step, storage.display(info.path), reason)
             skipped.append({"step": info.step, "reason": reason})
             continue
         path = f"{mf.step_path(storage, info.step)}/{info.data_dir}".rstrip("/")
@@ -137,18 +138,18 @@ def load_latest(storage: Storage, state: dict, group: GroupView) -> mf.LoadResul
                     for f in getattr(e, "failures", {0: e}).values()]
             cls = StorageError if any(isinstance(x, (StorageError, OSError)) for x in excs) else CheckpointError
             raise cls(
-                f"loading step {info.step} from {info.path} failed: "
+                f"loading step {info.step} from {storage.display(info.path)} failed: "
                 f"{'; '.join(f'{type(x).__name__}: {x}' for x in excs)} (the state passed to "
                 f"load_latest must have the keys saved, built for the current world size)",
                 url=storage.url) from e
         log.info("loaded step %d (saved at world size %d, now %d) from %s in %.2fs",
-                 info.step, info.world_size, group.world_size, info.path, time.monotonic() - t0)
+                 info.step, info.world_size, group.world_size, storage.display(info.path), time.monotonic() - t0)
         return mf.LoadResult(step=info.step, world_size=info.world_size,
                              generation=info.generation, path=info.path, skipped=skipped,
                              meta=info.meta)
     if skipped:
         raise CorruptCheckpointError(
-            f"no committed checkpoint under {storage.url} matches its manifest "
+            f"no committed checkpoint under {storage.display_url} matches its manifest "
             f"(skipped steps {[s['step'] for s in skipped]}); inspect with "
-            f"`python -m checkpointing verify {storage.url}`", url=storage.url)
+            f"`python -m checkpointing verify {storage.display_url}`", url=storage.url)
     return None

@@ -38,6 +38,7 @@ from checkpointing import manifest as mf
 from checkpointing._dcp_io import StorageWriter
 from checkpointing._groups import GroupView
 from checkpointing.errors import CheckpointError, FencedError, SaveCancelledError, StorageError
+from checkpointing.masking import mask_text
 from checkpointing.storage import PreconditionFailed, Storage
 
 log = logging.getLogger("checkpointing")
@@ -85,7 +86,7 @@ def _fence_verdict(storage: Storage, generation: int) -> tuple[str, Any]:
 
 def _fenced(storage: Storage, job: SaveJob, fence: int) -> FencedError:
     return FencedError(
-        f"save of step {job.step} at generation {job.generation} refused: {storage.url}/"
+        f"save of step {job.step} at generation {job.generation} refused: {storage.display_url}/"
         f"checkpoints/FENCE is at generation {fence} (this worker belongs to an older "
         f"generation; it must rejoin and pass the current generation to save())",
         url=storage.url)
@@ -100,9 +101,9 @@ def _as_checkpoint_error(storage: Storage, job: SaveJob, e: BaseException) -> Ch
         causes = "; ".join(f"rank {r}: {type(x).__name__}: {x}" for r, x in excs.items())
         storage_like = any(isinstance(x, (StorageError, OSError)) for x in excs.values())
         cls = StorageError if storage_like else CheckpointError
-        return cls(f"writing step {job.step} to {storage.url} failed: {causes}", url=storage.url)
+        return cls(f"writing step {job.step} to {storage.display_url} failed: {causes}", url=storage.url)
     return CheckpointError(
-        f"writing step {job.step} to {storage.url} failed: {type(e).__name__}: {e}",
+        f"writing step {job.step} to {storage.display_url} failed: {type(e).__name__}: {e}",
         url=storage.url)
 
 
@@ -114,7 +115,7 @@ def _commit(job: SaveJob, records: list[dict]) -> mf.CommitInfo:
         for rel, rec in rank_files.items():
             files[f"{data_dir}/{rel}"] = rec
     if not any(rel.endswith("/.metadata") for rel in files):
-        raise CheckpointError(f"step {job.step}: DCP wrote no .metadata under {storage.url}",
+        raise CheckpointError(f"step {job.step}: DCP wrote no .metadata under {storage.display_url}",
                               url=storage.url)
     if job.before_commit is not None:
         job.before_commit()
@@ -152,14 +153,14 @@ def _commit(job: SaveJob, records: list[dict]) -> mf.CommitInfo:
             continue  # someone wrote or deleted it since the read: judge again
         break
     else:
-        raise StorageError(f"committing step {job.step} under {storage.url} lost {mf.CAS_ATTEMPTS} "
+        raise StorageError(f"committing step {job.step} under {storage.display_url} lost {mf.CAS_ATTEMPTS} "
                            f"compare-and-swaps on its COMMITTED in a row", url=storage.url)
     info = mf.decode_manifest(raw, storage.url_for(sp), step=job.step)
     try:
         mf.write_latest_hint(storage, info)
     except Exception as e:  # noqa: BLE001 - a hint: pollers fall back to listing
-        log.warning("could not update %s/checkpoints/%s after committing step %d: %s", storage.url,
-                    mf.LATEST_NAME, job.step, e)
+        log.warning("could not update %s/checkpoints/%s after committing step %d: %s", storage.display_url,
+                    mf.LATEST_NAME, job.step, mask_text(str(e)))
     return info
 
 
@@ -200,12 +201,13 @@ def run_save(job: SaveJob) -> mf.CommitInfo:
                 try:
                     job.after_commit(committed)
                 except Exception as e:  # noqa: BLE001 - housekeeping: never fail a committed save
-                    log.warning("after commit of step %d under %s: %s", job.step, storage.url, e)
+                    log.warning("after commit of step %d under %s: %s", job.step, storage.display_url,
+                                mask_text(str(e)))
     outcome = group.broadcast(outcome)
     if outcome[0] == "error":
         raise outcome[1]
     info = mf.CommitInfo(**outcome[1])
     log.info("committed step %d (generation %d, world size %d, %d files, %.1f MB) at %s",
              info.step, info.generation, info.world_size, len(info.files),
-             info.total_bytes / 1e6, info.path)
+             info.total_bytes / 1e6, storage.display(info.path))
     return info

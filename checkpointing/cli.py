@@ -74,9 +74,9 @@ def cmd_list(storage: Storage, args) -> int:
                      "committed_at": c.committed_at if c else None})
     fence = mf.read_fence(storage)
     if args.json:
-        print(json.dumps({"url": storage.url, "fence": fence, "checkpoints": rows}))
+        print(json.dumps({"url": storage.display_url, "fence": fence, "checkpoints": rows}))
         return 0
-    print(f"{storage.url}  (FENCE generation: {fence if fence is not None else 'none'})")
+    print(f"{storage.display_url}  (FENCE generation: {fence if fence is not None else 'none'})")
     if not rows:
         print("  no checkpoints")
     for r in rows:
@@ -93,7 +93,7 @@ def cmd_verify(storage: Storage, args) -> int:
     if args.step is not None:
         committed = [c for c in committed if c.step == args.step]
         if not committed:
-            print(f"no committed checkpoint at step {args.step} under {storage.url}", file=sys.stderr)
+            print(f"no committed checkpoint at step {args.step} under {storage.display_url}", file=sys.stderr)
             return 2
     corrupt = 0
     results = []
@@ -103,13 +103,14 @@ def cmd_verify(storage: Storage, args) -> int:
         results.append({"step": c.step, "ok": not bad, "problems": bad})
         if not args.json:
             status = "OK" if not bad else "CORRUPT"
-            print(f"step {c.step:>10}  {status:<8} {len(c.files)} files, {c.total_bytes / 1e6:.1f} MB  {c.path}")
+            print(f"step {c.step:>10}  {status:<8} {len(c.files)} files, {c.total_bytes / 1e6:.1f} MB  "
+                  f"{storage.display(c.path)}")
             for b in bad:
                 print(f"    {b['file']}: {b['reason']}")
     if args.json:
-        print(json.dumps({"url": storage.url, "checkpoints": results}))
+        print(json.dumps({"url": storage.display_url, "checkpoints": results}))
     elif not committed:
-        print(f"no committed checkpoints under {storage.url}")
+        print(f"no committed checkpoints under {storage.display_url}")
     elif corrupt:
         print(f"{corrupt} of {len(committed)} committed checkpoints are corrupt; loading falls back "
               f"to the newest one that verifies")
@@ -120,8 +121,9 @@ def cmd_gc(storage: Storage, args) -> int:
     report = retention.collect(storage, keep=args.keep, dry_run=args.dry_run,
                                protect_newer_uncommitted=not args.include_newer,
                                verify=not args.no_verify)
+    report["deleted"] = [storage.display(path) for path in report["deleted"]]
     if args.json:
-        print(json.dumps({"url": storage.url, "dry_run": args.dry_run, **report}))
+        print(json.dumps({"url": storage.display_url, "dry_run": args.dry_run, **report}))
         return 0
     verb = "would delete" if args.dry_run else "deleted"
     for path in report["deleted"]:

@@ -2,17 +2,21 @@
 
 One root (`CheckpointError`) so callers can catch everything this package raises, one subclass
 per failure domain. Errors cross process boundaries (Ray actors, multiprocessing), so each one
-pickles with its message and its `url`; messages name the URL and the setting to change.
+pickles with its message and its `url`; messages name the URL and the setting to change. A
+message never shows a URL's password: the root masks every URL in it (`checkpointing.masking`),
+wrapped backend errors' text included.
 """
 
 from __future__ import annotations
+
+from checkpointing.masking import mask_text
 
 
 class CheckpointError(Exception):
     """Root of every error raised by `checkpointing`."""
 
     def __init__(self, message: str, *, url: str | None = None) -> None:
-        super().__init__(message)
+        super().__init__(mask_text(message))
         self.url = url
 
     def __reduce__(self):

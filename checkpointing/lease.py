@@ -120,7 +120,7 @@ def acquire_run_lease(url: str, run_id: str, *, storage_options: dict | None = N
         if live is not None and not takeover:
             owner = cur.run_id if cur is not None else None
             raise RunConflictError(
-                f"storage {url} is in use by {live}; two runs on one storage would overwrite each "
+                f"storage {storage.display_url} is in use by {live}; two runs on one storage would overwrite each "
                 f"other's checkpoints. Stop that run (or wait for it), use another storage URL, or, if it "
                 f"is dead, wait until its status.json is {stale_after_s:.0f}s old or take the storage "
                 f"over explicitly (takeover=True)", url=url, owner=owner)

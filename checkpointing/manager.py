@@ -25,6 +25,7 @@ from checkpointing import manifest as mf
 from checkpointing import retention
 from checkpointing._groups import SideGroup
 from checkpointing.errors import CheckpointError, FencedError, SaveFailureLimitError
+from checkpointing.masking import mask_text
 from checkpointing.storage import Storage
 
 if TYPE_CHECKING:
@@ -88,7 +89,8 @@ class CheckpointManager:
         Only rank 0's `meta` is stored. Raises TypeError at once for a value JSON cannot hold.
         """
         if self._closed:
-            raise CheckpointError(f"save() after close() on CheckpointManager({self.url!r})", url=self.url)
+            raise CheckpointError(f"save() after close() on CheckpointManager({self.storage.display_url!r})",
+                                  url=self.url)
         if step < 0:
             raise ValueError(f"save(step={step}): step must be >= 0")
         # Validated and snapshotted now, in the caller's thread: a later change to the caller's
@@ -97,7 +99,7 @@ class CheckpointManager:
         self._raise_if_failing()
         if self._known_fence is not None and generation < self._known_fence:
             raise FencedError(
-                f"save of step {step} at generation {generation} refused: {self.url}/checkpoints/"
+                f"save of step {step} at generation {generation} refused: {self.storage.display_url}/checkpoints/"
                 f"FENCE is at generation {self._known_fence}", url=self.url)
         from checkpointing._save import SaveJob
         from checkpointing.staging import stage_state_dict
@@ -114,7 +116,7 @@ class CheckpointManager:
         if self._abandoned:
             log.warning("%d abandoned save(s) under %s still hold their staged copy (stuck in a "
                         "collective until collective_timeout_s); staging another", len(self._abandoned),
-                        self.url)
+                        self.storage.display_url)
         self._staged = stage_state_dict(state, self._staged)
         job = SaveJob(self.storage, step, generation, self._staged, group, self._before_commit,
                       self._retention, meta=meta)
@@ -164,12 +166,13 @@ class CheckpointManager:
             # A collective broke because a peer died or was cut off: the runtime recovers from
             # that peer's loss; it says nothing about storage, so it does not count.
             log.warning("checkpoint save to %s broke with its process group (not counted against "
-                        "max_consecutive_failures): %s: %s", self.url, type(outcome).__name__, outcome)
+                        "max_consecutive_failures): %s: %s", self.storage.display_url, type(outcome).__name__,
+                        mask_text(str(outcome)))
             return None
         self.consecutive_failures += 1
         log.warning("checkpoint save to %s failed (%d in a row, limit %d): %s: %s",
-                    self.url, self.consecutive_failures, self.max_consecutive_failures,
-                    type(outcome).__name__, outcome)
+                    self.storage.display_url, self.consecutive_failures, self.max_consecutive_failures,
+                    type(outcome).__name__, mask_text(str(outcome)))
         return None
 
     def _finish_inflight(self) -> mf.CommitInfo | None:
@@ -184,11 +187,11 @@ class CheckpointManager:
     def _raise_if_failing(self) -> None:
         if self.consecutive_failures >= self.max_consecutive_failures:
             cause = self.last_error
-            described = f"{type(cause).__name__}: {cause}"
+            described = mask_text(f"{type(cause).__name__}: {cause}")
             # `from None`: the limit is final. A cause chain holding the StorageError would make a
             # runtime that retries storage trouble recover, and fail the next save again, forever.
             raise SaveFailureLimitError(
-                f"{self.consecutive_failures} consecutive checkpoint saves to {self.url} failed "
+                f"{self.consecutive_failures} consecutive checkpoint saves to {self.storage.display_url} failed "
                 f"(max_consecutive_failures={self.max_consecutive_failures}); last cause: "
                 f"{described}. Fix the storage (credentials, quota, endpoint) and resume from the last "
                 f"committed checkpoint, or raise max_consecutive_failures", url=self.url,
@@ -224,7 +227,7 @@ class CheckpointManager:
         recreated by the next save/load (after the runtime re-forms the default group).
         """
         if self._inflight is not None:
-            log.warning("abandoning in-flight save of step %d under %s", self._inflight[1], self.url)
+            log.warning("abandoning in-flight save of step %d under %s", self._inflight[1], self.storage.display_url)
             if self._cancel is not None:
                 self._cancel.set()  # the upload stops at its next write and never commits
             if self._thread is not None:

@@ -287,7 +287,7 @@ def iter_committed(storage: Storage, *, log=None, after: int | None = None,
         reason = fence.rejects(info) if isinstance(fence, Fence) else None
         if reason is not None:
             if log is not None:
-                log.warning("ignoring the manifest of step %d at %s: %s", info.step, info.path, reason)
+                log.warning("ignoring the manifest of step %d at %s: %s", info.step, storage.display(info.path), reason)
             continue
         yield info
 
@@ -404,7 +404,7 @@ def update_fence(storage: Storage, change: Callable[[Fence | None], Fence | None
         except PreconditionFailed:
             continue
         return new
-    raise StorageError(f"updating {storage.url}/{CHECKPOINTS_DIR}/{FENCE_NAME} lost {CAS_ATTEMPTS} "
+    raise StorageError(f"updating {storage.display_url}/{CHECKPOINTS_DIR}/{FENCE_NAME} lost {CAS_ATTEMPTS} "
                        f"compare-and-swaps in a row: something else is rewriting it", url=storage.url)
 
 
@@ -424,11 +424,11 @@ def advance_fence(storage: Storage, generation: int, *, start_step: int | None =
         if cur is not None:
             if run_id is not None and cur.run_id not in (None, run_id) and not cur.released:
                 raise RunConflictError(
-                    f"{storage.url} is held by run {cur.run_id}, not this run ({run_id}): another run "
+                    f"{storage.display_url} is held by run {cur.run_id}, not this run ({run_id}): another run "
                     f"took its storage over; this run must stop", url=storage.url, owner=cur.run_id)
             if cur.generation is not None and cur.generation > generation:
                 raise FencedError(
-                    f"generation {generation} refused: {storage.url}/{CHECKPOINTS_DIR}/{FENCE_NAME} is "
+                    f"generation {generation} refused: {storage.display_url}/{CHECKPOINTS_DIR}/{FENCE_NAME} is "
                     f"already at generation {cur.generation} (run {cur.run_id}); generations must grow: "
                     f"use a generation > {cur.generation}", url=storage.url)
             if cur.generation == generation:
@@ -436,7 +436,7 @@ def advance_fence(storage: Storage, generation: int, *, start_step: int | None =
                 taken_by = entry.run_id if entry is not None else None
                 if run_id is not None and taken_by not in (None, run_id):
                     raise RunConflictError(
-                        f"generation {generation} under {storage.url} was already started by run {taken_by}",
+                        f"generation {generation} under {storage.display_url} was already started by run {taken_by}",
                         url=storage.url, owner=taken_by)
                 if start_step is None or (entry is not None and entry.start_step == start_step):
                     return None

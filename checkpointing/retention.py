@@ -53,7 +53,7 @@ def collect(storage: Storage, *, keep: int | None, protect: Set[int] = frozenset
     if writer_generation is not None and current is not None and current > writer_generation:
         skipped = (f"FENCE is at generation {current}, past this writer's {writer_generation}: "
                    f"a newer generation owns the storage")
-        log.info("gc under %s skipped: %s", storage.url, skipped)
+        log.info("gc under %s skipped: %s", storage.display_url, skipped)
         return {"deleted": [], "kept": [], "skipped": skipped}
     gc = _Pass(storage, spare_above=writer_generation if writer_generation is not None else current,
                dry_run=dry_run)
@@ -71,7 +71,7 @@ def collect(storage: Storage, *, keep: int | None, protect: Set[int] = frozenset
             log.warning("gc: %s", e)
             info = None
         if info is not None and fence is not None and (reason := fence.rejects(info)) is not None:
-            log.warning("gc: step %d at %s: %s", step, info.path, reason)
+            log.warning("gc: step %d at %s: %s", step, storage.display(info.path), reason)
             info = None
         if info is None:
             if step in protect or (protect_newer_uncommitted and not seen_committed):
@@ -84,14 +84,14 @@ def collect(storage: Storage, *, keep: int | None, protect: Set[int] = frozenset
             if not mf.verify_files(storage, step, info.files):
                 keep_it = verified = True
             else:
-                log.warning("gc: committed step %d under %s does not verify", step, storage.url)
+                log.warning("gc: committed step %d under %s does not verify", step, storage.display_url)
         if keep_it:
             kept.append(step)
             gc.drop_other_generations(step, info)
         else:
             gc.delete_step(step)
     if gc.deleted:
-        log.info("gc under %s deleted %d paths", storage.url, len(gc.deleted))
+        log.info("gc under %s deleted %d paths", storage.display_url, len(gc.deleted))
     return {"deleted": gc.deleted, "kept": sorted(kept)}
 
 
@@ -131,7 +131,7 @@ class _Pass:
         spared = [n for n in names if self._spared(n)]
         if spared:
             log.info("gc: step %d under %s holds data of newer generation(s) %s: left alone",
-                     step, self.storage.url, spared)
+                     step, self.storage.display_url, spared)
             if mf.MANIFEST_NAME in names:
                 self._rm(f"{sp}/{mf.MANIFEST_NAME}")
             for name in names:

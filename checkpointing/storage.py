@@ -4,14 +4,18 @@ Everything else in `checkpointing` names locations by URL (`runs/x`, `file:///ab
 `s3://bucket/prefix`) and goes through `Storage`. This module decides how a URL maps to a
 filesystem, which caches are off (commit markers must be read fresh: fsspec caches directory
 listings and filesystem instances), how a small object is written atomically (S3 has no rename:
-one PUT; local files: temp file + fsync + rename), and turns backend exceptions into `StorageError`.
+one PUT; local files: temp file + fsync + rename), and turns backend exceptions into `StorageError`,
+naming the URL and its paths as `display_url` shows them (no password). `file:///` is the
+filesystem root and `memory://` the memory store's root (trailing slashes go from the path only).
 
 Conditional writes (`read_versioned` + `put_if`) are what make a commit or a fence update a
 compare-and-swap rather than check-then-act:
   s3://      `If-None-Match: *` (create only) and `If-Match: <ETag>` (replace only that version) on
-             the PUT. A store that ignores these headers is found by a probe on first use and
-             then gets check-then-put with a warning (the fence history still rejects a late
-             commit from a fenced writer; see manifest.py).
+             the PUT. A store that ignores these headers, or refuses them (501, or a 400 that
+             names the header), is found by a probe on first use and then gets check-then-put
+             with a warning (the fence history still rejects a late commit from a fenced writer;
+             see manifest.py). A probe that fails otherwise (an expired token, a timeout) decides
+             nothing: it is raised and the next conditional write probes again.
   local      create: `os.link` of a fsynced temp file (fails if the name exists); replace: under an
              exclusive `flock` of a sidecar lock file, compare the content hash then `os.replace`.
   memory://  under a process-wide lock (memory:// is one process's dict).
@@ -32,6 +36,7 @@ from typing import IO
 from fsspec.core import split_protocol, url_to_fs
 
 from checkpointing.errors import StorageError
+from checkpointing.masking import mask_text, mask_url
 
 log = logging.getLogger("checkpointing")
 
@@ -59,15 +64,26 @@ def _chain(e: BaseException) -> Iterator[BaseException]:
         link = link.__cause__ or link.__context__
 
 
+# A 400 that answers the conditional header itself (`If-None-Match header is not supported`),
+# not the request around it (ExpiredToken, RequestTimeout, AuthorizationHeaderMalformed: 400s too).
+_NAMES_CONDITION = ("if-none-match", "if-match", "conditional")
+
+
 def _refuses_header(e: BaseException) -> bool:
-    """An S3-compatible store that rejects a conditional header outright (501, 400)."""
+    """An S3-compatible store that refuses a conditional header outright: 501 NotImplemented, or
+    a 400 whose error names the header. Any other error says nothing about the headers."""
     for link in _chain(e):
         response = getattr(link, "response", None)
         if isinstance(response, dict):
-            code = str((response.get("Error") or {}).get("Code", ""))
+            error = response.get("Error") or {}
+            code = str(error.get("Code", ""))
             status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
-            if code in ("NotImplemented", "InvalidArgument", "InvalidRequest") or status in (400, 501):
+            if code == "NotImplemented" or status == 501:
                 return True
+            if status == 400 or code in ("InvalidArgument", "InvalidRequest"):
+                said = " ".join(str(v) for v in error.values()).lower()
+                if any(name in said for name in _NAMES_CONDITION):
+                    return True
     return False
 
 
@@ -116,13 +132,14 @@ class Storage:
     def __init__(self, url: str, storage_options: dict | None = None) -> None:
         if not url:
             raise StorageError("empty storage URL: set CheckpointManager(url=...)", url=url)
-        self.url = url.rstrip("/") or url
+        self.url = _without_trailing_slash(url)
+        self.display_url = mask_url(self.url)   # as messages and logs show it: no password
         self.storage_options = dict(storage_options or {})
         try:
             self.fs, root = url_to_fs(self.url, **_fs_options(self.url, storage_options))
         except (ImportError, ValueError, TypeError) as e:
             raise StorageError(
-                f"cannot open storage {self.url!r}: {e}; check the URL scheme and storage_options",
+                f"cannot open storage {self.display_url!r}: {e}; check the URL scheme and storage_options",
                 url=self.url,
             ) from e
         self.root = root.rstrip("/") or root
@@ -137,17 +154,34 @@ class Storage:
 
     # ---- paths -------------------------------------------------------------------------------
     def path(self, *parts: str) -> str:
-        return "/".join([self.root, *[p.strip("/") for p in parts if p]])
+        names = [p.strip("/") for p in parts if p]
+        if not names:
+            return self.root
+        # The filesystem root ("/", "file:///") joins as "/x", not "//x".
+        return "/".join([self.root if self.root != "/" else "", *names])
 
     def url_for(self, path: str) -> str:
         if self.is_local:
             return path
         return self.fs.unstrip_protocol(path)
 
+    def display(self, path: str) -> str:
+        """A path under this storage, or its URL (`url_for`), as messages and logs show it: under
+        `display_url` when the URL has a password to hide, whichever way the backend maps URLs to
+        paths (an HTTP path is the whole URL, memory:// keeps the user-info as text of the
+        path); any other path as `url_for` names it, with every URL in it masked."""
+        if self.display_url != self.url:
+            for base in (self.root, self.url_for(self.root)):
+                base = base.rstrip("/")
+                if path == base or path.startswith(base + "/"):
+                    return self.display_url + path[len(base):]
+        return mask_text(self.url_for(path))
+
     def _error(self, op: str, path: str, e: BaseException) -> StorageError:
+        # The backend's text may name the URL too (an endpoint, the key): masked like the rest.
         return StorageError(
-            f"{op} {self.url_for(path)!r} failed: {type(e).__name__}: {e} "
-            f"(storage {self.url!r}; check credentials/endpoint in storage_options or AWS_* variables)",
+            f"{op} {self.display(path)!r} failed: {type(e).__name__}: {mask_text(str(e))} "
+            f"(storage {self.display_url!r}; check credentials/endpoint in storage_options or AWS_* variables)",
             url=self.url,
         )
 
@@ -368,7 +402,7 @@ class Storage:
             _WARNED.add(key)
             log.warning("storage %s has no conditional writes%s: commits and fence updates are "
                         "check-then-put (a fenced writer's late commit is still rejected by the fence "
-                        "history, but can overwrite a manifest)", self.url, why)
+                        "history, but can overwrite a manifest)", self.display_url, why)
 
     def _s3_conditional_ok(self) -> bool:
         """Whether this S3 store honours If-None-Match / If-Match on PUT; probed once per process
@@ -381,13 +415,17 @@ class Storage:
             if key not in _PROBED:
                 _PROBED[key] = self._probe_s3_conditional()  # raises (uncached) if inconclusive
                 if not _PROBED[key]:
-                    self._warn_unconditional(f" (the S3 endpoint {endpoint or 'AWS'} ignores If-None-Match "
+                    shown = mask_url(endpoint) if endpoint else "AWS"
+                    self._warn_unconditional(f" (the S3 endpoint {shown} ignores If-None-Match "
                                              f"or If-Match on bucket {bucket!r})")
             return _PROBED[key]
 
     def _probe_s3_conditional(self) -> bool:
         """True/False when the store answered clearly; raises when the probe itself failed
-        (a transient error must not switch the process to check-then-put for good)."""
+        (a transient error must not switch the process to check-then-put for good). Clear
+        answers: the headers are honoured (True), ignored (a second create or a wrong If-Match
+        went through), or refused (`_refuses_header`). Anything else, an expired token or a
+        timeout included, is raised, and the caller's next conditional write probes again."""
         probe = f"{self.root}/.conditional-write-probe-{uuid.uuid4().hex}"
         try:
             try:
@@ -472,6 +510,19 @@ class Storage:
             fileno = getattr(stream, "fileno", None)
             if fileno is not None:
                 os.fsync(fileno())
+
+
+def _without_trailing_slash(url: str) -> str:
+    """`url` without trailing slashes on its path, and nothing else: `file:///` stays the
+    filesystem root (stripped whole it became "file:", a relative path: the process's cwd) and
+    `memory://` the memory store's root (not a local folder named "memory:")."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url.rstrip("/") or url               # "/" stays the root
+    stripped = rest.rstrip("/")
+    if not stripped and rest:
+        stripped = "/"                              # file:///, file:////: the root
+    return f"{scheme}://{stripped}"
 
 
 async def _s3_get_with_etag(fs, path: str) -> tuple[bytes, str]:

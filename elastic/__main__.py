@@ -27,6 +27,7 @@ import time
 
 from checkpointing.errors import StorageError
 from checkpointing.storage import Storage
+from elastic._credentials import mask_url
 
 
 class _Unreadable(Exception):
@@ -42,9 +43,9 @@ def _read_json(url: str, name: str, options: dict | None = None) -> dict | None:
     except FileNotFoundError:
         return None
     except ValueError as error:
-        raise _Unreadable(f"{name} under {url} is not valid JSON ({error})") from None
+        raise _Unreadable(f"{name} under {mask_url(url)} is not valid JSON ({error})") from None
     if not isinstance(payload, dict):
-        raise _Unreadable(f"{name} under {url} is not a JSON object")
+        raise _Unreadable(f"{name} under {mask_url(url)} is not a JSON object")
     return payload
 
 
@@ -73,19 +74,19 @@ def cmd_stop(args: argparse.Namespace) -> int:
     options = _parse_options(args.option)
     status = _read_json(args.url, "status.json", options)
     if status is None:
-        print(f"no status.json under {args.url}: is this a run's storage URL?", file=sys.stderr)
+        print(f"no status.json under {mask_url(args.url)}: is this a run's storage URL?", file=sys.stderr)
         return 2
     state = status.get("state")
     if state in FINAL_STATES:
-        print(f"the run under {args.url} has already ended (state {state!r}, step {status.get('step')}): "
+        print(f"the run under {mask_url(args.url)} has already ended (state {state!r}, step {status.get('step')}): "
               f"nothing to stop", file=sys.stderr)
         return 1
     request_stop(args.url, options, reason=args.reason, run_id=status.get("run_id"))
-    print(f"stop requested: {args.url}/{STOP_NAME} written for run {status.get('run_id') or '(no run id)'} "
+    print(f"stop requested: {mask_url(args.url)}/{STOP_NAME} written for run {status.get('run_id') or '(no run id)'} "
           f"(state {state}, step {status.get('step')}, generation {status.get('generation')}).")
     print("Every rank commits a checkpoint at the next step boundary, then the run ends with status "
           "\"stopped\"; run it again with the same storage to resume. Follow it with "
-          f"`elastic status {args.url} --watch`.")
+          f"`elastic status {mask_url(args.url)} --watch`.")
     updated = status.get("updated_at")
     if isinstance(updated, (int, float)) and time.time() - updated > DEFAULT_STALE_AFTER_S:
         print(f"note: status.json was last updated {time.time() - updated:.0f}s ago: the run may be dead; "
@@ -101,7 +102,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     while True:
         status = _read_json(args.url, "status.json", options)
         if status is None:
-            print(f"no status.json under {args.url}: is this a run's storage URL?", file=sys.stderr)
+            print(f"no status.json under {mask_url(args.url)}: is this a run's storage URL?", file=sys.stderr)
             return 2
         if args.json:
             print(json.dumps(status), flush=True)
@@ -122,10 +123,10 @@ def _write_plot(url: str, summary: dict | None, target: str, options: dict | Non
     from checkpointing.appendlog import read_log
     text = read_log(storage, storage.path("metrics.jsonl")).decode()   # the live segments too (S3)
     if not text:
-        print(f"no metrics.jsonl under {url}: nothing to plot", file=sys.stderr)
+        print(f"no metrics.jsonl under {mask_url(url)}: nothing to plot", file=sys.stderr)
         return 2
     try:
-        png, drawn = _report_plot.render(_report_plot.parse_metrics(text), summary, title=url)
+        png, drawn = _report_plot.render(_report_plot.parse_metrics(text), summary, title=mask_url(url))
     except (ValueError, RuntimeError) as error:
         print(f"cannot plot: {error}", file=sys.stderr)
         return 2
@@ -146,7 +147,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     options = _parse_options(args.option)
     summary = _read_json(args.url, "summary.json", options)
     if summary is None:
-        print(f"no summary.json under {args.url}: the run has not ended (try `elastic status`)", file=sys.stderr)
+        print(f"no summary.json under {mask_url(args.url)}: the run has not ended (try `elastic status`)",
+              file=sys.stderr)
         return 2
     if args.plot is not None and _write_plot(args.url, summary, args.plot, options) != 0:
         return 2

@@ -10,11 +10,16 @@ profile) travel in `runtime_env`.
 """
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
 
-MASK = "***"
+# Defined in checkpointing (which must not import elastic), shown from here to the runtime.
+from checkpointing.masking import MASK as MASK
+from checkpointing.masking import mask_text as mask_text
+from checkpointing.masking import mask_url as mask_url
+
 # A storage option whose key contains one of these (any case, any depth) is masked.
 SECRET_WORDS = ("secret", "key", "token", "password", "credential")
 # The standard variables that point a run at any S3-compatible store: those that are no secret ...
@@ -26,22 +31,6 @@ HIDDEN_STORAGE_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION
 def is_secret_name(name: Any) -> bool:
     lowered = str(name).lower()
     return any(word in lowered for word in SECRET_WORDS)
-
-
-def mask_url(url: str) -> str:
-    """`url` with the password of its user-info masked (`scheme://user:***@host/...`; a user-info
-    without a password, often a token, is masked whole). Anything else is returned unchanged."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
-    authority, tail = rest[:end], rest[end:]
-    userinfo, at, host = authority.rpartition("@")
-    if not at:
-        return url
-    user, colon, _password = userinfo.partition(":")
-    masked = f"{user}:{MASK}" if colon else MASK
-    return f"{scheme}://{masked}@{host}{tail}"
 
 
 def mask_secrets(value: Any) -> Any:
@@ -74,3 +63,13 @@ def apply_env(env: Mapping[str, str]) -> None:
     Called by each actor at its start, before anything opens storage: botocore reads them when
     a client is made."""
     os.environ.update(env)
+
+
+class MaskingFormatter(logging.Formatter):
+    """The log lines of the run's own processes (controller, workers: Ray writes them to its log
+    files and streams them to the driver) with every URL password masked: a message is masked
+    where it is written, but a traceback a line prints (`log.exception`) shows each wrapped
+    backend error as the backend wrote it, an endpoint URL with its password included."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return mask_text(super().format(record))

@@ -16,6 +16,7 @@ import logging
 import time
 from typing import Any
 
+from elastic._credentials import mask_text, mask_url
 from elastic.errors import ElasticError, WorkerLostError
 
 log = logging.getLogger("elastic.trainer")
@@ -25,7 +26,7 @@ def lost_controller_error(error: BaseException) -> ElasticError:
     """The typed error of a run whose controller's `run()` did not return: a dead actor is a
     WorkerLostError (infrastructure: re-running resumes), anything else an ElasticError."""
     from ray.exceptions import RayActorError
-    text = " ".join(str(error).split())
+    text = mask_text(" ".join(str(error).split()))   # a wrapped storage error may name the URL
     if len(text) > 600:
         text = text[:600] + " ..."
     advice = "re-run with the same storage to resume from the last committed checkpoint"
@@ -43,15 +44,16 @@ def record_lost_controller(url: str, storage_options: dict | None, *, error: Ela
     Returns (the summary, whether it is the controller's own: then nothing was written)."""
     from checkpointing.storage import Storage
     from elastic._controller.run_record import dumps, strict
-    error_doc: dict[str, Any] = {"type": type(error).__name__, "message": str(error), "traceback": traceback,
-                                 "ranks": []}
+    shown = mask_url(url)
+    error_doc: dict[str, Any] = {"type": type(error).__name__, "message": mask_text(str(error)),
+                                 "traceback": None if traceback is None else mask_text(traceback), "ranks": []}
     status: dict[str, Any] = {}
     storage = None
     try:
         storage = Storage(url, storage_options)
         status = json.loads(storage.read_bytes(storage.path("status.json")))
     except Exception:   # what cannot be read is left out
-        log.debug("could not read the last status.json under %s", url, exc_info=True)
+        log.debug("could not read the last status.json under %s", shown, exc_info=True)
     if storage is not None and status.get("state") in ("finished", "failed") \
             and float(status.get("updated_at") or 0) >= started_at:
         try:
@@ -60,14 +62,14 @@ def record_lost_controller(url: str, storage_options: dict | None, *, error: Ela
                         "is kept (status %s)", own.get("status"))
             return own, True
         except Exception:   # then the driver writes it
-            log.debug("could not read the controller's summary.json under %s", url, exc_info=True)
+            log.debug("could not read the controller's summary.json under %s", shown, exc_info=True)
     checkpoints: list[int] = []
     try:
         from checkpointing import manifest
         if storage is not None:
             checkpoints = sorted(info.step for info in manifest.list_committed(storage))
     except Exception:
-        log.debug("could not list the committed checkpoints under %s", url, exc_info=True)
+        log.debug("could not list the committed checkpoints under %s", shown, exc_info=True)
     step = status.get("step") if isinstance(status.get("step"), int) else 0
     from elastic.schemas import STATUS_FORMAT, SUMMARY_FORMAT
     summary = {
@@ -82,8 +84,8 @@ def record_lost_controller(url: str, storage_options: dict | None, *, error: Ela
     for name, payload in (("status.json", status), ("summary.json", summary)):
         try:
             if storage is None:
-                raise ElasticError(f"storage {url!r} could not be opened")
+                raise ElasticError(f"storage {shown!r} could not be opened")
             storage.write_atomic(storage.path(name), dumps(payload, indent=1).encode())
         except Exception:   # the Result still says it all
-            log.exception("could not write %s under %s after the controller was lost", name, url)
+            log.exception("could not write %s under %s after the controller was lost", name, shown)
     return strict(summary), False

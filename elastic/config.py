@@ -2,8 +2,8 @@
 
 `None` means unlimited (ScalingConfig.UNLIMITED names it). Each check says which field to change
 and how. Every bad value, an unknown or positional argument included, is a ConfigError (never a
-bare TypeError): a count is an int (a bool or a float is refused), a duration a finite number of
-seconds, a flag a bool.
+bare TypeError or OverflowError): a count is an int up to 2**63 - 1 (a bool or a float is
+refused), a duration a finite number of seconds up to MAX_SECONDS, a flag a bool.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeGuard, TypeVar
 
 from elastic._credentials import mask_secrets, mask_url
 from elastic.errors import ConfigError, StorageConfigError
@@ -27,6 +27,14 @@ STRATEGIES = ("ddp", "fsdp")
 PRECISIONS = ("fp32", "bf16", "fp16")
 GRAD_COMPRESSIONS = (None, "bf16", "powersgd")
 STORAGE_SCHEMES = ("file", "memory", "s3", "")
+# The longest number of seconds any *_s field takes (about 31.7 years). Each becomes the timeout
+# of a wait or a datetime.timedelta handed to torch, and each of those has a smaller range than
+# timedelta's 8.6e13 s: a Python lock or event wait raises OverflowError past
+# threading.TIMEOUT_MAX (9.2e9 s); torch's TCPStore adds the timeout to the clock in int64
+# nanoseconds, so at 9.2e9 s its first connect times out at once, and gloo refuses 8.6e13 s as
+# a negative timeout (torch 2.11, checked with a one-rank gloo group). 1e9 s passed both.
+MAX_SECONDS = 1e9
+MAX_COUNT = 2**63 - 1
 
 
 class _SameAsMin:
@@ -57,20 +65,35 @@ def _count(name: str, value: Any, minimum: int, *, none: str | None = None) -> N
     (True would silently mean 1), and so is a float (2.5 failures means nothing)."""
     if value is None and none is not None:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum or value > MAX_COUNT:
         allowed = f"an int >= {minimum}" + (f", or None ({none})" if none is not None else "")
-        raise ConfigError(f"{name} must be {allowed}, got {_got(value)}")
+        too_large = (f"; at most {MAX_COUNT} (2**63 - 1: numpy, torch and Ray hold a count as int64)"
+                     if isinstance(value, int) and value > MAX_COUNT else "")
+        raise ConfigError(f"{name} must be {allowed}, got {_got(value)}{too_large}")
+
+
+def _finite(value: Any) -> TypeGuard[int | float]:
+    """An int or float (not a bool) that is a finite float: nan, inf and an int past the float
+    range (10**400, which math.isfinite cannot even convert) are not."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _number(name: str, value: Any, *, above: float | None = None, at_least: float | None = None,
             at_most: float | None = None, unit: str = "", none: str | None = None) -> None:
     """`value` is a finite int or float within the bounds (or None when `none` says what None
     means). inf is refused: a timeout of inf disables what it bounds (hang detection) or
-    overflows where it is used (torch's timedelta); a bool or a string is refused too."""
+    overflows where it is used (torch's timedelta); a bool or a string is refused too. A
+    number of seconds is at most MAX_SECONDS: it becomes a timeout of a wait or a timedelta."""
     if value is None and none is not None:
         return
-    finite = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if (finite and (above is None or value > above) and (at_least is None or value >= at_least)
+    if unit == "seconds":
+        at_most = MAX_SECONDS if at_most is None else min(at_most, MAX_SECONDS)
+    if (_finite(value) and (above is None or value > above) and (at_least is None or value >= at_least)
             and (at_most is None or value <= at_most)):
         return
     bounds = [f"> {above:g}" if above is not None else "", f">= {at_least:g}" if at_least is not None else "",
@@ -80,7 +103,14 @@ def _number(name: str, value: Any, *, above: float | None = None, at_least: floa
         allowed += f", or None ({none})"
     hint = ("; there is no 'no timeout': pick a large finite value"
             if unit == "seconds" and isinstance(value, float) and math.isinf(value) else "")
+    if unit == "seconds" and _finite(value) and value > MAX_SECONDS:
+        hint = (f"; {MAX_SECONDS:g} s (about 31 years) is the longest timeout a wait and torch's "
+                f"process group take")
     raise ConfigError(f"{name} must be {allowed}, got {_got(value)}{hint}")
+
+
+def _is_auto(value: Any) -> bool:
+    return isinstance(value, str) and value == "auto"
 
 
 def _flag(name: str, value: Any) -> None:
@@ -492,16 +522,14 @@ class FailureConfig:
         _require(self.on_nonfinite_loss in NONFINITE_LOSS_ACTIONS,
                  f"FailureConfig.on_nonfinite_loss must be one of {NONFINITE_LOSS_ACTIONS}, "
                  f"got {self.on_nonfinite_loss!r}")
-        _require(self.step_timeout_s is None or self.step_timeout_s == "auto" or (
-            isinstance(self.step_timeout_s, (int, float)) and not isinstance(self.step_timeout_s, bool)
-            and 0 < self.step_timeout_s < float("inf")),
-                 f"FailureConfig.step_timeout_s must be a finite number of seconds > 0, \"auto\" or None "
-                 f"(off), got {self.step_timeout_s!r}")
-        _require(self.hang_timeout_s is None or self.hang_timeout_s == "auto" or (
-            isinstance(self.hang_timeout_s, (int, float)) and not isinstance(self.hang_timeout_s, bool)
-            and 0 < self.hang_timeout_s < float("inf")),
-                 f"FailureConfig.hang_timeout_s must be a finite number of seconds > 0, \"auto\" (learned from the "
-                 f"step times) or None (off), got {self.hang_timeout_s!r}")
+        _require(self.step_timeout_s is None or _is_auto(self.step_timeout_s) or (
+            _finite(self.step_timeout_s) and 0 < self.step_timeout_s <= MAX_SECONDS),
+                 f"FailureConfig.step_timeout_s must be a finite number of seconds > 0 and <= {MAX_SECONDS:g}, "
+                 f"\"auto\" or None (off), got {_got(self.step_timeout_s)}")
+        _require(self.hang_timeout_s is None or _is_auto(self.hang_timeout_s) or (
+            _finite(self.hang_timeout_s) and 0 < self.hang_timeout_s <= MAX_SECONDS),
+                 f"FailureConfig.hang_timeout_s must be a finite number of seconds > 0 and <= {MAX_SECONDS:g}, "
+                 f"\"auto\" (learned from the step times) or None (off), got {_got(self.hang_timeout_s)}")
         _number("FailureConfig.straggler_threshold (a ratio to the other ranks)", self.straggler_threshold,
                 above=1.0, none="scoring off")
 

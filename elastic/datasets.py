@@ -35,6 +35,7 @@ import pyarrow.parquet as pq
 import torch
 
 from checkpointing.errors import StorageError
+from checkpointing.masking import mask_url
 from checkpointing.storage import Storage
 from elastic.errors import DatasetError
 
@@ -72,7 +73,7 @@ class ParquetTokens(torch.utils.data.Dataset):
         self._reset_process_state()
         names = [n for n in self._store().listdir(self._store().root) if n.endswith(SUFFIX)]
         if not names:
-            raise DatasetError(f"no *{SUFFIX} shards under {self.url!r}: check the data URL "
+            raise DatasetError(f"no *{SUFFIX} shards under {mask_url(self.url)!r}: check the data URL "
                                f"(a folder of Parquet shards), or write a corpus first")
         self.shards: list[str] = names           # sorted by Storage.listdir: deterministic ids
         # Global row offset of every row group, in (shard, row group) order; one extra end entry.
@@ -87,7 +88,7 @@ class ParquetTokens(torch.utils.data.Dataset):
                 total += meta.row_group(g).num_rows
         self._starts.append(total)
         if total == 0:
-            raise DatasetError(f"the shards under {self.url!r} hold no rows: write a non-empty corpus")
+            raise DatasetError(f"the shards under {mask_url(self.url)!r} hold no rows: write a non-empty corpus")
 
     # ---- per-process state (not pickled) ------------------------------------------------
     def _reset_process_state(self) -> None:
@@ -225,7 +226,7 @@ class ParquetTokens(torch.utils.data.Dataset):
         return {"reads": self.reads, "cached": len(self._cache), "bytes": self._cached_bytes}
 
     def __repr__(self) -> str:
-        return (f"ParquetTokens({self.url!r}, seq_len={self.seq_len}, shards={len(self.shards)}, "
+        return (f"ParquetTokens({mask_url(self.url)!r}, seq_len={self.seq_len}, shards={len(self.shards)}, "
                 f"samples={len(self)})")
 
 
@@ -250,7 +251,7 @@ class _StorageReads:
         except FileNotFoundError:
             raise                                   # the shard went away: _read_row_group says so
         except Exception as e:   # whatever the backend raises is a storage failure
-            raise StorageError(f"reading {self._storage.url_for(self._path)!r} failed: {type(e).__name__}: {e} "
+            raise StorageError(f"reading {self._storage.display(self._path)!r} failed: {type(e).__name__}: {e} "
                                f"(transient storage trouble: the run recovers; if it persists, check the "
                                f"endpoint and credentials)", url=self._storage.url) from e
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastic._accumulation import CONSTANT_GLOBAL_BATCH, check_divisible
-from elastic._credentials import mask_secrets, mask_url, split_storage_env
+from elastic._credentials import mask_secrets, mask_text, mask_url, split_storage_env
 from elastic._protocol import RunSpec
 from elastic.callbacks import CallbackRunner, check_callbacks
 from elastic.config import (
@@ -235,7 +235,8 @@ class ElasticTrainer:
             raise
         except Exception as error:
             raise StorageConfigError(f"CheckpointConfig.storage {mask_url(self.checkpoint.storage)!r} is not "
-                                     f"writable: {error}; check the URL, credentials and endpoint") from error
+                                     f"writable: {mask_text(str(error))}; check the URL, credentials and "
+                                     f"endpoint") from error
 
     def fit(self) -> Result:
         """Run to completion; returns a Result. What is wrong before the run starts (config,

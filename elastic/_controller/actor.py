@@ -13,6 +13,7 @@ from elastic._controller.ray_metrics import RayMetricsListener
 from elastic._controller.run_record import RunRecorder
 from elastic._controller.states import RunState
 from elastic._controller.worker_group import RayWorkerGroup
+from elastic._credentials import MaskingFormatter
 from elastic._protocol import RunSpec
 from elastic.config import LOG_FORMAT, LOG_LEVEL_ENV, CheckpointConfig, FailureConfig, ScalingConfig
 from elastic.errors import UserCodeError
@@ -104,7 +105,9 @@ class ControllerActor:
     def __init__(self, spec: RunSpec, scaling: ScalingConfig, failure: FailureConfig, checkpoint: CheckpointConfig,
                  total_steps: int, config: dict[str, Any], failure_policy, scaling_policy, feed: bool = False,
                  run_id: str | None = None):
-        logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+        handler = logging.StreamHandler()
+        handler.setFormatter(MaskingFormatter(LOG_FORMAT))   # no URL password in a traceback either
+        logging.basicConfig(level=logging.INFO, handlers=[handler])
         tune_gc()
         # LoggingConfig's level, from the driver through the runtime env.
         logging.getLogger("elastic").setLevel(os.environ.get(LOG_LEVEL_ENV, "INFO"))

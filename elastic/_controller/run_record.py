@@ -96,7 +96,8 @@ class RunRecorder:
         self._scheduling = True                        # the controller has not left SCHEDULING yet
         self._ledger_told_at = -float("inf")
         self.status_writer = StatusWriter(self._write_status_file, self.metrics_log.flush,
-                                          min_interval_s=min_interval_s, background=background, name=url)
+                                          min_interval_s=min_interval_s, background=background,
+                                          name=self._storage.display_url)
         self._feed = feed                             # the driver's callbacks' events (None: no callbacks)
         self._listeners = list(listeners)
         self._commits_lock = threading.Lock()         # on_commits comes from the controller and the writer
@@ -232,7 +233,7 @@ class RunRecorder:
             self.metrics_log.compact()
         except Exception:
             log.exception("could not write the last metrics.jsonl lines under %s; summary.json is written anyway",
-                          self._url)
+                          self._storage.display_url)
         self._write_json("summary.json", summary)
         return strict(summary)      # as on storage
 
@@ -243,7 +244,7 @@ class RunRecorder:
         try:
             self._storage.write_atomic(self._storage.path(name), dumps(payload, indent=1).encode())
         except Exception:   # a status write must not kill the run; the next one retries
-            log.exception("could not write %s under %s", name, self._url)
+            log.exception("could not write %s under %s", name, self._storage.display_url)
 
 
 def _tell(listener: RunListener, event: Callable[[Any], None], payload: Any) -> None:

@@ -20,6 +20,7 @@ import threading
 import traceback
 from typing import TYPE_CHECKING
 
+from elastic._credentials import MaskingFormatter, mask_text
 from elastic._protocol import GenerationPlan, RunSpec, WorkerInfo, WorkerPhase, WorkerReport
 
 if TYPE_CHECKING:
@@ -161,7 +162,7 @@ def _timestamped_framework_logs() -> None:
         logger = logging.getLogger(name)
         if not logger.handlers:
             handler = logging.StreamHandler()
-            handler.setFormatter(logging.Formatter(LOG_FORMAT))
+            handler.setFormatter(MaskingFormatter(LOG_FORMAT))
             logger.addHandler(handler)
             logger.propagate = False
 
@@ -429,7 +430,9 @@ class TrainWorker:
 
     def _record_error(self, error: BaseException) -> None:
         kind = classify_error(error)
-        text = "".join(traceback.format_exception(error))
+        # The traceback goes to status.json and summary.json: a wrapped backend error in its
+        # cause chain may name the storage URL with its password (only the message is masked).
+        text = mask_text("".join(traceback.format_exception(error)))
         # The traceback's frames hold the generation's model, activations and group: drop them.
         error = error.with_traceback(None)
         try:
@@ -441,9 +444,9 @@ class TrainWorker:
         # Logged before the phase changes: once it has, the controller may start the next
         # generation, and this thread should be returning by then (see start_generation).
         log.warning("rank %s left generation %s: %s: %s", self._plan.rank if self._plan else "?",
-                    self._plan.generation if self._plan else "?", type(error).__name__, error)
+                    self._plan.generation if self._plan else "?", type(error).__name__, mask_text(str(error)))
         with self._lock:
-            self._error = {"type": type(error).__name__, "message": str(error),
+            self._error = {"type": type(error).__name__, "message": mask_text(str(error)),
                            "traceback": text,
                            "kind": kind, "exception": portable}
             self._phase = WorkerPhase.INTERRUPTED if kind == "comm" else WorkerPhase.FAILED

@@ -211,3 +211,71 @@ def test_no_config_raises_a_bare_type_error():
                     pass
                 except Exception as error:     # noqa: BLE001
                     pytest.fail(f"{cls.__name__}({f.name}={value!r}) raised {type(error).__name__}: {error}")
+
+
+# ---- every numeric field against generated values (review R3-9) -----------------------------------
+CONFIGS = ((ScalingConfig, {}), (CheckpointConfig, {"storage": "/tmp/x"}), (FailureConfig, {}),
+           (LRScalingConfig, {"base_world_size": 2}))
+GENERATED = [math.inf, -math.inf, math.nan, 1e300, -1e300, 10**400, 1e10, -1, 0, 1, 0.5, "30", "", True, False,
+             [1], None]
+
+
+def _numeric_fields():
+    import dataclasses
+    import re
+    for cls, base in CONFIGS:
+        for f in dataclasses.fields(cls):
+            # Annotations are strings here (the module's `from __future__ import annotations`).
+            if re.search(r"\b(int|float)\b", str(f.type)) and not str(f.type).startswith("dict"):
+                yield pytest.param(cls, base, f.name, id=f"{cls.__name__}.{f.name}")
+
+
+def _usable(cls, name, value, config):
+    """What a run does with an accepted value: a count is an int, a duration makes a wait's
+    timeout and a timedelta, any other number is finite."""
+    import datetime
+    import threading
+    if value is None or isinstance(value, str):
+        return                                   # None (off, unlimited) and "auto" are the field's words
+    assert not isinstance(value, bool), f"{cls.__name__}.{name}={value!r}: a bool was accepted as a number"
+    if name.endswith("_s"):
+        assert 0 <= value and math.isfinite(value), f"{cls.__name__}.{name}={value!r} accepted"
+        datetime.timedelta(seconds=value)
+        lock = threading.Lock()                  # free: acquire checks the timeout's range and returns
+        assert lock.acquire(timeout=value)
+        lock.release()
+    elif isinstance(value, int):                 # numpy, torch and Ray hold a count as int64
+        assert value < 2**63, f"{cls.__name__}.{name}={value!r} accepted"
+    else:
+        assert math.isfinite(value), f"{cls.__name__}.{name}={value!r} accepted"
+    if isinstance(config, FailureConfig):        # and the bounds derived from the seconds fields
+        for derived in (config.poll_hold_s, config.hang_timeout(1.0), config.step_timeout(1.0)):
+            if derived is not None:
+                datetime.timedelta(seconds=derived)
+
+
+@pytest.mark.parametrize("cls, base, name", list(_numeric_fields()))
+def test_every_numeric_field_takes_a_generated_value_or_refuses_it_with_a_config_error(cls, base, name):
+    """Each generated value of each numeric field is either refused with a ConfigError naming
+    the field, or accepted and usable (R3-9: collective_timeout_s=1e300 was accepted and
+    overflowed torch's timedelta in the workers, where it read as the user's error)."""
+    for value in GENERATED:
+        try:
+            config = cls(**{**base, name: value})
+        except ConfigError as error:
+            assert name in str(error), f"{cls.__name__}({name}={value!r}): {error}"
+            continue
+        except Exception as error:     # noqa: BLE001 - any other type is the defect this test looks for
+            pytest.fail(f"{cls.__name__}({name}={value!r}) raised {type(error).__name__}: {error}")
+        _usable(cls, name, value, config)
+
+
+@pytest.mark.parametrize("field", ["collective_timeout_s", "heartbeat_timeout_s", "rendezvous_timeout_s",
+                                   "failure_rate_window_s", "step_timeout_s", "hang_timeout_s"])
+def test_a_timeout_past_what_a_wait_and_torch_take_is_refused_with_its_name(field):
+    with pytest.raises(ConfigError, match=f"FailureConfig.{field} must be .* <= 1e\\+09"):
+        FailureConfig(**{field: 1e300})
+    from elastic.config import MAX_SECONDS
+    assert getattr(FailureConfig(**{field: MAX_SECONDS}), field) == MAX_SECONDS
+    with pytest.raises(ConfigError, match="ScalingConfig.startup_wait_s"):
+        ScalingConfig(startup_wait_s=MAX_SECONDS * 2)

@@ -125,3 +125,67 @@ def test_a_worker_and_the_controller_set_the_credentials_before_storage_is_opene
         controller_actor.ControllerActor(spec, trainer.scaling, trainer.failure, trainer.checkpoint, 5,
                                          trainer.effective_config(), None, None)
     assert seen == credentials
+
+
+# ---- R3-8: a wrapped error's text names the URL with its password --------------------------------
+ENDPOINT_ERROR = 'Could not connect to the endpoint URL: "http://alice:hunter2@minio:9000/bucket/run/status.json"'
+
+
+def test_r3_8_a_storage_that_is_not_writable_is_named_without_the_wrapped_errors_password(tmp_path, monkeypatch):
+    """The trainer masked its own copy of the URL, then appended the wrapped error's raw text."""
+    import checkpointing
+    from elastic import StorageConfigError
+
+    def unreachable(*args, **kwargs):
+        raise OSError(ENDPOINT_ERROR)
+    monkeypatch.setattr(checkpointing, "acquire_run_lease", unreachable)
+    trainer = ElasticTrainer(loop, scaling=ScalingConfig(), total_steps=5,
+                             checkpoint=CheckpointConfig(storage=str(tmp_path)))
+    with pytest.raises(StorageConfigError) as raised:
+        trainer.claim_storage()
+    assert "hunter2" not in str(raised.value)
+    assert "http://alice:***@minio:9000/bucket/run/status.json" in str(raised.value)
+
+
+def test_r3_8_a_workers_error_reaches_status_json_without_the_url_password(tmp_path):
+    """The worker's error report (status.json, summary.json) carries the traceback, whose cause
+    chain holds the backend's own text."""
+    from ray import cloudpickle
+
+    from checkpointing import StorageError
+    from elastic._protocol import RunSpec
+    from elastic._worker.worker import TrainWorker
+    spec = RunSpec(user_code=cloudpickle.dumps((loop, None)), total_steps=1, seed=0, strategy="ddp",
+                   use_gpu=False, storage=str(tmp_path), storage_options={}, checkpoint_every=None, keep=1,
+                   async_save=False, max_consecutive_failures=1, cpus_per_worker=1.0, collective_timeout_s=5.0)
+    worker = TrainWorker(spec)
+    try:
+        try:
+            raise OSError(ENDPOINT_ERROR)
+        except OSError as cause:
+            raise StorageError(f"write failed: {cause}") from cause
+    except StorageError as error:
+        worker._record_error(error)
+    report = worker.poll()
+    assert "alice:***@minio" in report.error_traceback and "alice:***@minio" in report.error_message
+    assert "hunter2" not in report.error_traceback + report.error_message
+
+
+def test_r3_8_the_run_processes_log_a_traceback_without_the_url_password():
+    """A controller's or worker's log line that prints a traceback (`log.exception`) shows the
+    wrapped backend error as the backend wrote it: their formatter masks the whole line."""
+    import logging
+
+    from elastic._credentials import MaskingFormatter
+    from elastic.config import LOG_FORMAT
+    try:
+        try:
+            raise OSError(ENDPOINT_ERROR)
+        except OSError as cause:
+            raise RuntimeError("status write failed") from cause
+    except RuntimeError:
+        import sys
+        record = logging.LogRecord("elastic.controller", logging.ERROR, __file__, 1, "could not write %s",
+                                   ("status.json",), sys.exc_info())
+    line = MaskingFormatter(LOG_FORMAT).format(record)
+    assert "could not write status.json" in line and "alice:***@minio:9000" in line and "hunter2" not in line
