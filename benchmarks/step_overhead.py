@@ -42,8 +42,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from elastic._data import ElasticLoader
 from elastic._determinism import DATA_ORDER_START, DataOrder
+from elastic._worker.loader import ElasticLoader
 from elastic._worker.step_boundary import _HEADER, MAX_METRICS
 
 SLOTS = _HEADER + MAX_METRICS      # one rank's values in a step's exchange

@@ -534,7 +534,8 @@ class FailureConfig:
                 above=1.0, none="scoring off")
 
 
-LR_MODES = ("linear", "constant_global_batch")
+CONSTANT_GLOBAL_BATCH = "constant_global_batch"
+LR_MODES = ("linear", CONSTANT_GLOBAL_BATCH)
 LR_SCHEDULES = ("constant", "cosine")
 
 
@@ -613,3 +614,22 @@ def to_jsonable(config: Any) -> Any:
     if isinstance(config, (str, int, float, bool)) or config is None:
         return config
     return repr(config)
+
+
+def allowed_world_sizes(min_workers: int, max_workers: int) -> list[int]:
+    return list(range(min_workers, max_workers + 1))
+
+
+def check_divisible(base_world_size: int, min_workers: int, max_workers: int | None) -> None:
+    """Configuration check: base_world_size must split into whole micro-batches at every allowed W."""
+    if max_workers is None:
+        raise ConfigError("LRScalingConfig(mode='constant_global_batch') needs a bounded world size: set "
+                          "ScalingConfig.max_workers (the global batch must divide by every allowed world size)")
+    sizes = allowed_world_sizes(min_workers, max_workers)
+    bad = [w for w in sizes if base_world_size % w]
+    if bad:
+        fits = math.lcm(*sizes)
+        raise ConfigError(
+            f"LRScalingConfig.base_world_size={base_world_size} (the global batch in per-rank batches) is not "
+            f"divisible by world sizes {bad} of ScalingConfig [{min_workers}, {max_workers}]; set "
+            f"base_world_size to a multiple of {fits} (the lcm of the allowed sizes) or narrow min/max_workers")

@@ -20,14 +20,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from elastic._accumulation import wrap_optimizer
-from elastic._data import ElasticLoader
 from elastic._determinism import mix_seed, state_sha256
 from elastic._protocol import GenerationPlan, RunSpec
 from elastic._worker import checkpoint_io as _checkpoint_io
 from elastic._worker import fault_gate as _fault_gate
 from elastic._worker import thread_position as _thread_position
 from elastic._worker import wrap as _wrap
+from elastic._worker.accumulation import wrap_optimizer
+from elastic._worker.loader import ElasticLoader
 from elastic._worker.precision import Precision
 from elastic._worker.restore import Restorer, named_objects
 from elastic._worker.state import WorkerState

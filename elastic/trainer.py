@@ -14,17 +14,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastic._accumulation import CONSTANT_GLOBAL_BATCH, check_divisible
 from elastic._credentials import mask_secrets, mask_text, mask_url, split_storage_env
 from elastic._protocol import RunSpec
 from elastic.callbacks import CallbackRunner, check_callbacks
 from elastic.config import (
+    CONSTANT_GLOBAL_BATCH,
     LOG_LEVEL_ENV,
     CheckpointConfig,
     FailureConfig,
     LoggingConfig,
     LRScalingConfig,
     ScalingConfig,
+    check_divisible,
     to_jsonable,
 )
 from elastic.errors import ConfigError, StorageConfigError, UserCodeError

@@ -9,7 +9,7 @@ from typing import Any
 
 from elastic._controller.controller import Controller, run_loop
 from elastic._controller.feed import Event, RunFeed
-from elastic._controller.ray_metrics import RayMetricsListener
+from elastic._ray_metrics import RayMetricsListener
 from elastic._controller.run_record import RunRecorder
 from elastic._controller.states import RunState
 from elastic._controller.worker_group import RayWorkerGroup

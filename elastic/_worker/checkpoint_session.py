@@ -88,7 +88,7 @@ class CheckpointSession:
         started = self.save_started.pop(commit.step, commit.committed_at)
         self.save_started = {s: t for s, t in self.save_started.items() if s > commit.step}
         try:
-            from elastic._controller.ray_metrics import checkpoint_committed
+            from elastic._ray_metrics import checkpoint_committed
             checkpoint_committed(url, commit.committed_at - started, commit.total_bytes)
         except Exception:   # metrics are best effort; never fail a step for them
             log.debug("exporting checkpoint metrics failed", exc_info=True)

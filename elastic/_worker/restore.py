@@ -15,10 +15,10 @@ from torch import nn
 
 from checkpointing import CheckpointError, StorageError
 from elastic._credentials import mask_url
-from elastic._lr import ScaleRamp
 from elastic._protocol import GenerationPlan, ReplicaSource, RestoreKind, RestorePlan, RunSpec
 from elastic._worker import wrap as _wrap
 from elastic._worker.broadcast import broadcast_state
+from elastic._worker.lr import ScaleRamp
 from elastic._worker.replicas import Rebuild
 from elastic._worker.state import WorkerState
 from elastic._worker.train_state import EXTRA, TrainState

@@ -3,7 +3,7 @@
 The loader opens a step (`begin_step`: the step's sample ids and its learning rate); the
 context's `report` closes it (`end_step`: the step is counted, every rank's metrics and flags
 are shared in one all-gather, and the step's record waits in the outbox for the controller).
-The loader sees only this object, through elastic._data's `LoaderSide` protocol; the user sees
+The loader sees only this object, through elastic._worker.loader's `LoaderSide` protocol; the user sees
 TrainContext, which owns the checkpoint rules around the boundary.
 
 The boundary does not hold the step (issue 18). Step s's all-gather
@@ -43,11 +43,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from elastic._accumulation import Accumulation, as_float, new_accumulation
 from elastic._determinism import mix_seed
-from elastic._lr import ScaleRamp, rule_lr
 from elastic._protocol import GenerationPlan, RunSpec, StepRecord
 from elastic._worker import step_exchange, thread_position
+from elastic._worker.accumulation import Accumulation, as_float, new_accumulation
+from elastic._worker.lr import ScaleRamp, rule_lr
 from elastic._worker.state import WorkerState
 from elastic._worker.step_timer import StepTimer
 from elastic.errors import NonFiniteLossError, StateError
@@ -112,7 +112,7 @@ class StepBoundary:
         self.restore_s = 0.0
         self.checkpoint_stall_s = 0.0
 
-    # ---- what the loader reads (elastic._data.LoaderSide) ---------------------------
+    # ---- what the loader reads (elastic._worker.loader.LoaderSide) ---------------------------
     @property
     def rank(self) -> int:
         return self._plan.rank

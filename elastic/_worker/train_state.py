@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from elastic._determinism import DataOrder
-from elastic._lr import ScaleRamp
+from elastic._worker.lr import ScaleRamp
 from elastic.errors import StateError
 
 if TYPE_CHECKING:

@@ -120,7 +120,7 @@ def test_a_resume_at_another_world_size_keeps_the_batch_lr_and_data(ray_session,
     assert all(m["global_batch"] == BASE * BATCH for m in metrics)
     # The schedule's horizon is each run's total_steps; from the resume on it is this run's 40.
     # No batch scale and no ramp: lr = base_lr x schedule(step), whatever the world size.
-    from elastic._lr import schedule_factor
+    from elastic._worker.lr import schedule_factor
     expected = [0.05 * schedule_factor(s - 1, total_steps=40, warmup_steps=10, schedule="cosine", min_lr_ratio=0.1)
                 for s in range(21, 41)]
     assert [m["lr"] for m in metrics[20:]] == pytest.approx(expected, rel=1e-12)

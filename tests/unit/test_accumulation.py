@@ -5,9 +5,9 @@ import torch
 from torch import nn
 
 from elastic import CheckpointConfig, ElasticTrainer, ScalingConfig
-from elastic._accumulation import Accumulation, accumulation_steps, check_divisible, rank_positions, wrap_optimizer
-from elastic._data import ElasticLoader
-from elastic.config import ConfigError, LRScalingConfig
+from elastic._worker.accumulation import Accumulation, accumulation_steps, rank_positions, wrap_optimizer
+from elastic._worker.loader import ElasticLoader
+from elastic.config import ConfigError, LRScalingConfig, check_divisible
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from elastic._data import ElasticLoader, seed_everything
 from elastic._determinism import DATA_ORDER_BLOCK, DataOrder, mix_seed, state_sha256
+from elastic._worker.loader import ElasticLoader, seed_everything
 
 pytestmark = pytest.mark.timeout(30)
 

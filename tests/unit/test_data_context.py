@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from elastic._data import ElasticLoader
 from elastic._determinism import DataOrder
+from elastic._worker.loader import ElasticLoader
 from elastic.context import RescaleInterrupt
 from support import no_children
 from test_data_workers import Noisy

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from chaos.services import wait_until
-from elastic._accumulation import Accumulation
-from elastic._data import ElasticLoader
 from elastic._determinism import DataOrder, mix_seed
+from elastic._worker.accumulation import Accumulation
+from elastic._worker.loader import ElasticLoader
 from elastic.context import RescaleInterrupt
 from elastic.errors import ConfigError, ElasticError
 from support import REPO_ROOT, fresh_python, no_children, pid_alive
@@ -292,7 +292,7 @@ KILLED_PARENT = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1])
     sys.path[:0] = [os.path.join(sys.argv[1], "tests"), os.path.join(sys.argv[1], "tests", "unit")]
     from test_data_workers import Ctx, Noisy
-    from elastic._data import ElasticLoader
+    from elastic._worker.loader import ElasticLoader
     it = iter(ElasticLoader(Ctx(total_steps=100), Noisy(), 4, num_workers=2))
     next(it)
     print(" ".join(str(p.pid) for p in multiprocessing.active_children()), flush=True)

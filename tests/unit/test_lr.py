@@ -1,7 +1,7 @@
 """The LR rule across rescales: pure functions of the step and the world-size history."""
 import pytest
 
-from elastic._lr import ScaleRamp, schedule_factor
+from elastic._worker.lr import ScaleRamp, schedule_factor
 from elastic.config import ConfigError, LRScalingConfig
 
 pytestmark = pytest.mark.timeout(30)

@@ -11,7 +11,7 @@ import torch
 
 import gpt
 from elastic import DatasetError, ParquetTokens, read_corpus_marker, write_token_shards
-from elastic._data import ElasticLoader
+from elastic._worker.loader import ElasticLoader
 
 pytestmark = pytest.mark.timeout(60)
 

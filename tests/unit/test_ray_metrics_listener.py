@@ -3,7 +3,7 @@ import logging
 
 import pytest
 
-from elastic._controller.ray_metrics import RayMetricsListener
+from elastic._ray_metrics import RayMetricsListener
 from elastic._controller.run_record import RunRecorder
 from elastic._protocol import StepRecord
 

@@ -259,7 +259,7 @@ def test_a_fresh_optimizers_state_has_every_key_despite_the_frameworks_step_patc
     # DCP fills an empty optimizer state with a zero-lr step() before saving or loading; the
     # framework's patched step() (a no-op on a non-final micro-step; fp16's scaler, which refuses
     # a step without ctx.backward) must not see it, or a load would skip the Adam moments (or fail).
-    from elastic._accumulation import Accumulation, wrap_optimizer
+    from elastic._worker.accumulation import Accumulation, wrap_optimizer
     from elastic._worker.precision import Precision
     from elastic._worker.train_state import Progress, TrainState
     model = nn.Linear(4, 2)

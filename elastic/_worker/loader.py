@@ -8,7 +8,7 @@ skips a sample.
 
 With LRScalingConfig(mode="constant_global_batch") the global batch is G = base_world_size x B
 at every W: rank r reads [seen + r*G/W, seen + (r+1)*G/W) as G/(W*B) micro-batches of B, one per
-yield (see elastic._accumulation).
+yield (see elastic._worker.accumulation).
 
 The batches come from a torch DataLoader whose batch sampler yields, per micro-batch, a `_Key`:
 (step, micro-batch, samples seen, dataset ids, fetch seed), planned from the context's counters
@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
-from elastic._accumulation import rank_positions
 from elastic._determinism import mix_seed
+from elastic._worker.accumulation import rank_positions
 from elastic.config import check_dataset_covers_global_batch
 from elastic.errors import ConfigError, ElasticError
 
@@ -51,7 +51,7 @@ except ImportError:   # numpy is optional for torch; without it there is no nump
 if TYPE_CHECKING:
     from torch import nn
 
-    from elastic._accumulation import Accumulation
+    from elastic._worker.accumulation import Accumulation
 
 
 class LoaderSide(Protocol):

@@ -12,17 +12,16 @@ any W, only the order of the sums differs.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from elastic.errors import ConfigError, ElasticError
+from elastic.config import CONSTANT_GLOBAL_BATCH
+from elastic.errors import ElasticError
 
-if TYPE_CHECKING:   # torch is imported where used: the trainer checks configs with this module
+if TYPE_CHECKING:
     import torch
     from torch import nn
 
-CONSTANT_GLOBAL_BATCH = "constant_global_batch"
 
 
 def new_accumulation(rule: Any, world_size: int) -> Accumulation | None:
@@ -38,25 +37,6 @@ def as_float(value: Any) -> float | None:
     if value is None:
         return None
     return float(value.detach()) if hasattr(value, "detach") else float(value)   # a tensor, or a number
-
-
-def allowed_world_sizes(min_workers: int, max_workers: int) -> list[int]:
-    return list(range(min_workers, max_workers + 1))
-
-
-def check_divisible(base_world_size: int, min_workers: int, max_workers: int | None) -> None:
-    """Configuration check: base_world_size must split into whole micro-batches at every allowed W."""
-    if max_workers is None:
-        raise ConfigError("LRScalingConfig(mode='constant_global_batch') needs a bounded world size: set "
-                          "ScalingConfig.max_workers (the global batch must divide by every allowed world size)")
-    sizes = allowed_world_sizes(min_workers, max_workers)
-    bad = [w for w in sizes if base_world_size % w]
-    if bad:
-        fits = math.lcm(*sizes)
-        raise ConfigError(
-            f"LRScalingConfig.base_world_size={base_world_size} (the global batch in per-rank batches) is not "
-            f"divisible by world sizes {bad} of ScalingConfig [{min_workers}, {max_workers}]; set "
-            f"base_world_size to a multiple of {fits} (the lcm of the allowed sizes) or narrow min/max_workers")
 
 
 def accumulation_steps(base_world_size: int, world_size: int) -> int:

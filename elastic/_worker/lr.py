@@ -7,7 +7,7 @@ where it was to the new target over `rescale_warmup_steps`; a drop applies at on
 warmup is a function of the global step and is never restarted.
 
 In mode "constant_global_batch" the global batch does not change with the world size (gradient
-accumulation keeps it, see elastic._accumulation), so the scale is 1: lr = base_lr x schedule(step).
+accumulation keeps it, see elastic._worker.accumulation), so the scale is 1: lr = base_lr x schedule(step).
 """
 from __future__ import annotations
 
