@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from elastic._controller.collaborators import CheckpointView, WorkerGroup
+from elastic._controller.commit_watch import CommitWatch
 from elastic._controller.failure_budget import FailureBudget
 from elastic._controller.forming import GenerationFormer
 from elastic._controller.intake import ReportIntake
@@ -62,13 +63,16 @@ class Controller:
     """The run's state machine. Composed of: the worker group (acts on workers), the report
     intake (worker reports into the step and recovery ledgers and the run record), the status
     report (status.json), the failure budget and the policies (decisions), and one judge per
-    state; it alone acts."""
+    state; it alone acts. What it needs from storage while the run goes comes as plain values
+    read on other threads: the newest commits (`commits`), a STOP request
+    (`checkpoints.stop_request()`)."""
 
     def __init__(self, group: WorkerGroup, recorder: RunRecord, checkpoints: CheckpointView, *,
                  scaling: ScalingConfig, failure: FailureConfig, total_steps: int,
                  failure_policy: FailurePolicy | None = None, scaling_policy: ScalingPolicy | None = None,
                  clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
-                 callbacks: tuple[Callable[[RunState, RunState, str], None], ...] = ()):
+                 callbacks: tuple[Callable[[RunState, RunState, str], None], ...] = (),
+                 commits: CommitWatch | None = None):
         self.group, self.recorder, self.checkpoints = group, recorder, checkpoints
         self.scaling, self.failure, self.total_steps = scaling, failure, total_steps
         self.scaling_policy = scaling_policy or ScalingPolicy()
@@ -89,7 +93,8 @@ class Controller:
         self.start_gate, self.running, self.recovering = StartGate(), RunningWatch(now), RecoveryWatch(now)
         self.recoveries = RecoveryLedger(now, lambda: self.wall_clock())
         self.intake = ReportIntake(recorder, self.steps, self.recoveries, self.stragglers, lambda: self.failure)
-        self.status = StatusReport(recorder, checkpoints, clock)
+        # The actor's commit watch looks on a thread of its own; without one, looks are inline (fakes).
+        self.status = StatusReport(recorder, commits or CommitWatch(checkpoints, clock, background=False))
         self.slots = Slots(lambda: self.scaling)
         self.former = GenerationFormer(group, lambda: self.checkpoints, self._storage, recorder=recorder,
                                        intake=self.intake, steps=self.steps, stragglers=self.stragglers,

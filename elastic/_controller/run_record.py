@@ -19,9 +19,9 @@ status.json and summary.json are rewritten whole and atomically (one PUT on S3),
 never sees a torn file. Every file here is strict JSON: a non-finite value is written `null`, and
 carries its `format` version (elastic.schemas, where the JSON Schema of each file ships).
 
-Threads: every event comes on the controller's thread, and so do the listeners' calls. Only
-`on_commits` also comes from the status writer's thread (the controller's status field that lists
-the checkpoints calls it); the flush of metrics.jsonl runs there too.
+Threads: every event comes on the controller's thread, and so do the listeners' calls (the new
+commits too: the commit watch finds them on its own thread, the controller announces them). The
+writes of status.json and the flush of metrics.jsonl run on the status writer's thread.
 """
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ class RunRecorder:
                                           min_interval_s=min_interval_s, background=background, name=url)
         self._feed = feed                             # the driver's callbacks' events (None: no callbacks)
         self._listeners = list(listeners)
-        self._commits_lock = threading.Lock()         # on_commits comes from the controller and the writer
+        self._commits_lock = threading.Lock()         # on_commits: the controller's thread, then the run's end
         self._newest_commit = 0                       # newest committed step the feed announced (or resumed)
 
     @property
