@@ -6,7 +6,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastic._controller.background_read import BackgroundRead
 from elastic._controller.commit_watch import CommitWatch
@@ -19,6 +19,9 @@ from elastic._controller.worker_group import RayWorkerGroup
 from elastic._protocol import RunSpec
 from elastic.config import LOG_FORMAT, LOG_LEVEL_ENV, CheckpointConfig, FailureConfig, ScalingConfig
 from elastic.errors import UserCodeError
+
+if TYPE_CHECKING:
+    from checkpointing.lease import LeaseKeeper
 
 FULL_LISTING_EVERY_S = 30.0     # committed_since lists at least this often, whatever the hint says
 STOP_POLL_S = 2.0               # how often the STOP request (elastic stop) is read
@@ -109,6 +112,7 @@ def run_status(finished: bool, step: int, total_steps: int) -> str:
 
 class ControllerActor:
     # What run() closes at the end; defaults for an actor a test builds without __init__.
+    _lease: LeaseKeeper | None = None
     _closers: tuple[Callable[[], None], ...] = ()
 
     def __init__(self, spec: RunSpec, scaling: ScalingConfig, failure: FailureConfig, checkpoint: CheckpointConfig,
@@ -122,9 +126,15 @@ class ControllerActor:
         options = dict(checkpoint.storage_options) or None
         # The driver's callbacks drain the feed (`events`); without callbacks nobody would.
         self._feed = RunFeed() if feed else None
+        if run_id is not None:
+            # The lease fit() took in the driver, renewed from now on by a thread of its own.
+            from checkpointing.lease import LeaseKeeper, RunLease
+            self._lease = LeaseKeeper(RunLease(url=checkpoint.storage, run_id=run_id, generation=None,
+                                               storage_options=options))
         self._recorder = RunRecorder(checkpoint.storage, options, total_steps=total_steps, config=config,
                                      background=True, feed=self._feed,
-                                     listeners=[RayMetricsListener(run=checkpoint.storage)], run_id=run_id)
+                                     listeners=[RayMetricsListener(run=checkpoint.storage)], run_id=run_id,
+                                     holds_storage=self._lease.holds if self._lease is not None else None)
         self._checkpoints = CheckpointView(checkpoint.storage, options, checkpoint.keep, run_id)
         commits = CommitWatch(self._checkpoints)
         commits.start()
@@ -133,7 +143,7 @@ class ControllerActor:
         self._controller = Controller(
             RayWorkerGroup(spec, scaling, failure), self._recorder, self._checkpoints, scaling=scaling,
             failure=failure, total_steps=total_steps, failure_policy=failure_policy, scaling_policy=scaling_policy,
-            commits=commits)
+            commits=commits, lease=self._lease)
         self._started = time.time()
 
     def run(self) -> dict[str, Any]:
@@ -166,6 +176,8 @@ class ControllerActor:
             self._recorder.write_status(force=True, state=controller.state.state.value)
         except Exception:   # the outcome must reach the driver: fit() returns, never raises
             logging.getLogger("elastic.controller").exception("could not write the final status.json")
+        if self._lease is not None:
+            self._lease.close()          # renewed up to here: the final status.json says the run ended
         if self._run_id is not None:
             try:   # the next run on this storage needs no wait and no takeover
                 from checkpointing import release_run_lease
