@@ -9,6 +9,7 @@ Public API:
     read_fence(url)            current generation in <url>/checkpoints/FENCE, or None
     acquire_run_lease(url, run_id) -> RunLease
                                one run per storage URL (RunConflictError names the live holder)
+    LeaseKeeper(lease)         renews a held lease on a thread of its own; lost() once it is not
     AppendLog, read_log        an append-only file (metrics.jsonl) that object stores do not
                                rewrite on every append
     export_model_state(url)    the model weights of a committed checkpoint, plain CPU tensors
@@ -32,7 +33,14 @@ from checkpointing.errors import (
     SaveFailureLimitError,
     StorageError,
 )
-from checkpointing.lease import DEFAULT_STALE_AFTER_S, RunLease, acquire_run_lease, release_run_lease
+from checkpointing.lease import (
+    DEFAULT_STALE_AFTER_S,
+    LeaseKeeper,
+    RunLease,
+    acquire_run_lease,
+    release_run_lease,
+    renew_run_lease,
+)
 from checkpointing.manager import CheckpointManager
 from checkpointing.manifest import CommitInfo, LoadResult, latest_committed
 from checkpointing.manifest import read_fence as _read_fence
@@ -55,6 +63,8 @@ __all__ = [
     "ExportResult",
     "acquire_run_lease",
     "release_run_lease",
+    "renew_run_lease",
+    "LeaseKeeper",
     "RunLease",
     "DEFAULT_STALE_AFTER_S",
     "AppendLog",

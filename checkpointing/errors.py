@@ -43,8 +43,9 @@ class FencedError(CheckpointError):
 
 
 class RunConflictError(FencedError):
-    """Another run holds `<url>` (FENCE names it and its status.json is fresh), or took this run's
-    storage over. `owner` is the other run's id (None when the other run predates run ids)."""
+    """Another run holds `<url>` (FENCE names it and its lease is fresh), or took this run's
+    storage over, or this run could not renew its lease in time (lease.LeaseKeeper). `owner` is
+    the other run's id (None when the other run predates run ids, or no other run is known)."""
 
     def __init__(self, message: str, *, url: str | None = None, owner: str | None = None) -> None:
         super().__init__(message, url=url)

@@ -386,10 +386,11 @@ class CheckpointConfig:
     """Extra fsspec options (for s3: endpoint_url, key, secret); AWS_* variables also work. Shown
     (repr, summary.json) with every secret-named key masked at any depth."""
     takeover: bool = False
-    """Take the storage over from another run even if that run looks alive (its status.json is
-    fresh). Without it a second run on one storage URL refuses to start with RunConflictError
-    naming the live run; a dead run's storage (status.json older than 60 s, or a final state) is
-    taken over without it. The run taken over is fenced: its next checkpoint is refused."""
+    """Take the storage over from another run even if that run looks alive (its lease in FENCE was
+    renewed in the last 60 s). Without it a second run on one storage URL refuses to start with
+    RunConflictError naming the live run; a dead run's storage (lease older than 60 s, or
+    status.json in a final state) is taken over without it. The run taken over is fenced: it
+    fails with RunConflictError at its next renewal, and its next checkpoint is refused."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "storage", normalized_storage(self.storage))

@@ -89,7 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--storage", required=True, help="run directory: local path, file://, or s3://bucket/prefix")
     p.add_argument("--takeover", action="store_true",
-                   help="take the storage over from a run that still looks alive (its status.json is fresh); "
+                   help="take the storage over from a run that still looks alive (its lease is fresh); "
                         "without it a second run on the same storage refuses to start")
     p.add_argument("--data", metavar="URL",
                    help="folder of Parquet token shards (local, file:// or s3://); default: a synthetic corpus "

@@ -5,21 +5,27 @@ import gc
 import logging
 import os
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
+from elastic._controller.background_read import BackgroundRead
+from elastic._controller.commit_watch import CommitWatch
 from elastic._controller.controller import Controller, run_loop
 from elastic._controller.feed import Event, RunFeed
-from elastic._ray_metrics import RayMetricsListener
 from elastic._controller.run_record import RunRecorder
 from elastic._controller.states import RunState
 from elastic._controller.worker_group import RayWorkerGroup
 from elastic._credentials import MaskingFormatter
 from elastic._protocol import RunSpec
+from elastic._ray_metrics import RayMetricsListener
 from elastic.config import LOG_FORMAT, LOG_LEVEL_ENV, CheckpointConfig, FailureConfig, ScalingConfig
 from elastic.errors import UserCodeError
 
+if TYPE_CHECKING:
+    from checkpointing.lease import LeaseKeeper
+
 FULL_LISTING_EVERY_S = 30.0     # committed_since lists at least this often, whatever the hint says
-STOP_POLL_S = 2.0               # how often the controller looks for a STOP request (elastic stop)
+STOP_POLL_S = 2.0               # how often the STOP request (elastic stop) is read
 GC_YOUNG_THRESHOLD = 20_000     # allocations between collections of the youngest generation (CPython: 700)
 
 
@@ -45,7 +51,10 @@ class CheckpointView:
         self._run_id = run_id          # the run holding the storage's lease: fencing checks it is still this one
         self._manager = CheckpointManager(url, keep=keep, storage_options=storage_options, async_save=False)
         self._listed_at = -float("inf")     # monotonic time committed_since last listed the manifests
-        self._stop_read_at = -float("inf")  # monotonic time stop_request last read STOP
+        # The STOP request is read on a thread of its own (started by the first stop_request()):
+        # the controller's tick reads what it found, never storage.
+        self._stop = BackgroundRead("stop-request-reader", self._read_stop, STOP_POLL_S, None,
+                                    what="the stop request (elastic stop)")
 
     def latest_step(self) -> int | None:
         latest = self._manager.latest()
@@ -79,18 +88,19 @@ class CheckpointView:
         return read_fence(self._manager.url, self._storage_options)
 
     def stop_request(self) -> dict | None:
-        """The STOP request (`elastic stop`), read at most every STOP_POLL_S: one small GET, not
-        one per controller tick. A storage error reads as no request (asked again later)."""
-        now = time.monotonic()
-        if now - self._stop_read_at < STOP_POLL_S:
-            return None
-        self._stop_read_at = now
+        """The STOP request (`elastic stop`) as last read, or None: no storage call here. It is
+        read every STOP_POLL_S on the "stop-request-reader" thread, from the first call on (a
+        storage error reads as no news: the last value stays and it is read again)."""
+        self._stop.start()
+        return self._stop.value
+
+    def _read_stop(self) -> dict | None:
         from elastic.stop_request import read_stop
-        try:
-            return read_stop(self._manager.storage)
-        except Exception:   # the next poll asks again; training goes on meanwhile
-            logging.getLogger("elastic.controller").debug("could not read the stop request", exc_info=True)
-            return None
+        return read_stop(self._manager.storage)
+
+    def close(self) -> None:
+        """Stop reading the STOP request."""
+        self._stop.close()
 
 
 def run_status(finished: bool, step: int, total_steps: int) -> str:
@@ -102,6 +112,10 @@ def run_status(finished: bool, step: int, total_steps: int) -> str:
 
 
 class ControllerActor:
+    # What run() closes at the end; defaults for an actor a test builds without __init__.
+    _lease: LeaseKeeper | None = None
+    _closers: tuple[Callable[[], None], ...] = ()
+
     def __init__(self, spec: RunSpec, scaling: ScalingConfig, failure: FailureConfig, checkpoint: CheckpointConfig,
                  total_steps: int, config: dict[str, Any], failure_policy, scaling_policy, feed: bool = False,
                  run_id: str | None = None):
@@ -115,14 +129,24 @@ class ControllerActor:
         options = dict(checkpoint.storage_options) or None
         # The driver's callbacks drain the feed (`events`); without callbacks nobody would.
         self._feed = RunFeed() if feed else None
+        if run_id is not None:
+            # The lease fit() took in the driver, renewed from now on by a thread of its own.
+            from checkpointing.lease import LeaseKeeper, RunLease
+            self._lease = LeaseKeeper(RunLease(url=checkpoint.storage, run_id=run_id, generation=None,
+                                               storage_options=options))
         self._recorder = RunRecorder(checkpoint.storage, options, total_steps=total_steps, config=config,
                                      background=True, feed=self._feed,
-                                     listeners=[RayMetricsListener(run=checkpoint.storage)], run_id=run_id)
+                                     listeners=[RayMetricsListener(run=checkpoint.storage)], run_id=run_id,
+                                     holds_storage=self._lease.holds if self._lease is not None else None)
         self._checkpoints = CheckpointView(checkpoint.storage, options, checkpoint.keep, run_id)
+        commits = CommitWatch(self._checkpoints)
+        commits.start()
+        self._closers = (commits.close, self._checkpoints.close)
         self._run_id, self._url, self._options = run_id, checkpoint.storage, options
         self._controller = Controller(
             RayWorkerGroup(spec, scaling, failure), self._recorder, self._checkpoints, scaling=scaling,
-            failure=failure, total_steps=total_steps, failure_policy=failure_policy, scaling_policy=scaling_policy)
+            failure=failure, total_steps=total_steps, failure_policy=failure_policy, scaling_policy=scaling_policy,
+            commits=commits, lease=self._lease)
         self._started = time.time()
 
     def run(self) -> dict[str, Any]:
@@ -136,6 +160,8 @@ class ControllerActor:
             controller.flush_logs()
         except Exception:   # the summary matters more than a last log line
             logging.getLogger("elastic.controller").exception("could not record the last ctx.log values")
+        for close in self._closers:      # the background reads: the run's last files are written below
+            close()
         finished = controller.state.state == RunState.FINISHED
         error = controller.error
         try:
@@ -153,6 +179,8 @@ class ControllerActor:
             self._recorder.write_status(force=True, state=controller.state.state.value)
         except Exception:   # the outcome must reach the driver: fit() returns, never raises
             logging.getLogger("elastic.controller").exception("could not write the final status.json")
+        if self._lease is not None:
+            self._lease.close()          # renewed up to here: the final status.json says the run ended
         if self._run_id is not None:
             try:   # the next run on this storage needs no wait and no takeover
                 from checkpointing import release_run_lease

@@ -97,9 +97,12 @@ class AgentPool:
             if now - agent.started_at > self._rendezvous_timeout_s:
                 self._failed(agent, "did not start within FailureConfig.rendezvous_timeout_s", now)
 
-    def collect(self, now: float) -> list[tuple[str, dict[int, WorkerReport | PollFailure]]]:
-        """The answers the agents have sent (node, {wid: answer}); an agent whose poll failed is
-        dropped here (and its node's workers lost, if the node is gone)."""
+    def collect(self, now: float) -> list[tuple[str, dict[int, WorkerReport | PollFailure], float]]:
+        """The answers the agents have sent (node, {wid: answer}, answered_at); an agent whose poll
+        failed is dropped here (and its node's workers lost, if the node is gone). `answered_at`
+        (monotonic, this process) is when the agent fixed its answer, at the latest `now`: its
+        poll's send time plus how long the agent says it ran (node_agent.AgentAnswers); an
+        answer without that is taken as of `now`."""
         out = []
         got, _ = answered(list(self._agents.values()), lambda a: a.poll_ref)
         for agent, ref in got:
@@ -109,7 +112,9 @@ class AgentPool:
                 self._agent_lost(agent, error_line(error), now)
                 continue
             agent.poll_ref = None
-            out.append((agent.node_id, answers))
+            waited_s = getattr(answers, "waited_s", None)
+            answered_at = now if waited_s is None else min(now, agent.polled_at + max(0.0, waited_s))
+            out.append((agent.node_id, answers, answered_at))
         return out
 
     def retire(self, ready_nodes: set[str], now: float) -> None:

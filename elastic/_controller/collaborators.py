@@ -35,4 +35,14 @@ class CheckpointView(Protocol):
     def fence(self, generation: int, start_step: int | None = None) -> None: ...
     def committed_since(self, step: int | None) -> list[int]: ...
     def current_fence(self) -> int | None: ...
-    def stop_request(self) -> dict | None: ...
+    def stop_request(self) -> dict | None:
+        """The STOP request (`elastic stop`) as last read, or None: a plain value, read from storage on
+        another thread (the controller asks at every running tick and must not wait on storage)."""
+
+
+class LeaseHold(Protocol):
+    """The run's hold on its storage (checkpointing.LeaseKeeper; the unit tests' fakes)."""
+
+    def lost(self) -> Exception | None:
+        """Why the run no longer holds its storage, or None while it does: a plain value (the
+        lease is renewed on another thread), asked at every tick."""

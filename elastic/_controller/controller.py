@@ -15,7 +15,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from elastic._controller.collaborators import CheckpointView, WorkerGroup
+from elastic._controller.collaborators import CheckpointView, LeaseHold, WorkerGroup
+from elastic._controller.commit_watch import CommitWatch
 from elastic._controller.failure_budget import FailureBudget
 from elastic._controller.forming import GenerationFormer
 from elastic._controller.intake import ReportIntake
@@ -62,14 +63,18 @@ class Controller:
     """The run's state machine. Composed of: the worker group (acts on workers), the report
     intake (worker reports into the step and recovery ledgers and the run record), the status
     report (status.json), the failure budget and the policies (decisions), and one judge per
-    state; it alone acts."""
+    state; it alone acts. What it needs from storage while the run goes comes as plain values
+    read on other threads: the run's lease (`lease`: lost or not), the newest commits
+    (`commits`), a STOP request (`checkpoints.stop_request()`)."""
 
     def __init__(self, group: WorkerGroup, recorder: RunRecord, checkpoints: CheckpointView, *,
                  scaling: ScalingConfig, failure: FailureConfig, total_steps: int,
                  failure_policy: FailurePolicy | None = None, scaling_policy: ScalingPolicy | None = None,
                  clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
-                 callbacks: tuple[Callable[[RunState, RunState, str], None], ...] = ()):
+                 callbacks: tuple[Callable[[RunState, RunState, str], None], ...] = (),
+                 commits: CommitWatch | None = None, lease: LeaseHold | None = None):
         self.group, self.recorder, self.checkpoints = group, recorder, checkpoints
+        self.lease = lease
         self.scaling, self.failure, self.total_steps = scaling, failure, total_steps
         self.scaling_policy = scaling_policy or ScalingPolicy()
         self.clock, self.wall_clock = clock, wall_clock
@@ -89,7 +94,8 @@ class Controller:
         self.start_gate, self.running, self.recovering = StartGate(), RunningWatch(now), RecoveryWatch(now)
         self.recoveries = RecoveryLedger(now, lambda: self.wall_clock())
         self.intake = ReportIntake(recorder, self.steps, self.recoveries, self.stragglers, lambda: self.failure)
-        self.status = StatusReport(recorder, checkpoints, clock)
+        # The actor's commit watch looks on a thread of its own; without one, looks are inline (fakes).
+        self.status = StatusReport(recorder, commits or CommitWatch(checkpoints, clock, background=False))
         self.slots = Slots(lambda: self.scaling)
         self.former = GenerationFormer(group, lambda: self.checkpoints, self._storage, recorder=recorder,
                                        intake=self.intake, steps=self.steps, stragglers=self.stragglers,
@@ -138,6 +144,11 @@ class Controller:
 
     # ---- the tick ----------------------------------------------------------------------
     def tick(self) -> None:
+        if self.lease is not None and (lost := self.lease.lost()) is not None:
+            # Another run took the storage over, or the lease could not be renewed before another
+            # run may: this run must not write there again. It ends here (its workers are killed).
+            self._fail(lost)
+            return
         # While a generation runs, recovers or stops, polls are held (answered at once on news,
         # else once a hold): the 5 Hz polls cost each worker ~2 % of its CPU. Otherwise they are
         # answered at once. While it runs, a rank that has waited for the others as long as the

@@ -23,6 +23,16 @@ same moment, every hold the agent asks for ends on a common beat (`hold_until_be
 re-polled after news holds only to the next beat, never longer than the controller's own hold,
 so the controller's reading of a silence (hang_watch: hold + its margin) is unchanged.
 
+Silence is judged as of the agent's answer. An agent's answer says who had answered *when it
+was made*; a worker whose answer came a few ms after it (past the window) waits in the agent for
+the controller's next poll. If the controller takes the message late (a tick blocked for
+seconds), that worker must not look silent for the controller's lateness: the answer says how
+long the agent's poll ran (`AgentAnswers.waited_s`, a duration on the agent's clock, so it means
+the same on the controller's node), and the worker group measures the silence of the workers it
+does not carry up to the poll's send time plus that, not up to the moment the controller looked
+(worker_group). A direct poll needs nothing of the kind: an answer that came while the controller
+was busy is taken, and counts, at the next tick.
+
 What is not carried: calls that act on a worker (plans, stop requests, kills) go to it directly,
 as without agents; they are a few per recovery, not per second.
 """
@@ -53,6 +63,17 @@ def hold_until_beat(hold_s: float, now: float) -> float:
         return 0.0
     beat = (math.floor(now / hold_s) + 1) * hold_s
     return min(hold_s, max(0.0, beat - now))
+
+
+class AgentAnswers(dict[int, WorkerReport | PollFailure]):
+    """An agent's answer to the controller's poll: {wid: answer} for the workers that answered,
+    and `waited_s`, how long the agent's poll ran until it fixed the answers it returns (on the
+    agent's clock). The workers it does not carry were silent as of then, not as of when the
+    controller took it."""
+
+    def __init__(self, answers: dict[int, WorkerReport | PollFailure] | None = None, waited_s: float = 0.0):
+        super().__init__(answers or {})
+        self.waited_s = waited_s
 
 
 def one_record_per_step(answers: dict[int, WorkerReport | PollFailure]) -> dict[int, WorkerReport | PollFailure]:
@@ -112,14 +133,16 @@ class NodeAgent:
             self._send_polls(only=set(workers))
 
     def poll(self, hold_s: float, forget: list[int], acked: dict[int, int] | None = None,
-             wake_s: float | None = None) -> dict[int, WorkerReport | PollFailure]:
+             wake_s: float | None = None) -> AgentAnswers:
         """Drop the workers in `forget`, make sure every other worker has a poll out (held up to
         `hold_s`, to the beat, or until its wait crosses `wake_s` (worker.poll), acknowledging
         `acked[wid]`: the newest of its answers the controller has received, all of this agent's
         earlier ones), and return the answers that came: as soon as one is there (with those
         that come within COALESCE_S), else after the hold plus WAIT_MARGIN_S, with whatever came
-        by then (possibly nothing). Each step's record comes once (`one_record_per_step`)."""
-        deadline = self._clock() + hold_s + WAIT_MARGIN_S
+        by then (possibly nothing), and how long that took (`AgentAnswers.waited_s`). Each step's
+        record comes once (`one_record_per_step`)."""
+        started = self._clock()
+        deadline = started + hold_s + WAIT_MARGIN_S
         with self._lock:
             self._hold_s, self._wake_s = hold_s, wake_s
             self._acked.update(acked or {})
@@ -140,13 +163,14 @@ class NodeAgent:
                 if len(refs) > 1:
                     ready, _ = self._ray.wait(refs, num_returns=len(refs), timeout=COALESCE_S)
                 break
+        waited_s = self._clock() - started      # what it returns is who had answered by now
         answers: dict[int, WorkerReport | PollFailure] = {}
         for ref in ready:
             with self._lock:
                 taken = self._polls.pop(ref) if ref in self._polls else None
             if taken is not None:
                 answers[taken] = self._answer(ref, taken)
-        return one_record_per_step(answers)
+        return AgentAnswers(one_record_per_step(answers), waited_s)
 
     def _send_polls(self, only: set[int] | None = None) -> None:
         """A poll to every worker (or every one in `only`) that has none out (under the lock).

@@ -19,9 +19,14 @@ status.json and summary.json are rewritten whole and atomically (one PUT on S3),
 never sees a torn file. Every file here is strict JSON: a non-finite value is written `null`, and
 carries its `format` version (elastic.schemas, where the JSON Schema of each file ships).
 
-Threads: every event comes on the controller's thread, and so do the listeners' calls. Only
-`on_commits` also comes from the status writer's thread (the controller's status field that lists
-the checkpoints calls it); the flush of metrics.jsonl runs there too.
+Threads: every event comes on the controller's thread, and so do the listeners' calls (the new
+commits too: the commit watch finds them on its own thread, the controller announces them). The
+writes of status.json and the flush of metrics.jsonl run on the status writer's thread.
+
+The files are the run's only while it holds the storage's lease (`holds_storage`, the lease
+keeper's plain answer): once another run has taken the storage over, nothing more is written
+(status.json, metrics.jsonl, summary.json are that run's now); the summary is still built and
+returned.
 """
 from __future__ import annotations
 
@@ -86,8 +91,10 @@ class RunRecorder:
     def __init__(self, url: str, storage_options: dict | None, *, total_steps: int,
                  config: dict[str, Any], min_interval_s: float = 1.0, background: bool = False,
                  feed: RunFeed | None = None, listeners: Iterable[RunListener] = (), run_id: str | None = None,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, holds_storage: Callable[[], bool] | None = None):
         self._url = url
+        self._holds_storage = holds_storage            # None: no lease kept (the files are always this run's)
+        self._let_go = False                           # said once that the files are left to another run
         self._run_id = run_id                          # in every status.json: the storage lease's holder
         self._storage = Storage(url, storage_options)      # shared by the parts that write
         self.metrics_log = MetricsLog(self._storage)
@@ -95,12 +102,12 @@ class RunRecorder:
         self.summary = RunSummary(total_steps=total_steps, config=config, clock=clock)
         self._scheduling = True                        # the controller has not left SCHEDULING yet
         self._ledger_told_at = -float("inf")
-        self.status_writer = StatusWriter(self._write_status_file, self.metrics_log.flush,
+        self.status_writer = StatusWriter(self._write_status_file, self.flush_metrics,
                                           min_interval_s=min_interval_s, background=background,
                                           name=self._storage.display_url)
         self._feed = feed                             # the driver's callbacks' events (None: no callbacks)
         self._listeners = list(listeners)
-        self._commits_lock = threading.Lock()         # on_commits comes from the controller and the writer
+        self._commits_lock = threading.Lock()         # on_commits: the controller's thread, then the run's end
         self._newest_commit = 0                       # newest committed step the feed announced (or resumed)
 
     @property
@@ -212,7 +219,18 @@ class RunRecorder:
 
     def flush_metrics(self) -> None:
         """Append the new metrics lines now, on the caller's thread (see MetricsLog.flush)."""
-        self.metrics_log.flush()
+        if self._writes():
+            self.metrics_log.flush()
+
+    def _writes(self) -> bool:
+        """Whether this run still writes its files: not once another run took its storage over."""
+        if self._holds_storage is None or self._holds_storage():
+            return True
+        if not self._let_go:
+            self._let_go = True
+            log.warning("another run took the storage %s over: this run writes no more status.json, "
+                        "metrics.jsonl or summary.json there", self._url)
+        return False
 
     def close(self) -> None:
         """Stop the writer thread and write the newest status and lines; later writes are inline."""
@@ -230,7 +248,8 @@ class RunRecorder:
         try:
             self.close()
             self.flush_metrics()
-            self.metrics_log.compact()
+            if self._writes():
+                self.metrics_log.compact()
         except Exception:
             log.exception("could not write the last metrics.jsonl lines under %s; summary.json is written anyway",
                           self._storage.display_url)
@@ -241,6 +260,8 @@ class RunRecorder:
         self._write_json("status.json", {"format": STATUS_FORMAT} | status)
 
     def _write_json(self, name: str, payload: dict[str, Any]) -> None:
+        if not self._writes():
+            return
         try:
             self._storage.write_atomic(self._storage.path(name), dumps(payload, indent=1).encode())
         except Exception:   # a status write must not kill the run; the next one retries

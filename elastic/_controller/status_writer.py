@@ -8,9 +8,11 @@ stalls (seen for ~55 s on S3 when a node died) does not stall the controller's f
 Without it, the write is made inline, on the caller's thread.
 
 It is handed what it does explicitly: `write(status)` writes status.json, `flush()` appends the
-metrics lines. A status field given as a callable (the controller's newest committed step, which
-lists the checkpoints) is called here, on the writer's thread, when the status is written: what
-it reads never stalls the controller's loop; it must be safe to call from that thread.
+metrics lines. A status field given as a callable (the worker lists, a record per worker) is
+called here, on the writer's thread, when the status is written: building it never costs the
+controller's loop; it must be safe to call from that thread, and must not read storage (a stalled
+read would hold up every write after it: the newest committed step comes as a plain value,
+found by the commit watch on its own thread).
 """
 from __future__ import annotations
 

@@ -139,7 +139,7 @@ class RayWorkerGroup:
         if self._agents is not None:
             self._agents.advance(self._ready_nodes(), now)
         placed = time.monotonic()
-        self._collect_polls(now)
+        answered_at = self._collect_polls(now)
         if self._agents is not None:
             self._agents.retire(self._ready_nodes(), now)
         collected = time.monotonic()
@@ -157,7 +157,7 @@ class RayWorkerGroup:
                 slot.report = _without_records(slot.report)
             views[slot.wid] = WorkerView(
                 wid=slot.wid, status=slot.status, report=slot.report, info=slot.info,
-                silent_s=_silence(slot, now),
+                silent_s=_silence(slot, answered_at.get(slot.agent, now) if slot.agent is not None else now),
                 death=slot.death, death_cause=slot.death_cause, records=records, via_agent=slot.agent is not None)
         return views
 
@@ -215,7 +215,9 @@ class RayWorkerGroup:
             if now - slot.created_at > self._failure.rendezvous_timeout_s:
                 self.kill(slot.wid, "did not start within FailureConfig.rendezvous_timeout_s")
 
-    def _collect_polls(self, now: float) -> None:
+    def _collect_polls(self, now: float) -> dict[str, float]:
+        """Take the answers that came; returns, for each agent whose answer came in this tick, when
+        it made it (its workers' silence is judged as of then: node_agent's "Silence")."""
         got, _ = answered([s for s in self._slots.values() if s.status == READY], lambda s: s.poll_ref)
         for slot, ref in got:
             try:
@@ -224,11 +226,14 @@ class RayWorkerGroup:
                 answer = poll_failure(error)
             slot.poll_ref = None
             self._take(slot, answer, now)
-        for node_id, answers in self._agents.collect(now) if self._agents is not None else ():
+        answered_at: dict[str, float] = {}
+        for node_id, answers, at in self._agents.collect(now) if self._agents is not None else ():
+            answered_at[node_id] = at
             for wid, carried in answers.items():
                 held = self._slots.get(wid)
                 if held is not None and held.status == READY and held.agent == node_id:
                     self._take(held, carried, now)
+        return answered_at
 
     def _take(self, slot: _Slot, answer: WorkerReport | PollFailure, now: float) -> None:
         """A worker's poll answer, whether it came directly or through its node's agent."""
@@ -389,12 +394,15 @@ def _available_resources() -> dict[str, float] | str:
         return "unknown"
 
 
-def _silence(slot: _Slot, now: float) -> float:
-    """Seconds since the worker last answered: the upper bound on how long a fault went unseen."""
+def _silence(slot: _Slot, as_of: float) -> float:
+    """Seconds the worker had not answered as of `as_of`: the tick's time, or for a worker whose
+    agent answered in this tick without it, when the agent made that answer (the controller's own
+    lateness in taking it is not the worker's silence). The upper bound on how long a fault went
+    unseen."""
     if slot.status == DEAD:
         return slot.silent_at_death
     if slot.status == READY and (slot.poll_ref is not None or slot.agent is not None):
-        return now - slot.last_answer_at
+        return max(0.0, as_of - slot.last_answer_at)
     return 0.0
 
 

@@ -5,8 +5,9 @@ titled "ray::FakeWorker" that the injectors can signal; when it dies, the job re
 recovery and restarts it.
 
 Like the runtime, it takes the storage's run lease first (a second start on a live run's
-storage exits 4 with the RunConflictError message), fences each generation with the step it
-starts from, and lets the lease go when it ends.
+storage exits 4 with the RunConflictError message), renews it as it goes (about once a second,
+on its one thread: it has nothing that stalls), fences each generation with the step it starts
+from, and lets the lease go when it ends.
 
 `--break MODE` makes it misbehave on purpose, so the invariants can be seen to catch it:
   rollback   after a lost worker, restart from step 0 although checkpoints are committed
@@ -68,6 +69,7 @@ class FakeRun:
         self.started = time.time()
         self.run_id = uuid.uuid4().hex
         self.lease = None if self.broken("nolease") else acquire_run_lease(args.storage, self.run_id)
+        self.renewed_at = time.monotonic()
         committed = mf.list_committed(self.storage)
         self.resumed_from = committed[-1].step if committed else None
         self.step = self.resumed_from or 0
@@ -165,6 +167,9 @@ class FakeRun:
                 return 1
             if self.step % self.args.checkpoint_every == 0 or self.step == self.args.steps:
                 self.checkpoint()
+            if self.lease is not None and time.monotonic() - self.renewed_at >= 1.0:
+                self.lease.renew()            # RunConflictError (taken over) ends the job, as it ends a run
+                self.renewed_at = time.monotonic()
             self.status("running")
         self.status("finished")
         if self.args.__dict__["break"] == "untyped":

@@ -1,6 +1,7 @@
-"""Fakes for driving the controller without Ray: a worker group, a recorder, checkpoints, a clock.
+"""Fakes for driving the controller without Ray: a worker group, a recorder, checkpoints, a lease,
+a clock.
 
-Each stands in for a Protocol of the controller's (WorkerGroup, RunRecord, CheckpointView);
+Each stands in for a Protocol of the controller's (WorkerGroup, RunRecord, CheckpointView, LeaseHold);
 protocol_checks.py has the type checker hold them to it (`make lint`).
 """
 from __future__ import annotations
@@ -196,3 +197,13 @@ class FakeCheckpoints:
 
     def stop_request(self) -> dict | None:
         return self.stop
+
+
+class FakeLease:
+    """The run's lease as the controller sees it: held until a test sets `lost_with`."""
+
+    def __init__(self) -> None:
+        self.lost_with: Exception | None = None
+
+    def lost(self) -> Exception | None:
+        return self.lost_with

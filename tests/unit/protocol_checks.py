@@ -10,20 +10,23 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from checkpointing.lease import LeaseKeeper
     from elastic._controller.actor import CheckpointView as RealCheckpoints
-    from elastic._controller.collaborators import CheckpointView, WorkerGroup
+    from elastic._controller.collaborators import CheckpointView, LeaseHold, WorkerGroup
     from elastic._controller.run_record import RunRecord, RunRecorder
     from elastic._controller.worker_group import RayWorkerGroup
-    from fakes import FakeCheckpoints, FakeGroup, FakeRecorder
+    from fakes import FakeCheckpoints, FakeGroup, FakeLease, FakeRecorder
 
 
-def _fakes(group: FakeGroup, recorder: FakeRecorder, checkpoints: FakeCheckpoints) -> None:
+def _fakes(group: FakeGroup, recorder: FakeRecorder, checkpoints: FakeCheckpoints, lease: FakeLease) -> None:
     _group: WorkerGroup = group
     _recorder: RunRecord = recorder
     _checkpoints: CheckpointView = checkpoints
+    _lease: LeaseHold = lease
 
 
-def _real(group: RayWorkerGroup, recorder: RunRecorder, checkpoints: RealCheckpoints) -> None:
+def _real(group: RayWorkerGroup, recorder: RunRecorder, checkpoints: RealCheckpoints, lease: LeaseKeeper) -> None:
     _group: WorkerGroup = group
     _recorder: RunRecord = recorder
     _checkpoints: CheckpointView = checkpoints
+    _lease: LeaseHold = lease

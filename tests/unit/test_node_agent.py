@@ -362,3 +362,61 @@ def test_an_agent_outlives_its_nodes_workers_for_a_while_so_a_replacement_finds_
     monkeypatch.setattr(ray_group.time, "monotonic", lambda: clock)
     group.tick()
     assert agent in fake_ray.killed and group._agents._agents == {}
+
+
+def test_a_worker_whose_answer_missed_its_agents_message_is_not_silent_for_the_controllers_late_tick(
+        fake_ray, monkeypatch):
+    """R3-5's repro: the agent's message carries worker 0; worker 1 answered the agent 20 ms later,
+    past the coalescing window. The controller's tick is then blocked for 12 s (a stalled
+    storage call, a Ray call). The tick that takes the message must judge worker 1's silence as
+    of when the agent made it, not count the controller's 12 s: before, worker 1 was 12 s
+    "silent" (over the heartbeat timeout: HANG, killed), where a direct poll reads 0."""
+    from elastic._controller.hang_watch import SILENCE_MARGIN_S
+    now = [1000.0]
+    monkeypatch.setattr(ray_group.time, "monotonic", lambda: now[0])
+    group = group_on({0: A, 1: A})
+    (carrier,) = started(group, fake_ray)
+    for wid in (0, 1):
+        group._slots[wid].actor.poll.refs[0].outcome = report(1, seq=1)
+    views = group.tick()                          # answers taken at 1000.0; the agent carries both from here
+    assert all(v.via_agent for v in views.values()) and len(carrier.poll.calls) == 1
+
+    # The agent on its node (its own clock), answering that poll: worker 0 at the beat, 0.9 s into it.
+    agent_clock = Clock(500.0)
+    workers = {wid: Actor("poll") for wid in (0, 1)}
+
+    class AgentsRay(FakeRay):
+        def wait(self, refs, num_returns=1, timeout=None):
+            if workers[0].poll.refs[0].outcome is PENDING:
+                self.clock.now += 0.9
+                workers[0].poll.refs[0].outcome = report(2, seq=2)
+            return super().wait(refs, num_returns, timeout)
+    agent = NodeAgent(clock=agent_clock, ray_api=AgentsRay(agent_clock))
+    agent.watch({wid: (actor, 1) for wid, actor in workers.items()})
+    message = agent.poll(*carrier.poll.calls[0])
+    assert list(message) == [0]
+    workers[1].poll.refs[0].outcome = report(2, seq=2)      # 20 ms later: it waits in the agent
+
+    carrier.poll.refs[0].outcome = message
+    now[0] += 12.0                                # the controller comes back 12 s late
+    views = group.tick()
+    assert views[0].silent_s == 0.0 and views[0].report.step == 2
+    assert views[1].silent_s == pytest.approx(0.9)          # as of the agent's answer
+    assert views[1].silent_s < group.poll_hold_s + SILENCE_MARGIN_S < 5.0    # neither hang rule fires
+    # The agent's next answer brings worker 1's (it was waiting there): heard from at once.
+    carrier.poll.refs[1].outcome = agent.poll(*carrier.poll.calls[1])
+    now[0] += 0.01
+    views = group.tick()
+    assert views[1].silent_s == 0.0 and views[1].report.step == 2
+
+
+def test_an_agents_answer_travels_with_how_long_its_poll_took():
+    import pickle
+
+    from elastic._controller.node_agent import AgentAnswers
+    clock = Clock()
+    agent, _, _ = agent_with(clock, 0)
+    answers = agent.poll(1.0, forget=[])
+    assert isinstance(answers, AgentAnswers) and answers == {} and answers.waited_s >= 1.0
+    back = pickle.loads(pickle.dumps(AgentAnswers({0: report(3)}, waited_s=0.25)))
+    assert back == {0: report(3)} and back.waited_s == 0.25 and type(back) is AgentAnswers

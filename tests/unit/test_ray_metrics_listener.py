@@ -3,9 +3,9 @@ import logging
 
 import pytest
 
-from elastic._ray_metrics import RayMetricsListener
 from elastic._controller.run_record import RunRecorder
 from elastic._protocol import StepRecord
+from elastic._ray_metrics import RayMetricsListener
 
 pytestmark = pytest.mark.timeout(30)
 

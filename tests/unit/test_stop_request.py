@@ -86,3 +86,39 @@ def test_claiming_the_storage_clears_an_earlier_runs_stop(tmp_path):
     assert read_stop(Storage(str(tmp_path))) is None  # the resume does not stop at once
     written = json.loads((tmp_path / "status.json").read_text())
     assert written["state"] == "scheduling" and written["format"] == 1
+
+
+def test_the_controllers_stop_request_is_a_plain_value_read_on_another_thread(tmp_path, monkeypatch):
+    """R3-5: the controller asks for the STOP request at every running tick. A stalled STOP read
+    (a GET stuck on S3) must not stall the tick: the read runs on a thread of its own and the
+    tick gets the newest value at once. Before, the tick made the read itself every 2 s."""
+    import threading
+
+    import elastic.stop_request as stop_request
+    from chaos.services import wait_until
+    from elastic._controller.actor import CheckpointView
+    released, reads = threading.Event(), []
+
+    def stalled_read(storage):
+        reads.append(threading.current_thread().name)
+        assert released.wait(20), "never released"
+        return {"format": STOP_FORMAT, "reason": "node drain"}
+    monkeypatch.setattr(stop_request, "read_stop", stalled_read)
+    view = CheckpointView(str(tmp_path), None, None)
+    answered = []
+    tick = threading.Thread(target=lambda: answered.append(view.stop_request()), name="controller-tick")
+    try:
+        tick.start()
+        tick.join(5)
+        assert not tick.is_alive() and answered == [None], "the tick waited on the stalled STOP read"
+        wait_until(lambda: reads, 10, "the STOP read on the reader's thread", interval_s=0.01)
+        assert reads[0] != "controller-tick"
+        released.set()
+        wait_until(lambda: view.stop_request() is not None, 10, "the request the reader found", interval_s=0.01)
+        assert view.stop_request()["reason"] == "node drain"
+    finally:
+        released.set()
+        tick.join(20)
+        close = getattr(view, "close", None)
+        if close is not None:
+            close()
