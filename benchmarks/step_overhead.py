@@ -107,10 +107,13 @@ def loop_framework(steps: int, dataset: _Rows, storage: str) -> float:
 
     from elastic._protocol import GenerationPlan, RestoreKind, RestorePlan, RunSpec
     from elastic._worker.state import WorkerState
+    from elastic.config import CheckpointConfig, FailureConfig, ScalingConfig
     from elastic.context import TrainContext
-    spec = RunSpec(user_code=b"", total_steps=steps, seed=0, strategy="ddp", use_gpu=False, storage=storage,
-                   storage_options={}, checkpoint_every=None, keep=None, async_save=False,
-                   max_consecutive_failures=3, cpus_per_worker=1, collective_timeout_s=60.0)
+    spec = RunSpec(user_code=b"", total_steps=steps, seed=0,
+                   scaling=ScalingConfig(strategy="ddp", use_gpu=False),
+                   checkpoint=CheckpointConfig(storage=storage, keep=None,
+                                               async_save=False, max_consecutive_failures=3),
+                   failure=FailureConfig(collective_timeout_s=60.0))
     plan = GenerationPlan(generation=1, rank=0, world_size=1, master_addr="127.0.0.1", master_port=0,
                           restore=RestorePlan(RestoreKind.FRESH), timeout_s=60.0)
     ctx = TrainContext(plan=plan, spec=spec, worker=WorkerState(), loop_config=None,

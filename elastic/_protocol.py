@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastic.config import LRScalingConfig, ScalingConfig
+from elastic.config import CheckpointConfig, FailureConfig, LRScalingConfig, ScalingConfig
 
 
 class WorkerPhase(enum.StrEnum):
@@ -217,23 +217,21 @@ class RunSpec:
     user_code: bytes                           # cloudpickle of (train_loop, train_loop_config)
     total_steps: int
     seed: int
-    strategy: str
-    use_gpu: bool
-    storage: str
-    storage_options: dict[str, Any]
-    checkpoint_every: int | None
-    keep: int | None
-    async_save: bool
-    max_consecutive_failures: int
-    cpus_per_worker: float
-    collective_timeout_s: float
+    # The run's configs whole: a rank reads each setting where the user set it, so a new field
+    # reaches the ranks with no edit here.
+    scaling: ScalingConfig
+    checkpoint: CheckpointConfig
+    failure: FailureConfig
     lr: LRScalingConfig | None = None
-    scaling: ScalingConfig | None = None      # precision, compression, FSDP options (None: defaults)
-    on_nonfinite_loss: str = "fail"           # FailureConfig.on_nonfinite_loss
-    in_memory_every: int | None = None        # FSDP's copies in host memory (elastic._worker.replicas)
     # The driver's storage credentials (AWS_ACCESS_KEY_ID, ...): an actor argument, which Ray does
     # not display, unlike runtime_env (see elastic._credentials). Each actor applies them first.
     storage_env: dict[str, str] = field(default_factory=dict, repr=False)
+
+    @property
+    def in_memory_every(self) -> int | None:
+        """Steps between FSDP's copies in host memory (elastic._worker.replicas); None: no copies
+        (DDP's survivors hold full replicas; HSDP and the rest do not take them)."""
+        return self.checkpoint.in_memory_every_n_steps if self.scaling.strategy == "fsdp" else None
 
     def apply_storage_env(self) -> None:
         """Put the run's storage credentials in this process's environment (before any storage

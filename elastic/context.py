@@ -33,7 +33,6 @@ from elastic._worker.restore import Restorer, named_objects
 from elastic._worker.state import WorkerState
 from elastic._worker.step_boundary import StepBoundary, StepOutcome
 from elastic._worker.train_state import TrainState
-from elastic.config import ScalingConfig
 from elastic.errors import ConfigError, NonFiniteLossError, RestoreRequiredError
 
 
@@ -57,14 +56,14 @@ class TrainContext:
                                       stop_requested=stop_requested, preempted=preempted,
                                       commit_requested=commit_requested)
         self._restorer = Restorer(plan=plan, spec=spec, worker=worker,
-                                  comm_device=device if spec.use_gpu else torch.device("cpu"))
+                                  comm_device=device if spec.scaling.use_gpu else torch.device("cpu"))
         self._models: list[tuple[nn.Module, nn.Module]] = []   # (as returned to the user, unwrapped)
         self._optimizers: list[torch.optim.Optimizer] = []
         self._state: TrainState | None = None                   # set by restore()
-        self._scaling = spec.scaling or ScalingConfig(strategy=spec.strategy, use_gpu=spec.use_gpu)
+        self._scaling = spec.scaling
         if worker.grad_scaler is None:
             worker.grad_scaler = Precision.new_scaler(self._scaling.precision, device)
-        self._precision = Precision(self._scaling.precision, spec.strategy, device, worker.grad_scaler)
+        self._precision = Precision(self._scaling.precision, spec.scaling.strategy, device, worker.grad_scaler)
         self._compression: _wrap.PowerSGDCompression | None = None
 
     # ---- identity -------------------------------------------------------------------
@@ -236,7 +235,7 @@ class TrainContext:
         self._worker.checkpoints.save(self._spec, self.step, payload, generation=self.generation, wait=wait,
                                       meta=meta)
         if self.rank == 0:
-            self._worker.checkpoints.export_commit(self._spec.storage)
+            self._worker.checkpoints.export_commit()
         # What the loop was blocked for: the next step's record carries it (the run's time ledger).
         self._boundary.checkpoint_stall_s += time.monotonic() - started
 
@@ -252,7 +251,7 @@ class TrainContext:
             started = time.monotonic()
             session.manager.wait()
             self._boundary.checkpoint_stall_s += time.monotonic() - started
-        session.check_committed(self.step, self._spec.storage)
+        session.check_committed(self.step)
 
     # ---- step boundary --------------------------------------------------------------
     def report(self, **metrics: Any) -> None:
@@ -276,7 +275,7 @@ class TrainContext:
         if outcome is None:
             return
         step = self.step
-        every, in_memory = self._spec.checkpoint_every, self._spec.in_memory_every
+        every, in_memory = self._spec.checkpoint.every_n_steps, self._spec.in_memory_every
         if every is not None and step % every == 0 and step < self.total_steps:
             self.save_checkpoint()
         leaving = outcome.stop or outcome.preempted > 0
@@ -321,7 +320,7 @@ class TrainContext:
         assert self._state is not None
         self._worker.replicas.refresh(self._state, generation=self.generation, rank=self.rank,
                                       world_size=self.world_size, step=self.step,
-                                      device=self.device if self._spec.use_gpu else torch.device("cpu"))
+                                      device=self.device if self._spec.scaling.use_gpu else torch.device("cpu"))
 
     def _abandon(self) -> NonFiniteLossError | None:
         """The loop failed (a broken group, the user's error): keep the records of the steps
@@ -349,12 +348,12 @@ class TrainContext:
         if session.manager is not None:
             session.manager.wait()
             if self.rank == 0:
-                session.export_commit(self._spec.storage)
-            session.confirm_final(self.step, self._spec.storage)
+                session.export_commit()
+            session.confirm_final(self.step)
         modules = self._state.modules()
         if not modules:
             return None
-        full = {name: _checkpoint_io.full_model_state(m) if self._spec.strategy == "fsdp" else m.state_dict()
+        full = {name: _checkpoint_io.full_model_state(m) if self._spec.scaling.strategy == "fsdp" else m.state_dict()
                 for name, m in modules.items()}
         if self.rank != 0:
             return None

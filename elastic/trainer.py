@@ -188,15 +188,9 @@ class ElasticTrainer:
 
     def _spec(self, storage_env: dict[str, str] | None = None) -> RunSpec:
         """What every worker needs; `storage_env`: the credentials from `actor_environment`."""
-        c = self.checkpoint
-        return RunSpec(user_code=self._pickled_user_code(), total_steps=self.total_steps,
-                       seed=self.seed, strategy=self.scaling.strategy, use_gpu=self.scaling.use_gpu,
-                       storage=c.storage, storage_options=dict(c.storage_options), checkpoint_every=c.every_n_steps,
-                       keep=c.keep, async_save=c.async_save, max_consecutive_failures=c.max_consecutive_failures,
-                       cpus_per_worker=self.scaling.cpus_per_worker,
-                       collective_timeout_s=self.failure.collective_timeout_s, lr=self.lr, scaling=self.scaling,
-                       on_nonfinite_loss=self.failure.on_nonfinite_loss, storage_env=dict(storage_env or {}),
-                       in_memory_every=c.in_memory_every_n_steps if self.scaling.strategy == "fsdp" else None)
+        return RunSpec(user_code=self._pickled_user_code(), total_steps=self.total_steps, seed=self.seed,
+                       scaling=self.scaling, checkpoint=self.checkpoint, failure=self.failure, lr=self.lr,
+                       storage_env=dict(storage_env or {}))
 
     def _pickled_user_code(self) -> bytes:
         """The loop and its config as bytes for the workers (see RunSpec): pickled here, so an
@@ -281,9 +275,8 @@ class ElasticTrainer:
             # with ray.cluster_utils.Cluster), and the controller must not live on a node the
             # run may lose. If the driver's node goes, the run goes with it anyway.
             scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
-        ).remote(self._spec(storage_env=credentials), self.scaling, self.failure, self.checkpoint, self.total_steps,
-                 self.effective_config(), self.failure_policy, self.scaling_policy, feed=bool(self._callbacks),
-                 run_id=self._run_id)
+        ).remote(self._spec(storage_env=credentials), self.effective_config(), self.failure_policy,
+                 self.scaling_policy, feed=bool(self._callbacks), run_id=self._run_id)
         done = actor.run.remote()
         runner = CallbackRunner(self._callbacks) if self._callbacks else None
 

@@ -18,7 +18,7 @@ from elastic._controller.worker_group import RayWorkerGroup
 from elastic._credentials import MaskingFormatter
 from elastic._protocol import RunSpec
 from elastic._ray_metrics import RayMetricsListener
-from elastic.config import LOG_FORMAT, LOG_LEVEL_ENV, CheckpointConfig, FailureConfig, ScalingConfig
+from elastic.config import LOG_FORMAT, LOG_LEVEL_ENV
 from elastic.errors import UserCodeError
 
 if TYPE_CHECKING:
@@ -116,9 +116,10 @@ class ControllerActor:
     _lease: LeaseKeeper | None = None
     _closers: tuple[Callable[[], None], ...] = ()
 
-    def __init__(self, spec: RunSpec, scaling: ScalingConfig, failure: FailureConfig, checkpoint: CheckpointConfig,
-                 total_steps: int, config: dict[str, Any], failure_policy, scaling_policy, feed: bool = False,
+    def __init__(self, spec: RunSpec, config: dict[str, Any], failure_policy, scaling_policy, feed: bool = False,
                  run_id: str | None = None):
+        """`spec`: the run, its configs whole (the same the workers get); `config`: the effective
+        configuration as plain JSON, for summary.json."""
         handler = logging.StreamHandler()
         handler.setFormatter(MaskingFormatter(LOG_FORMAT))   # no URL password in a traceback either
         logging.basicConfig(level=logging.INFO, handlers=[handler])
@@ -126,6 +127,7 @@ class ControllerActor:
         # LoggingConfig's level, from the driver through the runtime env.
         logging.getLogger("elastic").setLevel(os.environ.get(LOG_LEVEL_ENV, "INFO"))
         spec.apply_storage_env()     # the driver's credentials, before anything here opens storage
+        scaling, failure, checkpoint, total_steps = spec.scaling, spec.failure, spec.checkpoint, spec.total_steps
         options = dict(checkpoint.storage_options) or None
         # The driver's callbacks drain the feed (`events`); without callbacks nobody would.
         self._feed = RunFeed() if feed else None

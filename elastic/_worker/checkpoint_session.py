@@ -28,14 +28,19 @@ class CheckpointSession:
     load_fallbacks: list[dict] = field(default_factory=list)   # committed checkpoints skipped as corrupt
     nonfinite_step: int | None = None          # newest step whose loss was NaN/inf: never committed
 
+    @property
+    def _url(self) -> str | None:
+        return self.manager.url if self.manager is not None else None
+
     def open(self, spec: Any) -> Any:
         """The manager, made on first use from the run's spec."""
         if self.manager is None:
             from checkpointing import CheckpointManager
+            c = spec.checkpoint
             self.manager = CheckpointManager(
-                spec.storage, keep=spec.keep, storage_options=spec.storage_options or None,
-                async_save=spec.async_save, max_consecutive_failures=spec.max_consecutive_failures,
-                collective_timeout_s=spec.collective_timeout_s)
+                c.storage, keep=c.keep, storage_options=c.storage_options or None, async_save=c.async_save,
+                max_consecutive_failures=c.max_consecutive_failures,
+                collective_timeout_s=spec.failure.collective_timeout_s)
         return self.manager
 
     def save(self, spec: Any, step: int, payload: dict[str, Any], *, generation: int, wait: bool,
@@ -53,7 +58,7 @@ class CheckpointSession:
             manager.wait()
         return True
 
-    def check_committed(self, step: int, url: str) -> None:
+    def check_committed(self, step: int) -> None:
         """After a waited save the group must not leave without: raise unless `step` committed."""
         commit = self.manager.last_commit if self.manager is not None else None
         if self.nonfinite_step == step or (commit is not None and commit.step == step):
@@ -62,9 +67,9 @@ class CheckpointSession:
         error = self.manager.last_error if self.manager is not None else None
         self.last_saved_step = commit.step if commit is not None else None
         raise CheckpointError(f"the checkpoint of step {step}, taken before the group changes, was not "
-                              f"committed: {error}", url=url) from error
+                              f"committed: {error}", url=self._url) from error
 
-    def confirm_final(self, step: int, url: str) -> None:
+    def confirm_final(self, step: int) -> None:
         """A run is finished only once its final state is committed. Every rank learns the
         commit's outcome from rank 0 (checkpointing broadcasts it): if rank 0 was lost mid-commit
         or storage refused it, this rank reports that failure instead of a finish, and the run
@@ -76,10 +81,10 @@ class CheckpointSession:
             self.last_saved_step = commit.step if commit is not None else None
             from checkpointing import CheckpointError
             raise self.manager.last_error or CheckpointError(
-                f"the final checkpoint of step {step} was not committed", url=url)
+                f"the final checkpoint of step {step} was not committed", url=self._url)
         self.unconfirmed_save = None
 
-    def export_commit(self, url: str) -> None:
+    def export_commit(self) -> None:
         """Rank 0: checkpoint seconds and bytes of a commit it has learnt of, to Ray metrics."""
         commit = self.manager.last_commit if self.manager is not None else None
         if commit is None or commit.step == self.exported_commit:
@@ -89,7 +94,7 @@ class CheckpointSession:
         self.save_started = {s: t for s, t in self.save_started.items() if s > commit.step}
         try:
             from elastic._ray_metrics import checkpoint_committed
-            checkpoint_committed(url, commit.committed_at - started, commit.total_bytes)
+            checkpoint_committed(self.manager.url, commit.committed_at - started, commit.total_bytes)
         except Exception:   # metrics are best effort; never fail a step for them
             log.debug("exporting checkpoint metrics failed", exc_info=True)
 

@@ -80,7 +80,7 @@ class Restorer:
             worker.checkpoints.last_saved_step = None
         step = worker.progress.step
         worker.warm.state = state
-        worker.warm.capable = self._spec.strategy == "ddp" and bool(state.modules())
+        worker.warm.capable = self._spec.scaling.strategy == "ddp" and bool(state.modules())
         worker.warm.restored = (self._plan.generation, step)
         worker.outbox.drop_after(step)
         log.info("rank %d generation %d restored %s (%s) at step %d",
@@ -133,11 +133,12 @@ class Restorer:
             if planned is not None:
                 # The controller planned from a checkpoint it listed; its vanishing is a storage
                 # fault to recover from (the re-plan lists again), never a silent start from step 0.
+                url = self._spec.checkpoint.storage
                 raise StorageError(f"the checkpoint of step {planned} that generation {self._plan.generation} "
-                                   f"was planned to restore is no longer committed under "
-                                   f"{mask_url(self._spec.storage)}; re-planning", url=self._spec.storage)
+                                   f"was planned to restore is no longer committed under {mask_url(url)}; "
+                                   f"re-planning", url=url)
             log.warning("rank %d: no committed checkpoint under %s; starting fresh", self._plan.rank,
-                        mask_url(self._spec.storage))
+                        mask_url(self._spec.checkpoint.storage))
             self._start_over()
             return
         if in_meta:
@@ -145,7 +146,7 @@ class Restorer:
             if framework is None:
                 raise CheckpointError(f"checkpoint step {loaded.step} at {loaded.path} has no framework state in "
                                       f"its manifest (it was written by an earlier runtime than the newest "
-                                      f"checkpoint)", url=self._spec.storage)
+                                      f"checkpoint)", url=self._spec.checkpoint.storage)
             loaded_state = {**loaded_state, EXTRA: {**framework, **loaded_state.get(EXTRA, {})}}
         else:
             loaded_state = _legacy_names(loaded_state, legacy=True, back=True)

@@ -93,7 +93,7 @@ class StepBoundary:
                  commit_requested: threading.Event | None = None):
         self._plan, self._spec, self._worker = plan, spec, worker
         self.device = device
-        self._comm_device = device if spec.use_gpu else torch.device("cpu")
+        self._comm_device = device if spec.scaling.use_gpu else torch.device("cpu")
         self._stop_requested, self._preempted = stop_requested, preempted
         self._commit_requested = commit_requested if commit_requested is not None else threading.Event()
         self.accumulation: Accumulation | None = new_accumulation(spec.lr, plan.world_size)
@@ -278,7 +278,7 @@ class StepBoundary:
             # Under "ignore" the step is left unflagged, as before: only the ranks whose own row
             # shows it would know, and a rank that alone skipped a save's collective would hang
             # the others in it.
-            if (found is None and self._spec.on_nonfinite_loss == "fail" and mean_loss is not None
+            if (found is None and self._spec.failure.on_nonfinite_loss == "fail" and mean_loss is not None
                     and not math.isfinite(mean_loss)):
                 self._worker.checkpoints.nonfinite_step = step.step
                 found = _nonfinite_error(step.step, mean_loss, table.shape[0] if table is not None else 1)
@@ -331,7 +331,7 @@ class StepBoundary:
             self._worker.outbox.news.set()
         if check and mean_loss is not None and not math.isfinite(mean_loss):
             self._worker.checkpoints.nonfinite_step = step.step
-            if self._spec.on_nonfinite_loss == "fail":
+            if self._spec.failure.on_nonfinite_loss == "fail":
                 # Every rank raises the same error (the values are all-gathered).
                 raise _nonfinite_error(step.step, mean_loss, ranks)
         return mean_loss

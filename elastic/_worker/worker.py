@@ -194,10 +194,10 @@ class TrainWorker:
         self._hosted: HostedStore | None = None       # the next generation's store, when this is its rank 0
         from elastic._worker.thread_position import ThreadPosition
         self._position = ThreadPosition(completed=lambda: self._state.progress.step, news=self._state.outbox.news)
-        torch.set_num_threads(max(1, int(spec.cpus_per_worker)))
-        if spec.use_gpu:
+        torch.set_num_threads(max(1, int(spec.scaling.cpus_per_worker)))
+        if spec.scaling.use_gpu:
             torch.cuda.set_device(0)   # Ray exposes exactly the GPU it assigned as device 0
-        self._device = torch.device("cuda", 0) if spec.use_gpu else torch.device("cpu")
+        self._device = torch.device("cuda", 0) if spec.scaling.use_gpu else torch.device("cpu")
         # Ray runs an actor's __init__ on the process's main thread, where handlers may be set.
         signal.signal(signal.SIGTERM, self._on_preemption_notice)
         _preload()
@@ -393,7 +393,7 @@ class TrainWorker:
         """Fail every collective of the current group, on this rank and on the peers blocked on
         it: abort the NCCL communicators, shut down the gloo connections. Best effort."""
         try:
-            if self._spec.use_gpu:
+            if self._spec.scaling.use_gpu:
                 from torch.distributed.distributed_c10d import _abort_process_group
                 _abort_process_group()
             if sockets is not None:
@@ -410,7 +410,7 @@ class TrainWorker:
         hosted, self._hosted = self._hosted, None
         store, sockets = join_store((plan.master_addr, plan.master_port), plan.rank, plan.timeout_s, hosted)
         dist.init_process_group(
-            "nccl" if self._spec.use_gpu else "gloo", store=store,
+            "nccl" if self._spec.scaling.use_gpu else "gloo", store=store,
             rank=plan.rank, world_size=plan.world_size,
             timeout=datetime.timedelta(seconds=plan.timeout_s))
         # The checkpoint side group is formed with the main group, inside the capture: a peer

@@ -33,10 +33,13 @@ SPIN_CYCLES = 500_000_000   # a few hundred ms of one SM's clock: far longer tha
 def _context(tmp_path):
     from elastic._protocol import GenerationPlan, RestorePlan, RunSpec
     from elastic._worker.state import WorkerState
+    from elastic.config import CheckpointConfig, FailureConfig, ScalingConfig
     from elastic.context import TrainContext
-    spec = RunSpec(user_code=b"", total_steps=100, seed=0, strategy="ddp", use_gpu=True, storage=str(tmp_path / "run"),
-                   storage_options={}, checkpoint_every=None, keep=None, async_save=False,
-                   max_consecutive_failures=3, cpus_per_worker=1, collective_timeout_s=60.0)
+    spec = RunSpec(user_code=b"", total_steps=100, seed=0,
+                   scaling=ScalingConfig(strategy="ddp", use_gpu=True),
+                   checkpoint=CheckpointConfig(storage=str(tmp_path / "run"), keep=None,
+                                               async_save=False, max_consecutive_failures=3),
+                   failure=FailureConfig(collective_timeout_s=60.0))
     plan = GenerationPlan(generation=1, rank=0, world_size=1, master_addr="127.0.0.1", master_port=0,
                           restore=RestorePlan("fresh"), timeout_s=60.0)
     return TrainContext(plan=plan, spec=spec, worker=WorkerState(), loop_config=None,

@@ -25,13 +25,16 @@ def one_rank_group():
 class Generations:
     """Builds one TrainContext per generation over the same WorkerState, as a worker does."""
 
-    def __init__(self, storage: str, **spec):
+    def __init__(self, storage: str, *, total_steps: int = 100, strategy: str = "ddp",
+                 checkpoint_every: int | None = None, in_memory_every: int | None = None,
+                 on_nonfinite_loss: str = "fail"):
         from elastic._protocol import RunSpec
         from elastic._worker.state import WorkerState
-        defaults = dict(user_code=b"", total_steps=100, seed=0, strategy="ddp", use_gpu=False, storage=storage,
-                        storage_options={}, checkpoint_every=None, keep=None, async_save=False,
-                        max_consecutive_failures=3, cpus_per_worker=1, collective_timeout_s=60.0)
-        self.spec = RunSpec(**{**defaults, **spec})
+        from elastic.config import CheckpointConfig, FailureConfig, ScalingConfig
+        self.spec = RunSpec(user_code=b"", total_steps=total_steps, seed=0, scaling=ScalingConfig(strategy=strategy),
+                            checkpoint=CheckpointConfig(storage=storage, every_n_steps=checkpoint_every, keep=None,
+                                                        async_save=False, in_memory_every_n_steps=in_memory_every),
+                            failure=FailureConfig(on_nonfinite_loss=on_nonfinite_loss))
         self.worker = WorkerState()
         self.generation = 0
 

@@ -12,13 +12,16 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from elastic._controller.forming import memory_source
 from elastic._protocol import GenerationPlan, RestorePlan, RunSpec, WorkerPhase, WorkerReport
 from elastic._worker.state import WorkerState
+from elastic.config import CheckpointConfig, FailureConfig, ScalingConfig
 from elastic.context import TrainContext
 
 
 def _context(rank: int, world: int, generation: int, restore: RestorePlan, worker: WorkerState) -> TrainContext:
-    spec = RunSpec(user_code=b"", total_steps=100, seed=0, strategy="fsdp", use_gpu=False, storage="memory://unused",
-                   storage_options={}, checkpoint_every=None, keep=None, async_save=False,
-                   max_consecutive_failures=3, cpus_per_worker=1, collective_timeout_s=60.0, in_memory_every=1)
+    spec = RunSpec(user_code=b"", total_steps=100, seed=0,
+                   scaling=ScalingConfig(strategy="fsdp", use_gpu=False),
+                   checkpoint=CheckpointConfig(storage="memory://unused", keep=None,
+                                               async_save=False, max_consecutive_failures=3, in_memory_every_n_steps=1),
+                   failure=FailureConfig(collective_timeout_s=60.0))
     plan = GenerationPlan(generation=generation, rank=rank, world_size=world, master_addr="127.0.0.1",
                           master_port=0, restore=restore, timeout_s=60.0)
     return TrainContext(plan=plan, spec=spec, worker=worker, loop_config=None, stop_requested=threading.Event(),

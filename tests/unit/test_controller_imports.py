@@ -33,8 +33,7 @@ def test_the_controller_process_imports_neither_torch_nor_the_users_code(tmp_pat
                              checkpoint=CheckpointConfig(storage=str(tmp_path)))
     cloudpickle.register_pickle_by_value(gpt)    # as fit() ships a loop from a file workers cannot import
     try:
-        args = cloudpickle.dumps((trainer._spec(), trainer.scaling, trainer.failure, trainer.checkpoint,
-                                  trainer.total_steps, trainer.effective_config(), trainer.failure_policy,
+        args = cloudpickle.dumps((trainer._spec(), trainer.effective_config(), trainer.failure_policy,
                                   trainer.scaling_policy))
     finally:
         cloudpickle.unregister_pickle_by_value(gpt)

@@ -122,8 +122,7 @@ def test_a_worker_and_the_controller_set_the_credentials_before_storage_is_opene
 
     monkeypatch.setattr(controller_actor, "RunRecorder", RecorderSeeingTheEnvironment)
     with pytest.raises(Opened):
-        controller_actor.ControllerActor(spec, trainer.scaling, trainer.failure, trainer.checkpoint, 5,
-                                         trainer.effective_config(), None, None)
+        controller_actor.ControllerActor(spec, trainer.effective_config(), None, None)
     assert seen == credentials
 
 
@@ -155,9 +154,12 @@ def test_r3_8_a_workers_error_reaches_status_json_without_the_url_password(tmp_p
     from checkpointing import StorageError
     from elastic._protocol import RunSpec
     from elastic._worker.worker import TrainWorker
-    spec = RunSpec(user_code=cloudpickle.dumps((loop, None)), total_steps=1, seed=0, strategy="ddp",
-                   use_gpu=False, storage=str(tmp_path), storage_options={}, checkpoint_every=None, keep=1,
-                   async_save=False, max_consecutive_failures=1, cpus_per_worker=1.0, collective_timeout_s=5.0)
+    from elastic.config import CheckpointConfig, FailureConfig, ScalingConfig
+    spec = RunSpec(user_code=cloudpickle.dumps((loop, None)), total_steps=1, seed=0,
+                   scaling=ScalingConfig(strategy="ddp", use_gpu=False),
+                   checkpoint=CheckpointConfig(storage=str(tmp_path), keep=1,
+                                               async_save=False, max_consecutive_failures=1),
+                   failure=FailureConfig(collective_timeout_s=5.0))
     worker = TrainWorker(spec)
     try:
         try:

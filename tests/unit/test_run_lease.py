@@ -77,8 +77,7 @@ def test_a_live_run_keeps_its_storage_while_its_status_writes_and_listings_stall
     a = trainer(url)
     a._check_storage()                                  # run A takes the storage (status.json: scheduling)
     taken_at = storage_fence(url).lease_at
-    actor = controller_actor.ControllerActor(a._spec(), a.scaling, a.failure, a.checkpoint, 1, a.effective_config(),
-                                             None, None, run_id=a._run_id)
+    actor = controller_actor.ControllerActor(a._spec(), a.effective_config(), None, None, run_id=a._run_id)
     actor._recorder.status_writer._write = hang         # status.json's writes hang too
     try:
         for _ in range(3):                              # the controller's ticks write status on

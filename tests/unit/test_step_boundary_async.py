@@ -33,6 +33,7 @@ def _rank_main(rank: int, ports, storage: str, flag: str, flag_rank: int, flag_b
 
     from elastic._protocol import GenerationPlan, RestorePlan, RunSpec
     from elastic._worker.state import WorkerState
+    from elastic.config import CheckpointConfig, FailureConfig, ScalingConfig
     from elastic.context import RescaleInterrupt, TrainContext
     torch.set_num_threads(1)
     if rank == 0:
@@ -42,9 +43,11 @@ def _rank_main(rank: int, ports, storage: str, flag: str, flag_rank: int, flag_b
         store = dist.TCPStore("127.0.0.1", ports.get(timeout=60), 2, False)
     port = store.port
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
-    spec = RunSpec(user_code=b"", total_steps=100, seed=0, strategy="ddp", use_gpu=False, storage=storage,
-                   storage_options={}, checkpoint_every=None, keep=None, async_save=False,
-                   max_consecutive_failures=3, cpus_per_worker=1, collective_timeout_s=60.0)
+    spec = RunSpec(user_code=b"", total_steps=100, seed=0,
+                   scaling=ScalingConfig(strategy="ddp", use_gpu=False),
+                   checkpoint=CheckpointConfig(storage=storage, keep=None,
+                                               async_save=False, max_consecutive_failures=3),
+                   failure=FailureConfig(collective_timeout_s=60.0))
     worker = WorkerState()
     stop, preempted, commit_requested = threading.Event(), threading.Event(), threading.Event()
     plan = GenerationPlan(generation=1, rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port,

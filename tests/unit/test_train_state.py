@@ -292,7 +292,8 @@ def test_a_nonfinite_loss_fails_or_trains_on_and_is_never_committed(generations,
         ctx.report(loss=torch.tensor(float("inf")))      # step 2: trains on, not committed
         ctx.report(loss=0.5)                              # step 3: committed
     run.worker.checkpoints.manager.wait()
-    assert [c.step for c in CheckpointManager(run.spec.storage).committed()] == ([1] if action == "fail" else [1, 3])
+    committed = [c.step for c in CheckpointManager(run.spec.checkpoint.storage).committed()]
+    assert committed == ([1] if action == "fail" else [1, 3])
     assert model is not None
 
 
@@ -320,14 +321,14 @@ def test_the_frameworks_state_is_json_in_the_manifest_not_pickled_in_dcp(generat
     ctx.restore()
     ctx.report(loss=1.0)
     ctx.save_checkpoint(wait=True)
-    (info,) = CheckpointManager(run.spec.storage).committed()
+    (info,) = CheckpointManager(run.spec.checkpoint.storage).committed()
     extra = info.meta["extra"]
     assert extra["step"] == 1 and extra["world_size"] == 1 and json.loads(extra["state_kinds"]) == {"model": "module"}
     import pickle
     with open(os.path.join(info.path, info.data_dir, ".metadata"), "rb") as f:
         metadata = pickle.load(f)                 # DCP's own format (the trust boundary the README names)
     assert not any(key.startswith("extra") for key in metadata.state_dict_metadata)
-    exported = export_model_state(f"{run.spec.storage}/checkpoints/step_00000001")
+    exported = export_model_state(f"{run.spec.checkpoint.storage}/checkpoints/step_00000001")
     assert all(torch.equal(exported[k], v) for k, v in model.module.state_dict().items())
 
 
@@ -343,7 +344,7 @@ def test_a_checkpoint_of_the_earlier_runtime_resumes(generations):
     old_model(torch.randn(3, 4)).sum().backward()
     old_opt.step()
     model_sd, optim_sd = get_state_dict(old_model, old_opt)
-    manager = CheckpointManager(run.spec.storage, async_save=False)
+    manager = CheckpointManager(run.spec.checkpoint.storage, async_save=False)
     manager.save(7, {"model": model_sd, "optim": optim_sd,
                      "extra": {"step": 7, "samples_seen": 56, "data_order": "ab" * 32, "world_size": 1}},
                  generation=0)
@@ -468,11 +469,11 @@ def test_an_fsdp_group_leaving_at_the_final_step_commits_it(generations):
     """R3-9: no copies are taken at the final step, so a group leaving from it (a rescale) does
     not keep that step in memory: it commits it instead of restoring older copies."""
     from elastic._worker.step_boundary import StepOutcome
-    run = generations(in_memory_every=100, total_steps=3)
+    run = generations(strategy="fsdp", in_memory_every=100, total_steps=3)
     ctx = run.context("fresh")
     ctx.prepare_model(nn.Linear(4, 1))
     ctx.restore()
-    run.worker.warm.capable = False           # FSDP: no rank holds a full replica
+    assert not run.worker.warm.capable          # FSDP: no rank holds a full replica
     rescale = StepOutcome(stop=True, preempted=0, commit=False)
     ctx.report(loss=1.0)
     ctx.report(loss=1.0)

@@ -1,4 +1,5 @@
 """A worker's held poll: answered at once when something happens, not at the end of the hold."""
+import copy
 import dataclasses
 import threading
 
@@ -7,6 +8,7 @@ from ray import cloudpickle
 
 from elastic._protocol import RunSpec, WorkerPhase
 from elastic._worker.worker import TrainWorker
+from elastic.config import CheckpointConfig, FailureConfig, ScalingConfig
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -19,9 +21,11 @@ def loop(ctx):
 
 @pytest.fixture
 def worker(tmp_path):
-    spec = RunSpec(user_code=cloudpickle.dumps((loop, None)), total_steps=1, seed=0, strategy="ddp",
-                   use_gpu=False, storage=str(tmp_path), storage_options={}, checkpoint_every=None, keep=1,
-                   async_save=False, max_consecutive_failures=1, cpus_per_worker=1.0, collective_timeout_s=5.0)
+    spec = RunSpec(user_code=cloudpickle.dumps((loop, None)), total_steps=1, seed=0,
+                   scaling=ScalingConfig(strategy="ddp", use_gpu=False),
+                   checkpoint=CheckpointConfig(storage=str(tmp_path), keep=1,
+                                               async_save=False, max_consecutive_failures=1),
+                   failure=FailureConfig(collective_timeout_s=5.0))
     return TrainWorker(spec)
 
 
@@ -112,7 +116,10 @@ def test_the_storage_is_opened_while_the_worker_is_a_spare_and_a_bad_one_fails_a
     # Opened at construction: a spare's first join does not make the group wait for it.
     manager = worker._state.checkpoints.manager
     assert manager is not None and manager.storage.root.endswith(tmp_path.name)
-    spec = dataclasses.replace(worker._spec, storage="nosuchscheme://bucket/run")
+    # A storage this worker's host cannot open (the driver's check passed: a backend missing here).
+    unusable = copy.copy(worker._spec.checkpoint)
+    object.__setattr__(unusable, "storage", "nosuchscheme://bucket/run")
+    spec = dataclasses.replace(worker._spec, checkpoint=unusable)
     spare = TrainWorker(spec)                        # an unusable storage does not stop the worker here
     assert spare._state.checkpoints.manager is None
     from checkpointing import StorageError

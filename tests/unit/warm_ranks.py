@@ -13,6 +13,7 @@ from torch import nn
 from elastic._protocol import GenerationPlan, RestorePlan, RunSpec
 from elastic._worker.state import WorkerState
 from elastic._worker.warm_slices import _leaves, send_slices
+from elastic.config import CheckpointConfig, FailureConfig, ScalingConfig
 from elastic.context import TrainContext
 from elastic.errors import StateError
 
@@ -103,9 +104,11 @@ def mismatch(rank: int, world: int) -> dict:
 # ---- a real DDP TrainContext: generation 1 trains, generation 2 restores warm ------------------
 
 def _context(rank: int, world: int, generation: int, restore: RestorePlan, worker: WorkerState) -> TrainContext:
-    spec = RunSpec(user_code=b"", total_steps=100, seed=0, strategy="ddp", use_gpu=False, storage="memory://unused",
-                   storage_options={}, checkpoint_every=None, keep=None, async_save=False,
-                   max_consecutive_failures=3, cpus_per_worker=1, collective_timeout_s=60.0)
+    spec = RunSpec(user_code=b"", total_steps=100, seed=0,
+                   scaling=ScalingConfig(strategy="ddp", use_gpu=False),
+                   checkpoint=CheckpointConfig(storage="memory://unused", keep=None,
+                                               async_save=False, max_consecutive_failures=3),
+                   failure=FailureConfig(collective_timeout_s=60.0))
     plan = GenerationPlan(generation=generation, rank=rank, world_size=world, master_addr="127.0.0.1",
                           master_port=0, restore=restore, timeout_s=60.0)
     return TrainContext(plan=plan, spec=spec, worker=worker, loop_config=None, stop_requested=threading.Event(),
