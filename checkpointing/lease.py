@@ -18,10 +18,12 @@ and a renewal time (`lease_at`, the holder's wall clock) that the holder keeps f
     plain re-run resumes), and raises `RunConflictError` naming the live holder otherwise.
     `takeover=True` takes it regardless: for an operator who knows the holder is dead (or
     wants it stopped).
-  * A holder that finds at a renewal that another run took FENCE over, or that could not renew
-    for `3/4` of `stale_after_s` (after that another run may judge it dead and take the storage),
-    has lost the lease: `LeaseKeeper.lost()` says so, as a RunConflictError, and the run must
-    stop writing and end (the runtime's controller fails the run with it at its next tick).
+  * A holder that finds at a renewal that another run took FENCE over has lost the lease:
+    `LeaseKeeper.lost()` says so, as a RunConflictError, and the run must stop writing and end
+    (the runtime's controller fails the run with it at its next tick). One that could not renew
+    for `3/4` of `stale_after_s` (after that another run may judge it dead and take the storage)
+    is unconfirmed: it writes none of its files (`LeaseKeeper.holds()` is False) until a renewal
+    goes through again, which also tells whether another run took the storage meanwhile.
   * Every later fence update of the run (`RunLease.fence`, or
     `CheckpointManager.set_generation(..., run_id=)`) checks the owner in the same
     compare-and-swap: a run whose storage was taken over gets RunConflictError (a FencedError)
@@ -221,10 +223,14 @@ class LeaseKeeper:
     a renewal every `stale_after_s / 4`; a failed one tried again after `stale_after_s / 20`.
     Each renewal is a compare-and-swap of FENCE that checks that FENCE still names this run.
     The lease is *lost* when a renewal finds another run holding FENCE (it took the storage
-    over), or when no renewal has succeeded for `3/4` of the bound, counted from the start of the
-    last one that did: that deadline is a renewal's timeout (one stuck in a storage call counts
-    as failing), and it comes before another run may judge this one dead, so the run can stop
-    writing in time. A lost lease is not renewed again.
+    over): that is final, and the run ends. It is *unconfirmed* while no renewal has succeeded for
+    `3/4` of the bound, counted from the start of the last one that did: that deadline is a
+    renewal's timeout (one stuck in a storage call counts as failing), and it comes before another
+    run may judge this one dead. An unconfirmed run writes none of its own files (`holds()` is
+    False) but trains on, and the keeper goes on trying: a storage stall is not a conflict, and
+    ending the run for one would make any stall longer than the bound's quarter fatal. The first
+    renewal that goes through again confirms it (FENCE still names this run: nobody took over
+    meanwhile) and the writes resume; one that finds another run holding FENCE loses it.
 
     `lost()` and `holds()` read plain fields, never storage: the controller asks at every tick
     and acts on the answer on its own thread.
@@ -245,7 +251,6 @@ class LeaseKeeper:
         self._lock = threading.Lock()                          # the fields below: set by the thread, read by anyone
         self._valid_from = clock()    # start of the newest renewal that succeeded (first: the lease was just taken)
         self._taken: RunConflictError | None = None      # a renewal found another run holding the storage
-        self._expired: RunConflictError | None = None    # no renewal in time
         self._failing: str | None = None                 # the last renewal's error, while they fail
         self._closed = False
         self._stop = threading.Event()
@@ -259,25 +264,27 @@ class LeaseKeeper:
         return self._lease.url
 
     def lost(self) -> RunConflictError | None:
-        """Why this run no longer holds its storage (a RunConflictError; `.owner` names the run
-        that took it over, None when the lease ran out unrenewed), or None while it holds it."""
+        """Why this run no longer holds its storage (a RunConflictError whose `.owner` names the
+        run that took it over), or None while it holds it, confirmed or not."""
         with self._lock:
-            if self._taken is not None:
-                return self._taken
+            return self._taken
+
+    def unconfirmed(self) -> str | None:
+        """Why this run cannot tell that it still holds its storage (no renewal went through for
+        `lost_after_s`), or None while a recent renewal confirms it."""
+        with self._lock:
             late = self._clock() - self._valid_from
-            if self._expired is None and not self._closed and late > self.lost_after_s:
-                self._expired = RunConflictError(
-                    f"this run could not renew its lease on {self._lease.url} for {late:.0f}s ("
+            if self._closed or late <= self.lost_after_s:
+                return None
+            return (f"this run could not renew its lease on {self._lease.url} for {late:.0f}s ("
                     f"{self._failing or 'a renewal is stuck in a storage call'}); after {self.stale_after_s:.0f}s "
-                    f"another run may take the storage over, so this run stops writing there and ends. Check "
-                    f"that the storage is reachable, then run it again to resume", url=self._lease.url)
-            return self._expired
+                    f"another run may take the storage over, so this run writes none of its files there until a "
+                    f"renewal goes through again")
 
     def holds(self) -> bool:
-        """False once a renewal found another run holding the storage: this run's record
-        (status.json, metrics.jsonl, summary.json) is then that run's to write, not this one's."""
-        with self._lock:
-            return self._taken is None
+        """Whether this run writes its record (status.json, metrics.jsonl, summary.json) now:
+        not once another run took the storage over, nor while its lease is unconfirmed."""
+        return self.lost() is None and self.unconfirmed() is None
 
     def renew_once(self) -> bool:
         """One renewal (the thread's work); True if it went through."""
@@ -298,9 +305,13 @@ class LeaseKeeper:
                 self.lost_after_s)
             return False
         with self._lock:
+            late = self._clock() - self._valid_from > self.lost_after_s
             self._valid_from = max(self._valid_from, started)
             recovered, self._failing = self._failing is not None, None
-        if recovered:
+        if late:
+            log.warning("renewed the run's lease on %s again: nobody took the storage over; the run's files "
+                        "are written again", self._lease.url)
+        elif recovered:
             log.info("renewed the run's lease on %s again", self._lease.url)
         return True
 

@@ -145,8 +145,9 @@ class Controller:
     # ---- the tick ----------------------------------------------------------------------
     def tick(self) -> None:
         if self.lease is not None and (lost := self.lease.lost()) is not None:
-            # Another run took the storage over, or the lease could not be renewed before another
-            # run may: this run must not write there again. It ends here (its workers are killed).
+            # Another run took the storage over: this run must not write there again. It ends here
+            # (its workers are killed). A lease that is only unconfirmed (storage stalled) does not
+            # end the run: its record is not written meanwhile (RunRecorder's holds_storage).
             self._fail(lost)
             return
         # While a generation runs, recovers or stops, polls are held (answered at once on news,

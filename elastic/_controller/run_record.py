@@ -94,7 +94,7 @@ class RunRecorder:
                  clock: Callable[[], float] = time.time, holds_storage: Callable[[], bool] | None = None):
         self._url = url
         self._holds_storage = holds_storage            # None: no lease kept (the files are always this run's)
-        self._let_go = False                           # said once that the files are left to another run
+        self._let_go = False                           # the files are not written now (said once per change)
         self._run_id = run_id                          # in every status.json: the storage lease's holder
         self._storage = Storage(url, storage_options)      # shared by the parts that write
         self.metrics_log = MetricsLog(self._storage)
@@ -223,14 +223,20 @@ class RunRecorder:
             self.metrics_log.flush()
 
     def _writes(self) -> bool:
-        """Whether this run still writes its files: not once another run took its storage over."""
-        if self._holds_storage is None or self._holds_storage():
-            return True
-        if not self._let_go:
-            self._let_go = True
-            log.warning("another run took the storage %s over: this run writes no more status.json, "
-                        "metrics.jsonl or summary.json there", self._url)
-        return False
+        """Whether this run writes its files now: not once another run took its storage over, nor
+        while its lease is unconfirmed (storage stalled past the renewals' deadline); the metrics
+        lines wait in memory meanwhile and are written when the lease is confirmed again."""
+        holds = self._holds_storage is None or self._holds_storage()
+        if holds == self._let_go:
+            self._let_go = not holds
+            if holds:
+                log.warning("the lease on %s is confirmed again: status.json and metrics.jsonl are written again",
+                            self._storage.display_url)
+            else:
+                log.warning("this run does not hold the lease on %s now (another run took the storage over, or "
+                            "no renewal went through in time): no status.json, metrics.jsonl or summary.json is "
+                            "written there meanwhile", self._storage.display_url)
+        return holds
 
     def close(self) -> None:
         """Stop the writer thread and write the newest status and lines; later writes are inline."""

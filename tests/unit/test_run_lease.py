@@ -116,27 +116,34 @@ def test_the_keeper_renews_every_quarter_of_the_bound_and_a_run_taken_over_loses
     assert storage_fence(url).run_id == "run-b"         # the lost holder wrote nothing
 
 
-def test_a_lease_that_cannot_be_renewed_is_lost_before_another_run_may_take_it(tmp_path, monkeypatch):
+def test_a_lease_that_cannot_be_renewed_stops_the_runs_writes_before_another_run_may_take_it(tmp_path, monkeypatch):
+    """A storage stall is not a conflict: an unrenewed lease stops the run's own writes before
+    another run may judge it dead (3/4 of the bound), and a renewal that goes through again
+    confirms it and the writes resume; only a renewal that finds another holder loses it."""
     from checkpointing import LeaseKeeper, RunLease, acquire_run_lease
     url, now = str(tmp_path), [1000.0]
     mine = acquire_run_lease(url, "run-a", clock=lambda: now[0])
     keeper = LeaseKeeper(mine, stale_after_s=60.0, clock=lambda: now[0], wall_clock=lambda: now[0], start=False)
+    real_renew = RunLease.renew
 
     def unreachable(self, *, clock):
         raise OSError("endpoint unreachable")
     monkeypatch.setattr(RunLease, "renew", unreachable)
     now[0] += 30.0
-    assert not keeper.renew_once() and keeper.lost() is None     # failing, within 3/4 of the bound
+    assert not keeper.renew_once() and keeper.unconfirmed() is None and keeper.holds()   # within 3/4
     now[0] += 15.1                                                # 45.1 s since the last renewal
-    lost = keeper.lost()
-    assert isinstance(lost, RunConflictError) and lost.owner is None
-    assert "could not renew its lease" in str(lost) and "endpoint unreachable" in str(lost)
-    assert keeper.holds()                 # nobody else took it: the run's last files are still its own
-    # A renewal stuck in a storage call (the thread never comes back) is lost the same way, on the
-    # caller's clock: the deadline does not wait for the call.
+    why = keeper.unconfirmed()
+    assert why is not None and "could not renew its lease" in why and "endpoint unreachable" in why
+    assert not keeper.holds() and keeper.lost() is None          # no writes, but not a conflict: the run goes on
+    monkeypatch.setattr(RunLease, "renew", real_renew)
+    now[0] += 5.0                                                 # storage back, nobody took over
+    assert keeper.renew_once() and keeper.unconfirmed() is None and keeper.holds()
+    assert storage_fence(url).lease_at == now[0]
+    # A renewal stuck in a storage call (the thread never comes back) is unconfirmed the same way,
+    # on the caller's clock: the deadline does not wait for the call.
     stuck = LeaseKeeper(mine, stale_after_s=60.0, clock=lambda: now[0], start=False)
     now[0] += 45.1
-    assert "a renewal is stuck in a storage call" in str(stuck.lost())
+    assert "a renewal is stuck in a storage call" in (stuck.unconfirmed() or "") and not stuck.holds()
 
 
 def test_the_keepers_thread_renews_on_its_own_and_stops_at_close(tmp_path):
@@ -202,3 +209,22 @@ def test_a_run_that_lost_its_storage_to_another_writes_none_of_its_files_there(t
     assert json.loads((tmp_path / "status.json").read_text()) == {"run_id": "run-b"}   # ... written nowhere
     assert not (tmp_path / "summary.json").exists()
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+def test_a_run_whose_lease_is_unconfirmed_for_a_while_writes_the_waiting_metrics_lines_after(tmp_path):
+    from elastic._controller.run_record import RunRecorder
+    from elastic._protocol import StepRecord
+    holds = [True]
+    recorder = RunRecorder(str(tmp_path), None, total_steps=10, config={}, holds_storage=lambda: holds[0])
+    recorder.on_generation_start(0, 1)
+    recorder.on_step(StepRecord(step=1, loss=2.5, world_size=1, time=1.0, samples_seen=4, global_batch=4))
+    recorder.flush_metrics()
+    holds[0] = False                                    # storage stalled past the renewals' deadline
+    recorder.on_step(StepRecord(step=2, loss=2.0, world_size=1, time=2.0, samples_seen=8, global_batch=4))
+    recorder.flush_metrics()
+    lines = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines == [1]
+    holds[0] = True                                     # a renewal went through again
+    recorder.flush_metrics()
+    lines = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines == [1, 2]
