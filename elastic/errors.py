@@ -1,9 +1,17 @@
 """Typed errors of the elastic runtime: one root, one subclass per failure domain.
 
-Every error is a plain Exception subclass whose constructor takes only the message, so it
-pickles across Ray actors unchanged. Messages name the setting to change.
+Every error is a plain Exception subclass whose constructor takes the message and nothing it
+needs besides (WorkerLostError's `lost` is a keyword with a default: pickling rebuilds an
+exception from its message and restores its attributes), so it pickles across Ray actors
+unchanged. Messages name the setting to change.
 """
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:     # only for the type: elastic.policies imports this module
+    from elastic.policies import Cause
 
 
 class ElasticError(Exception):
@@ -19,7 +27,15 @@ class StorageConfigError(ConfigError):
 
 
 class WorkerLostError(ElasticError):
-    """A worker died, hung, or was cut off (infrastructure failure, retried by the policy)."""
+    """A worker died, hung, or was cut off (infrastructure failure, retried by the policy).
+
+    `lost`: the ids of the workers the raiser saw fail, each with why, where it knows them (a
+    call to some workers that failed on a few: the controller replaces those and cuts the
+    others' group, which they may be joining already)."""
+
+    def __init__(self, message: str, lost: Mapping[int, Cause] | None = None):
+        super().__init__(message)
+        self.lost: dict[int, Cause] = dict(lost or {})
 
 
 class InsufficientWorkersError(ElasticError):

@@ -43,7 +43,7 @@ from elastic._controller.stragglers import StragglerDetector
 from elastic._controller.worker_group import DEAD, READY, SLOW_TICK_S, WorkerView
 from elastic._protocol import RestoreKind, WorkerPhase, WorkerReport
 from elastic.config import FailureConfig, ScalingConfig
-from elastic.policies import Cause, Failure, FailurePolicy, ScalingPolicy
+from elastic.policies import Failure, FailurePolicy, ScalingPolicy
 
 MIN_TICK_GAP_S = 0.01     # the least time between two ticks (see run_loop)
 # Where the workers hold their polls (answered at once on news, else once a hold): while a
@@ -201,14 +201,15 @@ class Controller:
         formed = self.former.form(st, self.views)
         if formed is None:
             return
-        running, start_error = formed
+        running, start_fault = formed
         self._transition(running, f"generation {self.generation}: world size {len(st.members)}, "
                                   f"restore {st.restore.kind}")
-        if start_error is not None:
+        if start_fault is not None:
             # Not every member was handed the generation (e.g. rank 0's rendezvous lookup timed
-            # out): recover now rather than wait in RUNNING for a generation that never starts.
-            self._recover_from(Fault(Failure(Cause.HANG, (0,), f"generation {self.generation} could not start: "
-                                                               f"{start_error}"), [], 0.0), st.members)
+            # out, or a member refused or did not answer its plan): recover now rather than wait in
+            # RUNNING for a generation that never starts. The members that took their plan are
+            # joining it; the cut (a fault with lost members) releases them from its rendezvous.
+            self._recover_from(start_fault, st.members)
 
     def _on_running(self) -> None:
         st = self.state

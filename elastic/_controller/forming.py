@@ -18,13 +18,14 @@ from typing import TYPE_CHECKING, Any
 from elastic._controller.collaborators import CheckpointView, WorkerGroup
 from elastic._controller.intake import ReportIntake
 from elastic._controller.ledgers import RecoveryLedger, StepLedger
-from elastic._controller.running import RunningWatch
+from elastic._controller.running import Fault, RunningWatch
 from elastic._controller.states import Running, Starting
 from elastic._controller.stragglers import StragglerDetector
 from elastic._controller.worker_group import WorkerView
 from elastic._protocol import GenerationPlan, ReplicaSource, RestoreKind, RestorePlan, WorkerReport, placement
 from elastic.config import FailureConfig
 from elastic.errors import WorkerLostError
+from elastic.policies import Cause, Failure
 
 if TYPE_CHECKING:
     from elastic._controller.run_record import RunRecord
@@ -108,17 +109,17 @@ class GenerationFormer:
         checkpoints.fence(self.generation + 1)
         return checkpoints.latest_step()
 
-    def form(self, st: Starting, views: dict[int, WorkerView]) -> tuple[Running, WorkerLostError | None] | None:
+    def form(self, st: Starting, views: dict[int, WorkerView]) -> tuple[Running, Fault | None] | None:
         """Fence the storage for the next generation and start it on `st.members`. None: storage
-        said "not now". Else the Running state, and the error if not every member was handed
-        its plan (the controller recovers at once)."""
+        said "not now". Else the Running state, and the fault to recover from at once if not
+        every member was handed its plan (start_fault)."""
         ok, _ = self._storage("write the generation fence",
                               lambda: self._checkpoints().fence(self.generation + 1, start_step=st.restore.step))
         if not ok:
             return None
         self.generation += 1
         world, failure = len(st.members), self._failure()
-        start_error = None
+        fault: Fault | None = None
         try:
             addr, port = self.group.rendezvous_address(st.members[0])
             places = placement([views[wid].info for wid in st.members])
@@ -128,14 +129,28 @@ class GenerationFormer:
                 for rank, wid in enumerate(st.members)})
         except WorkerLostError as error:
             log.warning("generation %d could not start: %s", self.generation, error)
-            start_error = error
+            fault = start_fault(self.generation, st.members, error)
         if self.recoveries.open is not None:
             self.recoveries.open.to_world, self.recoveries.open.restored_step = world, st.restore.step
         self.recorder.on_generation_start(st.restore.step, world)
         self.intake.restore(self.generation, st.restore.step)
         self.stragglers.reset(world)
         self.running.begin()
-        return Running(self.generation, st.members, started_at=self._clock()), start_error
+        return Running(self.generation, st.members, started_at=self._clock()), fault
+
+
+def start_fault(generation: int, members: list[int], error: WorkerLostError) -> Fault:
+    """What to recover from when `generation` could not start on every member: the members the
+    error names (error.lost) are lost, at their ranks in the generation and for their causes; the
+    others may hold their plan already and be joining, waiting on the rendezvous for a rank that
+    never comes, so their group is cut (the controller does so for a fault with lost members). An
+    error that names no member (nothing was handed out) blames rank 0, whose address it lacked."""
+    rank_of = {wid: rank for rank, wid in enumerate(members)}
+    lost = [wid for wid in error.lost if wid in rank_of]
+    message = f"generation {generation} could not start: {error}"
+    if not lost:
+        return Fault(Failure(Cause.HANG, (0,), message), [], 0.0)
+    return Fault(Failure(error.lost[lost[0]], tuple(rank_of[wid] for wid in lost), message), lost, 0.0)
 
 
 def memory_source(members: list[int], settled: dict[int, WorkerReport]) -> RestorePlan | str:

@@ -314,32 +314,39 @@ class RayWorkerGroup:
         (answer,), failures = self._await({wid: slot.actor.rendezvous_address.remote()},
                                           "did not give a rendezvous address")
         if failures:
-            raise WorkerLostError(failures[0])
+            raise _lost(failures)
         return answer
 
     def start_generation(self, plans: dict[int, GenerationPlan]) -> None:
+        """Hand every worker its plan. WorkerLostError names the workers that did not take it
+        (WorkerLostError.lost); the others did, and are joining the generation."""
         refs = {wid: self._slots[wid].actor.start_generation.remote(plan) for wid, plan in plans.items()}
         _, failures = self._await(refs, "could not start the generation")
         if failures:
-            raise WorkerLostError("; ".join(failures))
+            raise _lost(failures)
 
-    def _await(self, refs: dict[int, ObjectRef], what: str) -> tuple[list[Any], list[str]]:
+    def _await(self, refs: dict[int, ObjectRef], what: str) -> tuple[list[Any], dict[int, tuple[Cause, str]]]:
         """The answers of calls to workers, waited for heartbeat_timeout_s in all, and the failures
-        as messages. A worker whose method raised (RayTaskError: e.g. start_generation refused
-        because its previous generation's thread is stuck) is in a state nobody planned: it is
-        killed here, so the controller replaces it. A dead or silent one is left to the polls."""
+        by worker: why (a Cause) and a message. A worker whose method raised (RayTaskError: e.g.
+        start_generation refused because its previous generation's thread is stuck) is in a state
+        nobody planned: it is killed here, so the controller replaces it. A dead or silent one is
+        left to the controller (which replaces it as lost) and to the polls."""
         deadline = time.monotonic() + self._failure.heartbeat_timeout_s
         answers: list[Any] = []
-        failures: list[str] = []
+        failures: dict[int, tuple[Cause, str]] = {}
         for wid, ref in refs.items():
             try:
                 answers.append(ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
                 continue
             except RayTaskError as error:
                 self.kill(wid, f"{what}: {first_line(error)}")
-                failures.append(f"worker {wid} {what} and was replaced: {first_line(error)}")
-            except (RayError, GetTimeoutError) as error:
-                failures.append(f"worker {wid} {what}: {error}")
+                # Its previous generation's thread did not end: a hang, as the polls would judge it.
+                failures[wid] = Cause.HANG, f"worker {wid} {what} and was replaced: {first_line(error)}"
+            except GetTimeoutError as error:
+                failures[wid] = Cause.HANG, f"worker {wid} {what}: {error}"
+            except RayError as error:
+                cause = self._death_reason(self._slots[wid], first_line(error))[1]
+                failures[wid] = cause, f"worker {wid} {what}: {error}"
             answers.append(None)
         return answers, failures
 
@@ -385,6 +392,12 @@ class RayWorkerGroup:
         if node_id is not None and node_id not in self._nodes_alive():
             return f"node lost: node {node_id[:12]} left the cluster ({error})", Cause.NODE_LOST
         return f"actor died: {error}", Cause.WORKER_DIED
+
+
+def _lost(failures: dict[int, tuple[Cause, str]]) -> WorkerLostError:
+    """The error of a call that failed on `failures`' workers, naming them and why."""
+    return WorkerLostError("; ".join(message for _, message in failures.values()),
+                           lost={wid: cause for wid, (cause, _) in failures.items()})
 
 
 def _available_resources() -> dict[str, float] | str:

@@ -31,6 +31,13 @@ accepted by one of this rank's group listeners or made to a peer's (the listener
 found) is the group's too. Only the current group's listeners are known, and they are open while
 it is (their ports are not reused), so a later group's connections never match.
 
+A group still forming. `init_process_group` waits on the store for every peer's address (gloo's
+full mesh; under NCCL, the checkpoint side group's): a rank whose peer never comes (it never got
+its plan) waits there until the store's timeout, before any capture. `cut_store` cuts what the
+window holds of the store already: this rank's connections to it and, on the rank hosting it,
+the ones it accepted (its listener appeared in the window, on the store's port); the wait fails
+at once ("connection closed"), and the peers' waits on the hosted store with it.
+
 What remains possible: a thread that, in the same seconds, opens a listener bound to a specific
 address and accepts a connection on it, or connects to the store or to a peer's gloo listener,
 has that connection cut too. NCCL's own connections are created at the first collective, after
@@ -138,8 +145,9 @@ def _reaches(endpoint: Endpoint, listeners: Iterable[Endpoint]) -> bool:
 
 class GroupSockets:
     """Use: `s = GroupSockets(store_address)` before forming a group, `s.capture(store, rank,
-    world_size)` after, `s.shutdown()` to leave. `shutdown` may come from another thread at any
-    time, during `capture` too: what capture finds after it is shut down at once."""
+    world_size)` after, `s.shutdown()` to leave, with `s.cut_store()` where the group may still be
+    forming. Both may come from another thread at any time, during `capture` too: what capture
+    finds after them is shut down at once."""
 
     def __init__(self, store_address: Endpoint | None = None) -> None:
         self._before = _sockets()
@@ -191,6 +199,20 @@ class GroupSockets:
             mine, self._mine, self._cut = self._mine, {}, True
         closed = _shut_down({**self._made_since_capture(), **mine})
         log.debug("shut down %d connection(s) of the broken group", closed)
+        return closed
+
+    def cut_store(self) -> int:
+        """Shut down this rank's connections of the group's store opened since the window opened
+        (to it, and those it accepted when this rank hosts it), captured or not: the one way to
+        release a rank still forming the group, blocked on the store. The group is cut from now
+        on: a capture after this shuts down what it finds."""
+        with self._lock:
+            self._cut = True
+        new = self._new_since_window()
+        stores = [t.local for _, t in new.values() if t.listening and t.local[1] == self._store_port]
+        closed = _shut_down({fd: inode for fd, (inode, t) in new.items() if not t.listening
+                             and (t.remote in self._store or _reaches(t.local, stores))})
+        log.debug("shut down %d connection(s) of the group's store", closed)
         return closed
 
     def _made_since_capture(self) -> dict[int, str]:

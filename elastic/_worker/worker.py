@@ -185,6 +185,9 @@ class TrainWorker:
         self._plan: GenerationPlan | None = None
         self._state = WorkerState()
         self._stop_requested = threading.Event()
+        # request_stop(cut_group=True) for the current plan: its group is cut, even one this rank
+        # has not begun to join yet (its sockets are handed over at the join: _join_group).
+        self._cut_requested = threading.Event()
         self._preempted = threading.Event()
         self._commit_requested = threading.Event()   # `elastic stop`: the group commits before it leaves
         self._thread: threading.Thread | None = None
@@ -275,6 +278,7 @@ class TrainWorker:
             self._phase = WorkerPhase.RUNNING
             self._error = None
             self._stop_requested.clear()
+            self._cut_requested.clear()
             self._thread = threading.Thread(target=self._run_generation, args=(plan,),
                                             name=f"train-g{plan.generation}", daemon=True)
             self._thread.start()
@@ -286,13 +290,18 @@ class TrainWorker:
         With `cut_group` (a member of the group is lost) also cut this rank's connections of
         the group now, from this thread: a training thread blocked in a collective with a peer
         that cannot close its own sockets (its node is gone or cut off) fails at once, instead
-        of waiting out collective_timeout_s."""
+        of waiting out collective_timeout_s. A rank still joining the generation (waiting on its
+        rendezvous for a member that never got its plan) leaves the join as fast."""
         with self._lock:
             if self._plan is None or self._plan.generation != generation:
                 return
             self._stop_requested.set()
+            if cut_group:
+                self._cut_requested.set()
             training = self._thread is not None and self._thread.is_alive()
-            sockets = self._group_sockets      # this generation's (or, mid-join, the old one's)
+            # This generation's, joined or joining; before its join began, the previous one's
+            # (the join sees _cut_requested then).
+            sockets = self._group_sockets
         if cut_group and training:
             self._cut_group(sockets)
 
@@ -391,15 +400,20 @@ class TrainWorker:
 
     def _cut_group(self, sockets: GroupSockets | None) -> None:
         """Fail every collective of the current group, on this rank and on the peers blocked on
-        it: abort the NCCL communicators, shut down the gloo connections. Best effort."""
-        try:
-            if self._spec.scaling.use_gpu:
+        it: abort the NCCL communicators, shut down the gloo connections and the store's (a
+        group still forming waits on its store). Best effort."""
+        if self._spec.scaling.use_gpu:
+            try:
                 from torch.distributed.distributed_c10d import _abort_process_group
                 _abort_process_group()
-            if sockets is not None:
+            except Exception:   # e.g. mid-join, no group yet to abort: the sockets are still cut
+                log.debug("aborting the process group failed", exc_info=True)
+        if sockets is not None:
+            try:
                 sockets.shutdown()
-        except Exception:   # best effort; the collective timeout still applies
-            log.debug("aborting the process group failed", exc_info=True)
+                sockets.cut_store()
+            except Exception:   # best effort; the collective timeout still applies
+                log.debug("cutting the group's connections failed", exc_info=True)
 
     def _join_group(self, plan: GenerationPlan) -> None:
         import torch.distributed as dist
@@ -409,6 +423,17 @@ class TrainWorker:
         _set_torchrun_environment(plan)
         hosted, self._hosted = self._hosted, None
         store, sockets = join_store((plan.master_addr, plan.master_port), plan.rank, plan.timeout_s, hosted)
+        # Handed over before the join: a cut (request_stop) from now on reaches this group's
+        # store, on which the join waits for every rank; a member that never got its plan would
+        # otherwise hold this rank there for collective_timeout_s. After the capture below it
+        # reaches the group's connections too, and releases the capture's exchange of listeners.
+        with self._lock:
+            self._group_sockets = sockets
+            cut = self._cut_requested.is_set()
+        if cut:      # the cut came before the hand-over: it reached the previous group's sockets
+            self._cut_group(sockets)
+            raise dist.DistNetworkError(f"generation {plan.generation}'s group was cut before rank {plan.rank} "
+                                        f"joined it (a member was lost)")
         dist.init_process_group(
             "nccl" if self._spec.scaling.use_gpu else "gloo", store=store,
             rank=plan.rank, world_size=plan.world_size,
@@ -417,9 +442,6 @@ class TrainWorker:
         # lost during the first save then breaks its connections (cut by _leave_group) instead
         # of leaving the survivors waiting on the store for the side group's creation.
         self._state.checkpoints.open(self._spec).bind_group()
-        # Handed over before the capture: a cut from now on (request_stop) reaches this group's
-        # connections, and releases the capture's exchange of listeners if a peer is lost in it.
-        self._group_sockets = sockets
         sockets.capture(store=dist.distributed_c10d._get_default_store(), rank=plan.rank,
                         world_size=plan.world_size)
 

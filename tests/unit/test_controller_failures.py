@@ -142,3 +142,45 @@ def test_a_worker_that_refuses_its_generation_is_replaced_and_the_run_goes_on():
     controller.tick()
     assert controller.state.state == RunState.RUNNING and refusing not in controller.state.members
     assert len(controller.state.members) == 3 and controller.generation == 2
+
+
+@pytest.mark.parametrize("how", ["no_answer", "refused"])
+def test_a_member_that_does_not_take_its_plan_is_lost_at_its_rank_and_the_others_are_cut_from_the_join(how):
+    """Reliability review R3-6: a re-form's start_generation hands out the plans, and one member
+    does not take its own (it did not answer within heartbeat_timeout_s, or refused and was
+    replaced by RayWorkerGroup). The others hold their plan and wait in the rendezvous for it:
+    that member is lost at its rank in the new generation (killed), and the others' group is cut,
+    so they leave the join at once and the recovery stays warm."""
+    from elastic.errors import WorkerLostError
+    from elastic.policies import Cause
+    controller, group, clock, _ = make(capacity=4, max_workers=3, max_failures=3)
+    members = start(controller, group)
+    group.complete_steps(members[0], 1, 5, 3)
+    controller.tick()
+    group.die(members[2])
+    controller.tick()                                        # recovering; a replacement is placed
+    for rank, wid in enumerate(members[:2]):
+        group.set_report(wid, WorkerPhase.INTERRUPTED, generation=0, rank=rank, step=5)
+    failing = members[1]                                     # a survivor: rank 1 of generation 1
+    start_generation = group.start_generation
+
+    def fail_once(plans):
+        group.start_generation = start_generation
+        start_generation(plans)                              # every member is handed its plan ...
+        if how == "refused":                                 # ... and this one's call fails
+            group.kill(failing, "could not start the generation: RuntimeError: still running generation 0")
+        raise WorkerLostError(f"worker {failing} could not start the generation", lost={failing: Cause.HANG})
+    group.start_generation = fail_once
+    controller.tick()                                        # generation 1 fails to start: recovering
+    plans = group.generations[-1]
+    joining = [w for w in plans if w != failing]
+    assert controller.state.state == RunState.RECOVERING and controller.generation == 1
+    assert controller.failures[-1].cause == "hang" and controller.failures[-1].ranks == (plans[failing].rank,) == (1,)
+    assert failing in [w for w, _ in group.killed] and failing not in controller.state.survivors
+    assert group.stops[-1] == (joining, 1) and group.cuts[-1] is True      # the joining members are cut
+    for wid in joining:                                      # the cut ends their join: out of generation 1
+        group.set_report(wid, WorkerPhase.INTERRUPTED, generation=1, rank=plans[wid].rank, step=5)
+    controller.tick()
+    assert controller.state.state == RunState.RUNNING and controller.generation == 2
+    assert failing not in controller.state.members
+    assert group.generations[-1][members[0]].restore.kind == "broadcast"   # warm: the survivors' state

@@ -184,3 +184,26 @@ def test_a_cut_during_the_capture_reaches_what_the_capture_finds_afterwards():
     assert not works(to_store, store_peer)
     for s in (store, to_store, store_peer):
         s.close()
+
+
+@pytest.mark.parametrize("hosts_store", [False, True], ids=["joining_rank", "store_host"])
+def test_a_cut_while_the_group_forms_reaches_its_store_and_nothing_else(hosts_store):
+    """A rank still forming the group waits on the store (init_process_group), before any capture
+    (reliability review R3-6): cut_store shuts down its connection to the store and, where it
+    hosts the store, the ones the store accepted; not another thread's."""
+    user_server = echo_server()
+    if hosts_store:                        # as HostedStore: the window opens before the store listens
+        sockets = GroupSockets()
+        store = echo_server()
+        sockets.store_at(store.getsockname())
+    else:                                  # the store is another rank's, there before the window
+        store = echo_server()
+        sockets = GroupSockets(store.getsockname())
+    to_store = socket.create_connection(store.getsockname())
+    to_user = socket.create_connection(user_server.getsockname())
+    store_end, user_end = store.accept()[0], user_server.accept()[0]
+    assert sockets.cut_store() == (2 if hosts_store else 1)    # the host cuts both ends of its client's
+    assert not works(to_store, store_end)
+    assert works(to_user, user_end) and works(user_end, to_user)
+    for s in (user_server, store, to_store, to_user, store_end, user_end):
+        s.close()

@@ -135,3 +135,16 @@ def test_a_placement_that_never_comes_is_said_once(fake_ray, monkeypatch, caplog
         group.tick()                      # ... once
     (record,) = caplog.records
     assert "max_workers + spare_workers = 2" in record.getMessage() and "'CPU': 0.5" in record.getMessage()
+
+
+def test_a_failed_start_names_each_worker_that_did_not_take_its_plan_and_why(fake_ray):
+    """The controller replaces the workers WorkerLostError.lost names, and cuts the others out
+    of the rendezvous they joined (reliability review R3-6)."""
+    refusing = Actor(start_generation=task_error("start_generation", REFUSED))
+    slow, dead, fine = (Actor(start_generation=GetTimeoutError("slow")), Actor(start_generation=ActorDiedError()),
+                        Actor(start_generation=None))
+    group = group_of(fine, refusing, slow, dead)
+    with pytest.raises(WorkerLostError) as caught:
+        group.start_generation({0: "plan-0", 1: "plan-1", 2: "plan-2", 3: "plan-3"})
+    assert caught.value.lost == {1: "hang", 2: "hang", 3: "worker_died"}
+    assert fake_ray.killed == [refusing]                 # the others are the controller's to kill
