@@ -33,7 +33,7 @@ run: install-run
 	$(PY) examples/pretrain.py $(RUN_ARGS)
 
 # ruff (style, imports, bugbear, blind excepts) over the code and the tests; mypy over the
-# packages and the unit tests' fakes, which tests/unit/protocol_checks.py holds to the
+# packages and the unit tests' fakes, which tests/unit/controller/protocol_checks.py holds to the
 # controller's Protocols (both tools configured in pyproject.toml).
 lint: install
 	$(PY) -m ruff check elastic checkpointing chaos tests examples benchmarks
@@ -50,8 +50,10 @@ test: install lint
 	$(PY) -m pytest -m exclusive; alone=$$?; \
 	test $$parallel -eq 0 && test $$alone -eq 0
 
+# The pure unit layer: no process started (tests that start one are marked `multiprocess`), about
+# half a minute here. tests/unit mirrors the packages: controller/, worker/, ckpt/ (checkpointing).
 test-unit: install
-	$(PY) -m pytest tests/unit
+	$(PY) -m pytest tests/unit -m "not multiprocess"
 
 # The GPU suite (tests/gpu): NCCL, CUDA staging, bf16/fp16, FSDP2 on one CUDA GPU. Without CUDA
 # every test there is skipped (`make test` collects them too, and skips them on CPU machines).

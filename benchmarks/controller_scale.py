@@ -2,7 +2,7 @@
 
 Drives the real `Controller` (elastic._controller.controller) and the real run record
 (`RunRecorder` on an in-memory store: status.json and metrics.jsonl are encoded and written as in
-a run) with the unit tests' fake worker group (tests/unit/fakes.py), extended here so that each
+a run) with the unit tests' fake worker group (tests/unit/controller/fakes.py), extended here so that each
 rank's poll answer arrives as pickled bytes and is decoded inside the tick, as Ray would. Timed in
 CPU (time.process_time), repeated, medians:
 
@@ -41,7 +41,9 @@ from dataclasses import replace
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "unit")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "unit", "controller")]
+
+from fakes import FakeCheckpoints, FakeClock, FakeGroup  # noqa: E402
 
 from elastic._controller.actor import tune_gc  # noqa: E402
 from elastic._controller.controller import Controller  # noqa: E402
@@ -51,7 +53,6 @@ from elastic._controller.states import Recovering, Running, RunState  # noqa: E4
 from elastic._controller.worker_group import DEAD, WorkerView  # noqa: E402
 from elastic._protocol import StepRecord, WorkerPhase, WorkerReport  # noqa: E402
 from elastic.config import FailureConfig, ScalingConfig  # noqa: E402
-from fakes import FakeCheckpoints, FakeClock, FakeGroup  # noqa: E402
 
 NODE = 8                       # ranks per node: a node loss takes 8
 TICK_S, STEP_S = 0.2, 1.0      # the controller's tick interval (heartbeat_interval_s) and a step

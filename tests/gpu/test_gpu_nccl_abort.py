@@ -2,7 +2,7 @@
 and the group's sockets shut down) returns at once, leaves no group behind, and the same process
 forms the next generation's group and checkpoints over it. One GPU, one rank: what needs two
 ranks (a peer blocked in a collective released by the cut) is covered with gloo in
-tests/unit/test_group_sockets.py; NCCL does not put two ranks on one device."""
+tests/unit/worker/test_group_sockets.py; NCCL does not put two ranks on one device."""
 import json
 import os
 import subprocess

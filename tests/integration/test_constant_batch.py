@@ -97,7 +97,7 @@ def test_constant_batch_through_a_rescale_matches_the_fault_free_run(ray_session
 
 @pytest.mark.timeout(240)
 def test_fsdp_accumulates_like_ddp(ray_session, tmp_path):
-    """With FSDP2 (sync off on non-final micro-steps: tests/unit/test_accumulation.py) the
+    """With FSDP2 (sync off on non-final micro-steps: tests/unit/worker/test_accumulation.py) the
     accumulated, averaged update ends where DDP's does, up to summation order."""
     steps, models = 16, {}
     for strategy in ("ddp", "fsdp"):

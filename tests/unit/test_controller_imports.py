@@ -26,6 +26,9 @@ print("torch" in sys.modules, config["model_size"])
 """
 
 
+pytestmark = pytest.mark.multiprocess
+
+
 def test_the_controller_process_imports_neither_torch_nor_the_users_code(tmp_path):
     from ray import cloudpickle
     trainer = ElasticTrainer(gpt.train_loop, train_loop_config={"model_size": "tiny"}, total_steps=5,

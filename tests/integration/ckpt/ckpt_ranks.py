@@ -21,7 +21,7 @@ from chaos.services import wait_until
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
 SUITE = HERE.parents[1] / "unit" / "ckpt"  # ckpt_conformance.py (shared helpers)
-UNIT = HERE.parents[1] / "unit"            # programs of other suites: "module:function"
+UNIT = HERE.parents[1] / "unit" / "worker"  # programs of other suites: "module:function"
 
 
 PORT_FILE = "store_port"

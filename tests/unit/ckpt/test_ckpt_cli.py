@@ -52,6 +52,7 @@ def test_gc_keeps_newest_verified_and_spares_newer_partials(run3, capsys):
     assert 9 not in mf.list_steps(run3.storage)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(30)
 def test_module_entry_point_and_errors(file_url):
     proc = subprocess.run([sys.executable, "-m", "checkpointing", "list", file_url],

@@ -96,6 +96,7 @@ with torch.no_grad():
 """
 
 
+@pytest.mark.multiprocess
 def test_fsdp_model_exports_to_a_file_plain_torch_loads(one_rank_group, file_url, tmp_path, capsys):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
