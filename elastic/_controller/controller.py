@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 from elastic._controller.collaborators import CheckpointView, LeaseHold, WorkerGroup
 from elastic._controller.commit_watch import CommitWatch
 from elastic._controller.failure_budget import FailureBudget
-from elastic._controller.forming import GenerationFormer
+from elastic._controller.forming import GenerationFormer, GenerationStarted
 from elastic._controller.intake import ReportIntake
-from elastic._controller.ledgers import RecoveryLedger, Rung, StepLedger
+from elastic._controller.ledgers import RecoveryLedger, StepLedger
 from elastic._controller.recovering import RecoveryWatch, plan_members, too_few_to_reform
 from elastic._controller.running import AllFinished, Fault, Resize, RunningWatch, reported_failure, still_in_loop
 from elastic._controller.scheduling import Gate, StartGate, too_few_to_start
@@ -41,7 +41,7 @@ from elastic._controller.status import StatusReport
 from elastic._controller.storage_retry import StorageRetry
 from elastic._controller.stragglers import StragglerDetector
 from elastic._controller.worker_group import DEAD, READY, SLOW_TICK_S, WorkerView
-from elastic._protocol import RestoreKind, WorkerPhase, WorkerReport
+from elastic._protocol import RestoreKind, RestorePlan, WorkerPhase, WorkerReport
 from elastic.config import FailureConfig, ScalingConfig
 from elastic.policies import Failure, FailurePolicy, ScalingPolicy
 
@@ -97,9 +97,7 @@ class Controller:
         # The actor's commit watch looks on a thread of its own; without one, looks are inline (fakes).
         self.status = StatusReport(recorder, commits or CommitWatch(checkpoints, clock, background=False))
         self.slots = Slots(lambda: self.scaling)
-        self.former = GenerationFormer(group, lambda: self.checkpoints, self._storage, recorder=recorder,
-                                       intake=self.intake, steps=self.steps, stragglers=self.stragglers,
-                                       recoveries=self.recoveries, running=self.running,
+        self.former = GenerationFormer(group, lambda: self.checkpoints, self._storage,
                                        failure=lambda: self.failure, clock=now)
 
     @property
@@ -188,12 +186,21 @@ class Controller:
             waited_s=now - self.state.since, now=now, scaling=self.scaling,
             rendezvous_timeout_s=self.failure.rendezvous_timeout_s)
         if gate == Gate.START:
-            ok, plan = self.former.resume_plan()
+            ok, plan = self._storage("read the checkpoints to resume from", self._resume_plan)
             if ok and plan is not None:
                 self._transition(Starting(self.slots.cap(ready), plan), f"{len(ready)} workers ready")
                 self._on_starting()
         elif gate == Gate.TOO_FEW:
             self._fail(too_few_to_start(len(ready), self.scaling, self.failure))
+
+    def _resume_plan(self) -> RestorePlan:
+        """The first generation's restore, and what the run keeps of the previous run: its
+        generations (the intake's first), its steps and metrics lines up to the checkpoint."""
+        plan = self.former.resume_plan()
+        self.intake.resume(first_generation=self.generation + 1, step=plan.step)
+        if plan.kind == RestoreKind.CHECKPOINT:
+            self.recorder.resumed(plan.step)
+        return plan
 
     def _on_starting(self) -> None:
         st = self.state
@@ -201,7 +208,8 @@ class Controller:
         formed = self.former.form(st, self.views)
         if formed is None:
             return
-        running, start_fault = formed
+        running, started, start_fault = formed
+        self._generation_started(started)
         self._transition(running, f"generation {self.generation}: world size {len(st.members)}, "
                                   f"restore {st.restore.kind}")
         if start_fault is not None:
@@ -210,6 +218,14 @@ class Controller:
             # RUNNING for a generation that never starts. The members that took their plan are
             # joining it; the cut (a fault with lost members) releases them from its rendezvous.
             self._recover_from(start_fault, st.members)
+
+    def _generation_started(self, started: GenerationStarted) -> None:
+        """Every part that counts per generation starts over from the new one, here and only here."""
+        self.recoveries.formed(started.world_size, started.step)
+        self.recorder.on_generation_start(started.step, started.world_size)
+        self.intake.restore(started.generation, started.step)
+        self.stragglers.reset(started.world_size)
+        self.running.begin()
 
     def _on_running(self) -> None:
         st = self.state
@@ -288,7 +304,7 @@ class Controller:
         for cause, ranks in tick.noted:
             self.recoveries.note(cause, ranks)
         if tick.cold:
-            self.recoveries.current.rung = Rung.COLD
+            self.recoveries.escalate_cold()
         if tick.errored:
             failure = reported_failure(tick.errored)
             decision = self.budget.charge(failure, self.step)
@@ -336,15 +352,12 @@ class Controller:
             if self.clock() - recovery.detected_at > self.failure.rendezvous_timeout_s:
                 self._fail(too_few_to_reform(len(members), recovery.cause, self.scaling, self.failure))
             return
-        recovery.max_step = max([recovery.max_step] + [settled[w].step for w in settled])
+        for w in settled:
+            self.recoveries.reached(settled[w].step)
         ok, plan = self.former.reform_plan(members, settled)
         if not ok or plan is None:
             return
-        if recovery.rung != Rung.COLD:
-            recovery.rung = {RestoreKind.BROADCAST: Rung.WARM, RestoreKind.MEMORY: Rung.MEMORY}.get(
-                plan.kind, Rung.CHECKPOINT)
-        recovery.reason = plan.reason
-        self.intake.step = plan.step
+        self.recoveries.planned(plan.kind, plan.reason)
         self._transition(Starting(members, plan),
                          f"re-forming with {len(survivors)} survivor(s) and {len(members) - len(survivors)} new")
         self._on_starting()

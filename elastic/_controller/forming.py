@@ -5,67 +5,65 @@ fence would refuse a later run's checkpoints as a zombie's), reads where the run
 chooses a re-formed group's restore (a warm broadcast from the survivor furthest ahead that
 holds its state; else, under FSDP, the shards' copies in the members' host memory when every old
 rank's copy survives and no checkpoint is newer; else the newest committed checkpoint), writes the
-fence and hands every member its plan, and resets what counts per generation. Who the members are is the controller's
-choice; it forms only what it is handed. Storage calls go through the controller's retrying
-`storage` call, which fails the run when an error outlasts its retries.
+fence and hands every member its plan. What a new generation resets elsewhere (the intake, the
+ledgers, the record, the judges) is the controller's to tell them, from the `GenerationStarted`
+that `form` returns: the former changes nothing but its own count. Who the members are is the
+controller's choice; it forms only what it is handed. Storage calls of the re-form go through the
+controller's retrying `storage` call, which fails the run when an error outlasts its retries.
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from elastic._controller.collaborators import CheckpointView, WorkerGroup
-from elastic._controller.intake import ReportIntake
-from elastic._controller.ledgers import RecoveryLedger, StepLedger
-from elastic._controller.running import Fault, RunningWatch
+from elastic._controller.running import Fault
 from elastic._controller.states import Running, Starting
-from elastic._controller.stragglers import StragglerDetector
 from elastic._controller.worker_group import WorkerView
 from elastic._protocol import GenerationPlan, ReplicaSource, RestoreKind, RestorePlan, WorkerReport, placement
 from elastic.config import FailureConfig
 from elastic.errors import WorkerLostError
 from elastic.policies import Cause, Failure
 
-if TYPE_CHECKING:
-    from elastic._controller.run_record import RunRecord
-
 log = logging.getLogger("elastic.controller")
 
 StorageCall = Callable[[str, Callable[[], Any]], tuple[bool, Any]]
 
 
+@dataclass(frozen=True)
+class GenerationStarted:
+    """A generation was handed to its members: what every part that counts per generation starts
+    over from (the controller hands it to each, in one place)."""
+
+    generation: int
+    step: int              # the step it restores (as planned; rank 0 confirms or corrects it)
+    world_size: int
+
+
 class GenerationFormer:
-    """Starts generations and owns their count."""
+    """Starts generations and owns their count. It reads storage and hands out plans; it tells
+    nothing to the other parts (the controller does, with what `form` returns)."""
 
     def __init__(self, group: WorkerGroup, checkpoints: Callable[[], CheckpointView], storage: StorageCall, *,
-                 recorder: RunRecord, intake: ReportIntake, steps: StepLedger, stragglers: StragglerDetector,
-                 recoveries: RecoveryLedger, running: RunningWatch, failure: Callable[[], FailureConfig],
-                 clock: Callable[[], float]):
+                 failure: Callable[[], FailureConfig], clock: Callable[[], float]):
         # The checkpoints are read through the controller's attribute as it is when read (a test may swap it).
         self.group, self._checkpoints, self._storage = group, checkpoints, storage
-        self.recorder, self.intake, self.steps, self.stragglers = recorder, intake, steps, stragglers
-        self.recoveries, self.running, self._failure, self._clock = recoveries, running, failure, clock
+        self._failure, self._clock = failure, clock
         self.generation = -1
 
-    def resume_plan(self) -> tuple[bool, RestorePlan | None]:
+    def resume_plan(self) -> RestorePlan:
         """The first generation's restore: after the previous run's generations, from its newest
-        checkpoint. (False, None): storage said "not now"."""
-        return self._storage("read the checkpoints to resume from", self._read_resume_plan)
-
-    def _read_resume_plan(self) -> RestorePlan:
+        checkpoint. Raises what storage raises (the controller's storage call retries it)."""
         fence = self._checkpoints().current_fence()
         if fence is not None:
             self.generation = max(self.generation, fence)
-        self.intake.first_generation = self.generation + 1
         # Fence before listing (see reform_plan): a previous run's writer still committing is
         # refused from here on, so the listing is all the run keeps from before this generation.
         latest = self._fence_then_list()
         if latest is None:
             return RestorePlan(RestoreKind.FRESH)
-        self.recorder.resumed_from = latest
-        self.recorder.load_previous_metrics(latest)
-        self.steps.recorded_step = self.intake.step = latest
         return RestorePlan(RestoreKind.CHECKPOINT, step=latest)
 
     def reform_plan(self, members: list[int], settled: dict[int, WorkerReport]) -> tuple[bool, RestorePlan | None]:
@@ -109,10 +107,10 @@ class GenerationFormer:
         checkpoints.fence(self.generation + 1)
         return checkpoints.latest_step()
 
-    def form(self, st: Starting, views: dict[int, WorkerView]) -> tuple[Running, Fault | None] | None:
+    def form(self, st: Starting, views: dict[int, WorkerView]) -> Formed | None:
         """Fence the storage for the next generation and start it on `st.members`. None: storage
-        said "not now". Else the Running state, and the fault to recover from at once if not
-        every member was handed its plan (start_fault)."""
+        said "not now". Else what was formed: the Running state, the generation's start, and the
+        fault to recover from at once if not every member was handed its plan (start_fault)."""
         ok, _ = self._storage("write the generation fence",
                               lambda: self._checkpoints().fence(self.generation + 1, start_step=st.restore.step))
         if not ok:
@@ -130,13 +128,14 @@ class GenerationFormer:
         except WorkerLostError as error:
             log.warning("generation %d could not start: %s", self.generation, error)
             fault = start_fault(self.generation, st.members, error)
-        if self.recoveries.open is not None:
-            self.recoveries.open.to_world, self.recoveries.open.restored_step = world, st.restore.step
-        self.recorder.on_generation_start(st.restore.step, world)
-        self.intake.restore(self.generation, st.restore.step)
-        self.stragglers.reset(world)
-        self.running.begin()
-        return Running(self.generation, st.members, started_at=self._clock()), fault
+        started = GenerationStarted(self.generation, st.restore.step, world)
+        return Formed(Running(self.generation, st.members, started_at=self._clock()), started, fault)
+
+
+class Formed(NamedTuple):
+    running: Running
+    started: GenerationStarted
+    fault: Fault | None
 
 
 def start_fault(generation: int, members: list[int], error: WorkerLostError) -> Fault:

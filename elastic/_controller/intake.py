@@ -61,6 +61,15 @@ class ReportIntake:
         self.start_step = 0
         self._confirmed_generation: int | None = None
 
+    def resume(self, first_generation: int, step: int | None) -> None:
+        """The run continues a previous one on its storage: its first generation is
+        `first_generation`, and the steps up to `step` (its checkpoint; None: a fresh start) are
+        the previous run's, kept as recorded."""
+        self.first_generation = first_generation
+        if step is not None:
+            self.steps.resume(step)
+            self.step = step
+
     def restore(self, generation: int, step: int) -> None:
         """Generation `generation` starts from `step`: the steps recorded past it are discarded."""
         if self.steps.restore(generation, step):
@@ -130,11 +139,8 @@ class ReportIntake:
             return
         self._confirmed_generation = st.generation
         step = self.start_step = report.restored_step
-        self.recorder.correct_generation_start(step)
-        if st.generation == self.first_generation and self.recorder.resumed_from is not None:
-            self.recorder.resumed_from = step
-        if self.recoveries.open is not None:
-            self.recoveries.open.restored_step = step
+        self.recorder.correct_generation_start(step, resumed=st.generation == self.first_generation)
+        self.recoveries.confirmed(step)
         self.restore(st.generation, step)
 
     def _release_logs(self, everything: bool = False) -> None:

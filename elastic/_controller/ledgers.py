@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastic._protocol import StepRecord
+from elastic._protocol import RestoreKind, StepRecord
 from elastic.policies import Cause
 
 
@@ -75,6 +75,33 @@ class RecoveryLedger:
                 entry["why"] = why
             self.open.failures.append(entry)
 
+    def reached(self, step: int) -> None:
+        """A member of the broken group had reached `step`: the lost steps are counted from the newest."""
+        self.current.max_step = max(self.current.max_step, step)
+
+    def escalate_cold(self) -> None:
+        """A survivor could not leave the broken group and is replaced: whatever the restore, the
+        recovery is cold."""
+        self.current.rung = Rung.COLD
+
+    def planned(self, kind: RestoreKind, reason: str) -> None:
+        """The re-form's restore is chosen: its rung (unless already cold) and why."""
+        recovery = self.current
+        if recovery.rung != Rung.COLD:
+            recovery.rung = {RestoreKind.BROADCAST: Rung.WARM, RestoreKind.MEMORY: Rung.MEMORY}.get(
+                kind, Rung.CHECKPOINT)
+        recovery.reason = reason
+
+    def formed(self, world: int, step: int) -> None:
+        """The re-formed generation started at this size from this step (as planned)."""
+        if self.open is not None:
+            self.open.to_world, self.open.restored_step = world, step
+
+    def confirmed(self, step: int) -> None:
+        """The re-formed generation's rank 0 reported the step it really restored."""
+        if self.open is not None:
+            self.open.restored_step = step
+
     def close(self, generation: int) -> dict[str, Any] | None:
         """The re-formed group completed its first step (or finished): the summary.json entry."""
         recovery, self.open = self.open, None
@@ -111,6 +138,11 @@ class StepLedger:
 
     def is_new(self, record: StepRecord) -> bool:
         return record.step > self.recorded_step and self.kept(record)
+
+    def resume(self, step: int) -> None:
+        """The run continues a previous one from its checkpoint of `step`: the steps up to it are
+        recorded (the previous run's)."""
+        self.recorded_step = step
 
     def restore(self, generation: int, step: int) -> bool:
         """Generation `generation` starts from `step`. True when steps recorded past it must

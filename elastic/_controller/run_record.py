@@ -51,11 +51,12 @@ class RunRecord(Protocol):
     """What the controller, its report intake and its status report tell the run's record
     (`RunRecorder`; in the unit tests, fakes.FakeRecorder). All on the controller's thread."""
 
-    resumed_from: int | None        # the step the run resumed from (summary.json)
+    @property
+    def resumed_from(self) -> int | None: ...      # the step the run resumed from (summary.json)
 
-    def load_previous_metrics(self, up_to_step: int) -> None: ...
+    def resumed(self, step: int) -> None: ...
     def on_generation_start(self, step: int, world_size: int) -> None: ...
-    def correct_generation_start(self, step: int) -> None: ...
+    def correct_generation_start(self, step: int, *, resumed: bool = False) -> None: ...
     def on_step(self, record: StepRecord) -> None: ...
     def on_log(self, record: StepRecord) -> None: ...
     def rollback_to(self, step: int) -> None: ...
@@ -120,12 +121,14 @@ class RunRecorder:
 
     @property
     def resumed_from(self) -> int | None:
-        """The step the run resumed from (the controller sets it; summary.json reports it)."""
+        """The step the run resumed from (summary.json reports it)."""
         return self.summary.resumed_from
 
-    @resumed_from.setter
-    def resumed_from(self, step: int | None) -> None:
+    def resumed(self, step: int) -> None:
+        """The run resumes from `step` (the newest checkpoint as planned): summary.json says so,
+        and the previous run's metrics lines up to it are kept."""
         self.summary.resumed_from = step
+        self.load_previous_metrics(step)
 
     def load_previous_metrics(self, up_to_step: int) -> None:
         """On resume, keep the lines of the previous run up to the step we resume from (their
@@ -138,8 +141,12 @@ class RunRecorder:
     def on_generation_start(self, step: int, world_size: int) -> None:
         self.summary.on_generation_start(step, world_size)
 
-    def correct_generation_start(self, step: int) -> None:
+    def correct_generation_start(self, step: int, *, resumed: bool = False) -> None:
+        """The generation that just started restored `step`, not the planned one (a corrupt
+        newest checkpoint); `resumed`: it is the run's first after a resume, which it resumed from."""
         self.summary.correct_generation_start(step)
+        if resumed and self.summary.resumed_from is not None:
+            self.summary.resumed_from = step
 
     def on_step(self, record: StepRecord) -> None:
         line = self.metrics_log.append_step(record)

@@ -154,11 +154,13 @@ class FakeRecorder:
     def on_generation_start(self, step: int, world_size: int) -> None:
         self.generations.append((step, world_size))
 
-    def load_previous_metrics(self, up_to_step: int) -> None:
-        pass
+    def resumed(self, step: int) -> None:
+        self.resumed_from = step
 
-    def correct_generation_start(self, step: int) -> None:
+    def correct_generation_start(self, step: int, *, resumed: bool = False) -> None:
         self.generations[-1] = (step, self.generations[-1][1])
+        if resumed and self.resumed_from is not None:
+            self.resumed_from = step
 
     def write_status(self, *, force: bool = False, **status: Any) -> None:
         self.statuses.append(status)

@@ -42,7 +42,7 @@ def test_steps_and_recoveries_reach_the_record_and_are_exported(tmp_path):
     for n, t in ((1, 10.0), (2, 10.5), (3, 11.0)):
         recorder.on_step(step(n, t))
     recorder.on_recovery({"cause": "hang", "recover_s": 4.2})
-    recorder.resumed_from = 7                       # the controller sets record fields on the record itself
+    recorder.resumed(7)                             # the controller tells the record of the resume
     summary = recorder.write_summary(status="finished", final_step=3, checkpoints=[], model_sha256=None,
                                      error=None)
     assert [s for s, _ in recorder.user_metrics()["history"]["loss"]] == [1, 2, 3]

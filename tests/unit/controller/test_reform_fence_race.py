@@ -25,17 +25,16 @@ from checkpointing import CheckpointError, CheckpointManager
 from elastic._controller.actor import CheckpointView
 from elastic._controller.forming import GenerationFormer
 from elastic._protocol import RestoreKind, RestorePlan
+from elastic.config import FailureConfig
 
 _STORAGE_CALLS = ("read_bytes", "open_read", "exists", "size", "listdir", "find", "makedirs", "open_write",
                   "write_atomic", "read_versioned", "put_if", "rm", "rmdir_if_empty")
 
 
 def _former(view: Any, generation: int) -> GenerationFormer:
-    """A former with only what reform_plan uses: the checkpoints and the storage call."""
+    """A former over `view`, its storage calls made at once (reform_plan's whole use of storage)."""
     former = GenerationFormer(None, lambda: view, lambda what, fn: (True, fn()),  # type: ignore[arg-type]
-                              recorder=None, intake=None, steps=None, stragglers=None,  # type: ignore[arg-type]
-                              recoveries=None, running=None, failure=None,  # type: ignore[arg-type]
-                              clock=lambda: 0.0)
+                              failure=FailureConfig, clock=lambda: 0.0)
     former.generation = generation
     return former
 
