@@ -43,7 +43,7 @@ def record_lost_controller(url: str, storage_options: dict | None, *, error: Ela
     error, what storage still tells: the last step status.json saw, the committed checkpoints).
     Returns (the summary, whether it is the controller's own: then nothing was written)."""
     from checkpointing.storage import Storage
-    from elastic._controller.run_record import dumps, strict
+    from elastic.schemas import dumps, strict
     shown = mask_url(url)
     error_doc: dict[str, Any] = {"type": type(error).__name__, "message": mask_text(str(error)),
                                  "traceback": None if traceback is None else mask_text(traceback), "ranks": []}
@@ -70,17 +70,11 @@ def record_lost_controller(url: str, storage_options: dict | None, *, error: Ela
             checkpoints = sorted(info.step for info in manifest.list_committed(storage))
     except Exception:
         log.debug("could not list the committed checkpoints under %s", shown, exc_info=True)
-    step = status.get("step") if isinstance(status.get("step"), int) else 0
-    from elastic.schemas import STATUS_FORMAT, SUMMARY_FORMAT
-    summary = {
-        "format": SUMMARY_FORMAT, "status": "failed", "final_step": step, "total_steps": total_steps,
-        "world_size_history": [],
-        "recoveries": [], "checkpoints": checkpoints, "loss_first": None, "loss_last": None,
-        "model_sha256": None, "wall_s": round(time.time() - started_at, 3), "metrics": {}, "goodput": None,
-        "resumed_from": None, "stragglers": [], "checkpoint_fallbacks": [], "samples_consumed": None,
-        "data_order_sha256": None, "config": config, "error": error_doc,
-    }
-    status = {**status, "format": STATUS_FORMAT, "state": "failed", "error": error_doc, "updated_at": time.time()}
+    step = status["step"] if isinstance(status.get("step"), int) else 0
+    from elastic.schemas import status_doc, summary_doc
+    summary = summary_doc(status="failed", final_step=step, total_steps=total_steps, checkpoints=checkpoints,
+                          wall_s=time.time() - started_at, config=config, error=error_doc)
+    status = status_doc(**{**status, "state": "failed", "error": error_doc, "updated_at": time.time()})
     for name, payload in (("status.json", status), ("summary.json", summary)):
         try:
             if storage is None:

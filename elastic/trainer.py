@@ -5,7 +5,6 @@ workers share its fate: if the driver goes, the whole run goes with it and nothi
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -30,7 +29,7 @@ from elastic.config import (
 )
 from elastic.errors import ConfigError, StorageConfigError, UserCodeError
 from elastic.policies import FailurePolicy, ScalingPolicy
-from elastic.schemas import STATUS_FORMAT
+from elastic.schemas import dumps, status_doc
 from elastic.stop_request import clear_stop
 
 log = logging.getLogger("elastic.trainer")
@@ -223,9 +222,8 @@ class ElasticTrainer:
             # earlier run (that ended before it saw it, or was stopped by it) must not stop this
             # resume at once. Cleared once the lease is ours, before status.json says we run.
             clear_stop(storage)
-            storage.write_atomic(storage.path("status.json"), json.dumps(
-                {"format": STATUS_FORMAT, "state": "scheduling", "generation": -1, "step": 0, "workers": [],
-                 "run_id": self._run_id, "updated_at": time.time()}).encode())
+            storage.write_atomic(storage.path("status.json"), dumps(
+                status_doc("scheduling", generation=-1, step=0, workers=[], run_id=self._run_id)).encode())
         except RunConflictError:
             raise
         except Exception as error:

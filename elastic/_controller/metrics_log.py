@@ -33,7 +33,7 @@ from typing import Any
 from checkpointing.appendlog import AppendLog
 from checkpointing.storage import Storage
 from elastic._protocol import StepRecord
-from elastic.schemas import METRICS_FORMAT
+from elastic.schemas import METRICS_FORMAT, dumps
 
 log = logging.getLogger("elastic.record")
 
@@ -44,22 +44,6 @@ STEP_KEYS = ("format", "step", "loss", "world_size", "time", "lr", "global_batch
              "compute_s", "kind")
 LOG_KEYS = ("format", "step", "kind", "time")
 LOG_KIND = "log"
-
-
-def strict(value: Any) -> Any:
-    """`value` with every non-finite float replaced by None (JSON has no NaN nor Infinity)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: strict(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [strict(v) for v in value]
-    return value
-
-
-def dumps(payload: Any, **kwargs: Any) -> str:
-    """Strict JSON of `payload` (non-finite floats as null): what every reader's parser accepts."""
-    return json.dumps(strict(payload), allow_nan=False, **kwargs)
 
 
 class MetricHistory:

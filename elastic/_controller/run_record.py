@@ -38,11 +38,11 @@ from typing import Any, Protocol
 
 from checkpointing.storage import Storage
 from elastic._controller.feed import FeedKind, RunFeed
-from elastic._controller.metrics_log import MetricsLog, dumps, strict
+from elastic._controller.metrics_log import MetricsLog
 from elastic._controller.run_summary import RunSummary
 from elastic._controller.status_writer import StatusWriter
 from elastic._protocol import StepRecord
-from elastic.schemas import STATUS_FORMAT
+from elastic.schemas import dumps, status_doc, strict
 
 log = logging.getLogger("elastic.record")
 
@@ -270,7 +270,7 @@ class RunRecorder:
         return strict(summary)      # as on storage
 
     def _write_status_file(self, status: dict[str, Any]) -> None:
-        self._write_json("status.json", {"format": STATUS_FORMAT} | status)
+        self._write_json("status.json", status_doc(**status))
 
     def _write_json(self, name: str, payload: dict[str, Any]) -> None:
         if not self._writes():

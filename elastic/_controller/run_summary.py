@@ -26,7 +26,7 @@ from typing import Any
 from elastic._controller.time_ledger import LedgerPart, TimeLedger
 from elastic._protocol import StepRecord
 from elastic.policies import Cause
-from elastic.schemas import SUMMARY_FORMAT
+from elastic.schemas import summary_doc
 
 log = logging.getLogger("elastic.record")
 
@@ -135,20 +135,14 @@ class RunSummary:
         wall_s = now - self._started_at
         self.settle(now)
         time_ledger = self._ledger.close(now, status)
-        return {
-            "format": SUMMARY_FORMAT,
-            "status": status, "final_step": final_step, "total_steps": self._total_steps,
-            "world_size_history": self._world_size_history, "recoveries": self._recoveries,
-            "checkpoints": checkpoints,
-            "loss_first": self._losses[0] if self._losses else None,
-            "loss_last": self._losses[-1] if self._losses else None,
-            "model_sha256": model_sha256, "wall_s": round(wall_s, 3), "time_ledger": time_ledger,
-            "metrics": metrics,
+        return summary_doc(
+            status=status, final_step=final_step, total_steps=self._total_steps,
+            world_size_history=self._world_size_history, recoveries=self._recoveries, checkpoints=checkpoints,
+            loss_first=self._losses[0] if self._losses else None,
+            loss_last=self._losses[-1] if self._losses else None,
+            model_sha256=model_sha256, wall_s=wall_s, time_ledger=time_ledger, metrics=metrics,
             # The share of the wall time spent computing the steps kept (see the module docstring).
-            "goodput": round(min(1.0, time_ledger[LedgerPart.PRODUCTIVE] / wall_s), 4) if wall_s > 0 else None,
-            "resumed_from": self.resumed_from, "stragglers": self._stragglers,
-            "checkpoint_fallbacks": self._fallbacks,
-            "samples_consumed": self._data[0] if self._data else None,
-            "data_order_sha256": self._data[1] if self._data else None,
-            "config": self._config, "error": error,
-        }
+            goodput=round(min(1.0, time_ledger[LedgerPart.PRODUCTIVE] / wall_s), 4) if wall_s > 0 else None,
+            resumed_from=self.resumed_from, stragglers=self._stragglers, checkpoint_fallbacks=self._fallbacks,
+            samples_consumed=self._data[0] if self._data else None,
+            data_order_sha256=self._data[1] if self._data else None, config=self._config, error=error)
