@@ -50,7 +50,7 @@ from elastic._controller.controller import Controller  # noqa: E402
 from elastic._controller.node_agent import one_record_per_step  # noqa: E402
 from elastic._controller.run_record import RunRecorder  # noqa: E402
 from elastic._controller.states import Recovering, Running, RunState  # noqa: E402
-from elastic._controller.worker_group import DEAD, WorkerView  # noqa: E402
+from elastic._controller.worker_group import DEAD, PollTerms, WorkerView  # noqa: E402
 from elastic._protocol import StepRecord, WorkerPhase, WorkerReport  # noqa: E402
 from elastic.config import FailureConfig, ScalingConfig  # noqa: E402
 
@@ -69,7 +69,7 @@ class WireGroup(FakeGroup):
         self.wire: dict[int, bytes] = {}           # wid (or node) -> this tick's poll answer(s), pickled
         self.decode_s = 0.0                        # CPU spent decoding answers, all ticks
 
-    def tick(self) -> dict[int, WorkerView]:
+    def tick(self, terms: PollTerms | None = None) -> dict[int, WorkerView]:
         t0 = time.process_time()
         for payload in self.wire.values():
             pickle.loads(payload)

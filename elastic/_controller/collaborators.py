@@ -7,17 +7,15 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from elastic._controller.worker_group import WorkerView
+from elastic._controller.worker_group import PollTerms, WorkerView
 from elastic._protocol import GenerationPlan
 
 
 class WorkerGroup(Protocol):
     """The workers (worker_group.RayWorkerGroup; fakes.FakeGroup)."""
 
-    poll_hold_s: float            # a worker may hold its answer this long when nothing happens,
-    poll_wake_s: float | None     # and answers when its training thread's wait crosses this (or None)
     def scale_to(self, n: int) -> None: ...
-    def tick(self) -> dict[int, WorkerView]: ...
+    def tick(self, terms: PollTerms | None = None) -> dict[int, WorkerView]: ...
     def wait(self, timeout_s: float) -> None: ...
     def rendezvous_address(self, wid: int) -> tuple[str, int]: ...
     def start_generation(self, plans: dict[int, GenerationPlan]) -> None: ...

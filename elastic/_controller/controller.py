@@ -49,8 +49,6 @@ MIN_TICK_GAP_S = 0.01     # the least time between two ticks (see run_loop)
 # Where the workers hold their polls (answered at once on news, else once a hold): while a
 # generation trains, and while one recovers or stops, where the news awaited is a member leaving
 # the loop. A held answer wakes the controller (run_loop); an unheld one comes at each tick.
-_HELD_POLLS = frozenset({RunState.RUNNING, RunState.RECOVERING, RunState.STOPPING})
-
 if TYPE_CHECKING:
     from elastic._controller.run_record import RunRecord
 
@@ -148,14 +146,7 @@ class Controller:
             # end the run: its record is not written meanwhile (RunRecorder's holds_storage).
             self._fail(lost)
             return
-        # While a generation runs, recovers or stops, polls are held (answered at once on news,
-        # else once a hold): the 5 Hz polls cost each worker ~2 % of its CPU. Otherwise they are
-        # answered at once. While it runs, a rank that has waited for the others as long as the
-        # hang bound answers then, not at its next hold (thread_position).
-        self.group.poll_hold_s = self.failure.poll_hold_s if self.state.state in _HELD_POLLS else 0.0
-        self.group.poll_wake_s = self.running.hangs.bound(self.failure) if self.state.state == RunState.RUNNING \
-            else None
-        self.views = self.group.tick()
+        self.views = self.group.tick(self.running.poll_terms(self.state.state, self.failure))
         self.intake.absorb(self.views, self.state, self._current_members(), self.generation)
         for wid in self.slots.preempted_spares(self.views, self._current_members()):
             self._kill(wid, "preempted while spare")

@@ -156,12 +156,14 @@ class HangWatch:
             return None
         return max(bound, FailureConfig.HANG_FACTOR * max(self._answer_gaps))
 
-    def assess(self, st: Running, views: dict[int, WorkerView], failure: FailureConfig) -> Hung | None:
+    def assess(self, st: Running, views: dict[int, WorkerView], failure: FailureConfig, *,
+               hold_s: float | None = None) -> Hung | None:
         bound = self.bound(failure)
         if bound is None:
             return None
         now = self._clock()
-        fresh_s = failure.poll_hold_s + SILENCE_MARGIN_S
+        # Silence is judged against the hold the polls were given (None: the config's, as given while running).
+        fresh_s = (failure.poll_hold_s if hold_s is None else hold_s) + SILENCE_MARGIN_S
         seen: list[_Seen] = []
         front: _Seen | None = None
         for rank, wid in enumerate(st.members):

@@ -12,7 +12,7 @@ import enum
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import ray
 from ray import ObjectRef
@@ -43,6 +43,13 @@ class SlotStatus(enum.StrEnum):
 
 
 PENDING, STARTING, READY, DEAD = SlotStatus.PENDING, SlotStatus.STARTING, SlotStatus.READY, SlotStatus.DEAD
+
+
+class PollTerms(NamedTuple):
+    """What a tick's polls ask of the workers (the controller's terms, from its running judge)."""
+
+    hold_s: float = 0.0           # a worker may hold its answer this long when nothing happens,
+    wake_s: float | None = None   # and answers when its training thread's wait crosses this (or None)
 
 
 @dataclass(slots=True)
@@ -100,8 +107,7 @@ class RayWorkerGroup:
         # ScalingConfig.node_agents: one agent per node carries its workers' polls (agent_pool).
         self._agents = AgentPool(failure.rendezvous_timeout_s, self._nodes_alive, self._released,
                                  self._lost_with_agent) if scaling.node_agents else None
-        self.poll_hold_s = 0.0       # set by the controller: how long a worker may hold a poll,
-        self.poll_wake_s: float | None = None    # and the hang bound its wait wakes it at (worker.poll)
+        self.terms = PollTerms()     # the last tick's poll terms (wait() waits on held polls by them)
         resources = dict(scaling.resources_per_worker)
         if scaling.use_gpu:
             resources.setdefault("GPU", 1.0)
@@ -131,7 +137,10 @@ class RayWorkerGroup:
         slot.status = STARTING
 
     # ---- the tick ----------------------------------------------------------------------
-    def tick(self) -> dict[int, WorkerView]:
+    def tick(self, terms: PollTerms | None = None) -> dict[int, WorkerView]:
+        """Poll the workers with `terms` (None: the last tick's) and return what they said."""
+        if terms is not None:
+            self.terms = terms
         now = time.monotonic()
         self._alive_nodes = None
         self._drop_dead(now)
@@ -170,10 +179,10 @@ class RayWorkerGroup:
             return
         refs = [s.pg_ready for s in self._slots.values() if s.status == PENDING]
         refs += [s.info_ref for s in self._slots.values() if s.status == STARTING and s.info_ref is not None]
-        if self.poll_hold_s > 0:
+        if self.terms.hold_s > 0:
             refs += [s.poll_ref for s in self._slots.values() if s.status == READY and s.poll_ref is not None]
         if self._agents is not None:
-            refs += self._agents.refs(polls=self.poll_hold_s > 0)
+            refs += self._agents.refs(polls=self.terms.hold_s > 0)
         if refs:
             ray.wait(refs, num_returns=1, timeout=timeout_s)
         else:
@@ -260,9 +269,9 @@ class RayWorkerGroup:
                 slot.agent = node_id           # from now on its node's agent polls it
                 self._agents.hand(node_id, slot.wid, slot.actor, slot.seq_seen)
             else:
-                slot.poll_ref = slot.actor.poll.remote(self.poll_hold_s, slot.seq_seen, self.poll_wake_s)
+                slot.poll_ref = slot.actor.poll.remote(self.terms.hold_s, slot.seq_seen, self.terms.wake_s)
         if self._agents is not None:
-            self._agents.send_polls(self.poll_hold_s, lambda wid: self._slots[wid].seq_seen, self.poll_wake_s)
+            self._agents.send_polls(self.terms.hold_s, lambda wid: self._slots[wid].seq_seen, self.terms.wake_s)
 
     # ---- what the node agents tell the group (agent_pool) --------------------------------
     def _released(self, wids: list[int]) -> None:

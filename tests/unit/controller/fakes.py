@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from elastic._controller.worker_group import DEAD, READY, WorkerView
+from elastic._controller.worker_group import DEAD, READY, PollTerms, WorkerView
 from elastic._protocol import GenerationPlan, StepRecord, WorkerInfo, WorkerPhase, WorkerReport
 from elastic.policies import Cause
 
@@ -30,8 +30,8 @@ class FakeGroup:
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self.poll_hold_s = 0.0                  # set by the controller each tick
-        self.poll_wake_s: float | None = None   # likewise
+        self.poll_hold_s = 0.0                  # the terms of the last tick's polls, as the controller gave them
+        self.poll_wake_s: float | None = None
         self.views: dict[int, WorkerView] = {}
         self.killed: list[tuple[int, str]] = []
         self.generations: list[dict[int, GenerationPlan]] = []
@@ -50,7 +50,9 @@ class FakeGroup:
             wid, self._next = self._next, self._next + 1
             self.views[wid] = WorkerView(wid=wid, status=READY, info=WorkerInfo(100 + wid, "node", f"a{wid}", "ip"))
 
-    def tick(self) -> dict[int, WorkerView]:
+    def tick(self, terms: PollTerms | None = None) -> dict[int, WorkerView]:
+        if terms is not None:
+            self.poll_hold_s, self.poll_wake_s = terms
         out = {w: replace(v) for w, v in self.views.items()}
         for v in self.views.values():
             v.records = []

@@ -14,7 +14,7 @@ import elastic._controller.ray_calls as ray_calls
 import elastic._controller.worker_group as ray_group
 from elastic._controller.agent_pool import AGENT_IDLE_S, AGENT_RETRY_S, AGENT_STALL_S
 from elastic._controller.node_agent import NodeAgent, hold_until_beat, one_record_per_step
-from elastic._controller.worker_group import DEAD, READY, RayWorkerGroup, _Slot
+from elastic._controller.worker_group import DEAD, READY, PollTerms, RayWorkerGroup, _Slot
 from elastic._protocol import PollFailure, StepRecord, WorkerInfo, WorkerReport
 from elastic.config import FailureConfig, ScalingConfig
 from elastic.policies import Cause
@@ -230,7 +230,7 @@ def fake_ray(monkeypatch):
 def group_on(nodes: dict[int, str], agents: bool = True) -> RayWorkerGroup:
     group = RayWorkerGroup(None, ScalingConfig(min_workers=1, max_workers=len(nodes), node_agents=agents),
                            FailureConfig(heartbeat_timeout_s=5.0))
-    group.poll_hold_s = 1.0
+    group.terms = PollTerms(hold_s=1.0)
     for wid, node in nodes.items():
         group._slots[wid] = _Slot(wid=wid, pg=None, pg_ready=None, created_at=0.0, status=READY,
                                   actor=Actor("poll"), info=WorkerInfo(pid=wid, node_id=node, actor_id="", ip=""))
@@ -264,7 +264,7 @@ def test_each_nodes_agent_takes_its_workers_polls_and_their_answers_reach_the_vi
     assert b.watch.calls == [({2: (group._slots[2].actor, 0)},)]
     assert a.poll.calls == [(1.0, [], {0: 0, 1: 0}, None)] and b.poll.calls == [(1.0, [], {2: 0}, None)]
     a.poll.refs[0].outcome = {0: report(2, seq=2), 1: report(3, seq=4)}
-    group.poll_wake_s = 2.4                                       # the controller has learned a hang bound
+    group.terms = group.terms._replace(wake_s=2.4)         # the controller has learned a hang bound
     views = group.tick()
     assert (views[0].report.step, views[1].report.step, views[2].report.step) == (2, 3, 1)
     assert [len(group._slots[w].actor.poll.calls) for w in (0, 1, 2)] == [1, 1, 1]   # no direct polls since
@@ -297,7 +297,7 @@ def test_an_agent_lost_alone_hands_its_workers_back_to_direct_polls_and_is_not_r
     agent.poll.refs[0].outcome = {0: report(2, seq=2)}
     group.tick()
     agent.poll.refs[1].outcome = died()
-    group.poll_wake_s = 2.4
+    group.terms = group.terms._replace(wake_s=2.4)
     views = group.tick()
     assert all(v.status == READY and not v.via_agent for v in views.values())
     # Polled directly again, acknowledging the newest answers that came: a worker whose answer
@@ -329,7 +329,7 @@ def test_an_agent_whose_answer_is_overdue_is_replaced_by_direct_polls(fake_ray, 
     group._slots[0].actor.poll.refs[0].outcome = report(1)
     group.tick()
     assert group._slots[0].agent == A
-    clock = ray_group.time.monotonic() + group.poll_hold_s + 0.25 + AGENT_STALL_S + 0.1
+    clock = ray_group.time.monotonic() + group.terms.hold_s + 0.25 + AGENT_STALL_S + 0.1
     monkeypatch.setattr(ray_group.time, "monotonic", lambda: clock)
     with caplog.at_level(logging.WARNING, logger="elastic.group"):
         views = group.tick()
@@ -344,7 +344,7 @@ def test_an_answer_that_is_there_when_the_controller_looks_late_is_taken_not_jud
     group._slots[0].actor.poll.refs[0].outcome = report(1)
     group.tick()
     agent.poll.refs[0].outcome = {0: report(2)}
-    clock = ray_group.time.monotonic() + group.poll_hold_s + 0.25 + AGENT_STALL_S + 0.1
+    clock = ray_group.time.monotonic() + group.terms.hold_s + 0.25 + AGENT_STALL_S + 0.1
     monkeypatch.setattr(ray_group.time, "monotonic", lambda: clock)
     views = group.tick()
     assert views[0].via_agent and views[0].report.step == 2 and agent not in fake_ray.killed
@@ -402,7 +402,7 @@ def test_a_worker_whose_answer_missed_its_agents_message_is_not_silent_for_the_c
     views = group.tick()
     assert views[0].silent_s == 0.0 and views[0].report.step == 2
     assert views[1].silent_s == pytest.approx(0.9)          # as of the agent's answer
-    assert views[1].silent_s < group.poll_hold_s + SILENCE_MARGIN_S < 5.0    # neither hang rule fires
+    assert views[1].silent_s < group.terms.hold_s + SILENCE_MARGIN_S < 5.0    # neither hang rule fires
     # The agent's next answer brings worker 1's (it was waiting there): heard from at once.
     carrier.poll.refs[1].outcome = agent.poll(*carrier.poll.calls[1])
     now[0] += 0.01
