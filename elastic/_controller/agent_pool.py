@@ -54,8 +54,10 @@ class AgentPool:
     tick. `lost(wids, node_id, why)`: their agent was lost with its node; they are lost too."""
 
     def __init__(self, rendezvous_timeout_s: float, nodes_alive: Callable[[], set[str]],
-                 released: Callable[[list[int]], None], lost: Callable[[list[int], str, str], None]):
+                 released: Callable[[list[int]], None], lost: Callable[[list[int], str, str], None], *,
+                 clock: Callable[[], float] = time.monotonic):
         self._rendezvous_timeout_s = rendezvous_timeout_s
+        self._clock = clock
         self._nodes_alive = nodes_alive
         self._released, self._lost = released, lost
         self._agents: dict[str, _Agent] = {}
@@ -143,7 +145,7 @@ class AgentPool:
             if agent.ready_ref is None and agent.poll_ref is None and agent.carries:
                 agent.poll_ref = agent.actor.poll.remote(hold_s, agent.forget, {w: acked(w) for w in agent.carries},
                                                          wake_s)
-                agent.polled_at, agent.hold_s = time.monotonic(), hold_s
+                agent.polled_at, agent.hold_s = self._clock(), hold_s
                 agent.forget = []
 
     def refs(self, polls: bool) -> list[ObjectRef]:

@@ -81,22 +81,19 @@ class Controller:
         self.model_sha256: str | None = None
         self.views: dict[int, WorkerView] = {}
         self.history: list[tuple[str, str, str]] = []
-        # The parts read the controller's clocks and config as they are when read (a test may swap them).
-        now: Callable[[], float] = lambda: self.clock()   # noqa: E731
-        self.budget = FailureBudget(failure_policy or FailurePolicy(), lambda: self.failure, now)
-        self.storage = StorageRetry(self.budget, now, lambda: self.failure.rendezvous_timeout_s)
+        self.budget = FailureBudget(failure_policy or FailurePolicy(), failure, clock)
+        self.storage = StorageRetry(self.budget, clock, failure.rendezvous_timeout_s)
         self.stragglers = StragglerDetector(window=failure.straggler_window,
                                             threshold=failure.straggler_threshold or float("inf"),
                                             min_excess_s=failure.straggler_min_excess_s)
         self.steps = StepLedger()
-        self.start_gate, self.running, self.recovering = StartGate(), RunningWatch(now), RecoveryWatch(now)
-        self.recoveries = RecoveryLedger(now, lambda: self.wall_clock())
-        self.intake = ReportIntake(recorder, self.steps, self.recoveries, self.stragglers, lambda: self.failure)
+        self.start_gate, self.running, self.recovering = StartGate(), RunningWatch(clock), RecoveryWatch(clock)
+        self.recoveries = RecoveryLedger(clock, wall_clock)
+        self.intake = ReportIntake(recorder, self.steps, self.recoveries, self.stragglers, failure)
         # The actor's commit watch looks on a thread of its own; without one, looks are inline (fakes).
         self.status = StatusReport(recorder, commits or CommitWatch(checkpoints, clock, background=False))
-        self.slots = Slots(lambda: self.scaling)
-        self.former = GenerationFormer(group, lambda: self.checkpoints, self._storage,
-                                       failure=lambda: self.failure, clock=now)
+        self.slots = Slots(scaling)
+        self.former = GenerationFormer(group, checkpoints, self._storage, failure=failure, clock=clock)
 
     @property
     def done(self) -> bool:

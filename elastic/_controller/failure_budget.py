@@ -26,9 +26,9 @@ from elastic.policies import Failure, FailureDecision, FailurePolicy
 class FailureBudget:
     """The failures so far, and the word of the policy and the rules on each."""
 
-    def __init__(self, policy: FailurePolicy, config: Callable[[], FailureConfig], clock: Callable[[], float]):
+    def __init__(self, policy: FailurePolicy, config: FailureConfig, clock: Callable[[], float]):
         self.policy = policy
-        self._config, self._clock = config, clock   # read when charged (a test may swap the config)
+        self._config, self._clock = config, clock
         self.failures: list[Failure] = []
         self.infra_failures = 0                   # counted against max_failures
         self._recent: deque[float] = deque()      # clock times of infrastructure failures in the window
@@ -39,7 +39,7 @@ class FailureBudget:
     def charge(self, failure: Failure, reached_step: int | None = None) -> FailureDecision:
         """Charge `failure`; `reached_step` is the newest step any rank had reached when it came
         (None where no step applies, e.g. a storage error between generations)."""
-        config = self._config()
+        config = self._config
         self.failures.append(failure)
         decision = self.policy.decide(failure, infra_failures_so_far=self.infra_failures,
                                       max_failures=config.max_failures)

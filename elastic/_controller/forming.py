@@ -46,9 +46,8 @@ class GenerationFormer:
     """Starts generations and owns their count. It reads storage and hands out plans; it tells
     nothing to the other parts (the controller does, with what `form` returns)."""
 
-    def __init__(self, group: WorkerGroup, checkpoints: Callable[[], CheckpointView], storage: StorageCall, *,
-                 failure: Callable[[], FailureConfig], clock: Callable[[], float]):
-        # The checkpoints are read through the controller's attribute as it is when read (a test may swap it).
+    def __init__(self, group: WorkerGroup, checkpoints: CheckpointView, storage: StorageCall, *,
+                 failure: FailureConfig, clock: Callable[[], float]):
         self.group, self._checkpoints, self._storage = group, checkpoints, storage
         self._failure, self._clock = failure, clock
         self.generation = -1
@@ -56,7 +55,7 @@ class GenerationFormer:
     def resume_plan(self) -> RestorePlan:
         """The first generation's restore: after the previous run's generations, from its newest
         checkpoint. Raises what storage raises (the controller's storage call retries it)."""
-        fence = self._checkpoints().current_fence()
+        fence = self._checkpoints.current_fence()
         if fence is not None:
             self.generation = max(self.generation, fence)
         # Fence before listing (see reform_plan): a previous run's writer still committing is
@@ -103,7 +102,7 @@ class GenerationFormer:
         return True, RestorePlan(RestoreKind.CHECKPOINT, step=latest, reason=why)
 
     def _fence_then_list(self) -> int | None:
-        checkpoints = self._checkpoints()
+        checkpoints = self._checkpoints
         checkpoints.fence(self.generation + 1)
         return checkpoints.latest_step()
 
@@ -112,11 +111,11 @@ class GenerationFormer:
         said "not now". Else what was formed: the Running state, the generation's start, and the
         fault to recover from at once if not every member was handed its plan (start_fault)."""
         ok, _ = self._storage("write the generation fence",
-                              lambda: self._checkpoints().fence(self.generation + 1, start_step=st.restore.step))
+                              lambda: self._checkpoints.fence(self.generation + 1, start_step=st.restore.step))
         if not ok:
             return None
         self.generation += 1
-        world, failure = len(st.members), self._failure()
+        world, failure = len(st.members), self._failure
         fault: Fault | None = None
         try:
             addr, port = self.group.rendezvous_address(st.members[0])

@@ -12,7 +12,6 @@ It records; it decides nothing and acts on no worker (the controller does both).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -45,9 +44,9 @@ class ReportIntake:
     """Turns worker reports into the run's record. `step` is the newest step the run keeps."""
 
     def __init__(self, recorder: RunRecord, steps: StepLedger, recoveries: RecoveryLedger,
-                 stragglers: StragglerDetector, failure: Callable[[], FailureConfig]):
+                 stragglers: StragglerDetector, failure: FailureConfig):
         self.recorder, self.steps, self.recoveries, self.stragglers = recorder, steps, recoveries, stragglers
-        self._failure = failure              # the controller's FailureConfig (read when used)
+        self._failure = failure              # the controller's FailureConfig
         self._logs = LogRecordPicker()       # ctx.log records held until the lowest rank's is known
         self._views: dict[int, WorkerView] = {}
         self.step = 0
@@ -168,12 +167,12 @@ class ReportIntake:
             if len(self._scored) > SCORED_KEPT:
                 self._scored = {s for s in self._scored if s > record.step - SCORED_KEPT}
         # The first step of a generation carries its restore: not a step time.
-        if (not isinstance(st, Running) or self._failure().straggler_threshold is None
+        if (not isinstance(st, Running) or self._failure.straggler_threshold is None
                 or record.generation != st.generation or len(record.compute_s) != len(st.members)
                 or record.step <= self.start_step + 1):
             return
         for flag in self.stragglers.observe(record.step, record.compute_s):
             log.warning("straggler: rank %d (worker %d) computes %.2fx the other ranks' median over the last "
                         "%d steps (step %d)", flag.rank, st.members[flag.rank], flag.score,
-                        self._failure().straggler_window, flag.step)
+                        self._failure.straggler_window, flag.step)
             self.recorder.on_straggler(flag.as_json())

@@ -6,15 +6,13 @@ the cap on a group's size, the ready workers.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from elastic._controller.worker_group import READY, STARTING, WorkerView
 from elastic.config import ScalingConfig
 
 
 class Slots:
-    def __init__(self, scaling: Callable[[], ScalingConfig]):
-        self._scaling = scaling      # read when used (a test may swap the config)
+    def __init__(self, scaling: ScalingConfig):
+        self._scaling = scaling
 
     def target(self, views: dict[int, WorkerView], *, broken_world: int | None = None) -> int:
         """Slots to keep alive or pending: max_workers and the spares; with no maximum, every placed
@@ -26,7 +24,7 @@ class Slots:
         start is seconds of CPU on its host (Python, torch, the checkpoint code) that a
         re-forming group sharing the host needs: in the mixed chaos campaign (one-CPU nodes on
         2 cores) the spare replacing the one the group took started during every re-form."""
-        scaling = self._scaling()
+        scaling = self._scaling
         if scaling.max_workers is not None:
             wanted = scaling.max_workers + scaling.spare_workers
         else:
@@ -37,7 +35,7 @@ class Slots:
         return wanted
 
     def cap(self, wids: list[int]) -> list[int]:
-        maximum = self._scaling().max_workers
+        maximum = self._scaling.max_workers
         return wids if maximum is None else wids[:maximum]
 
     @staticmethod

@@ -38,7 +38,7 @@ class _Trouble:
 class StorageRetry:
     """An ongoing storage error and its backoff (at most one at a time)."""
 
-    def __init__(self, budget: FailureBudget, clock: Callable[[], float], give_up_after_s: Callable[[], float]):
+    def __init__(self, budget: FailureBudget, clock: Callable[[], float], give_up_after_s: float):
         self._budget, self._clock, self._give_up_after_s = budget, clock, give_up_after_s
         self._trouble: _Trouble | None = None
 
@@ -60,7 +60,7 @@ class StorageRetry:
                 if decision.action == "fail":
                     return StorageResult(False, fatal=self._budget.exhausted(decision, failure), failure=failure)
             trouble.attempts += 1
-            if now - trouble.since > self._give_up_after_s():
+            if now - trouble.since > self._give_up_after_s:
                 return StorageResult(False, fatal=error)
             delay = min(10.0, 0.5 * 2 ** trouble.attempts)
             trouble.retry_at = now + delay

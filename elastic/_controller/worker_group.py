@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -91,8 +92,10 @@ class _Slot:
 
 
 class RayWorkerGroup:
-    def __init__(self, spec: RunSpec, scaling: ScalingConfig, failure: FailureConfig):
+    def __init__(self, spec: RunSpec, scaling: ScalingConfig, failure: FailureConfig, *,
+                 clock: Callable[[], float] = time.monotonic):
         self._spec = spec
+        self._clock = clock          # monotonic: placements, answers, deaths
         self._scaling = scaling
         self._failure = failure
         self._slots: dict[int, _Slot] = {}
@@ -106,7 +109,7 @@ class RayWorkerGroup:
         self._alive_nodes: set[str] | None = None    # ray.nodes() as read in this tick (None: not yet)
         # ScalingConfig.node_agents: one agent per node carries its workers' polls (agent_pool).
         self._agents = AgentPool(failure.rendezvous_timeout_s, self._nodes_alive, self._released,
-                                 self._lost_with_agent) if scaling.node_agents else None
+                                 self._lost_with_agent, clock=clock) if scaling.node_agents else None
         self.terms = PollTerms()     # the last tick's poll terms (wait() waits on held polls by them)
         resources = dict(scaling.resources_per_worker)
         if scaling.use_gpu:
@@ -121,10 +124,10 @@ class RayWorkerGroup:
             pg = placement_group([dict(self._bundle)], strategy="PACK")
             wid = self._next_wid
             self._next_wid += 1
-            self._slots[wid] = _Slot(wid=wid, pg=pg, pg_ready=pg.ready(), created_at=time.monotonic())
+            self._slots[wid] = _Slot(wid=wid, pg=pg, pg_ready=pg.ready(), created_at=self._clock())
 
     def _launch(self, slot: _Slot) -> None:
-        slot.placed_at = time.monotonic()
+        slot.placed_at = self._clock()
         resources = dict(self._bundle)
         cpus = resources.pop("CPU", 0.0)
         gpus = resources.pop("GPU", 0.0)
@@ -141,19 +144,19 @@ class RayWorkerGroup:
         """Poll the workers with `terms` (None: the last tick's) and return what they said."""
         if terms is not None:
             self.terms = terms
-        now = time.monotonic()
+        now = self._clock()
         self._alive_nodes = None
         self._drop_dead(now)
         self._advance_placements(now)
         if self._agents is not None:
             self._agents.advance(self._ready_nodes(), now)
-        placed = time.monotonic()
+        placed = self._clock()
         answered_at = self._collect_polls(now)
         if self._agents is not None:
             self._agents.retire(self._ready_nodes(), now)
-        collected = time.monotonic()
+        collected = self._clock()
         self._send_polls()
-        sent = time.monotonic()
+        sent = self._clock()
         if sent - now > SLOW_TICK_S:
             # Detection of every failure waits for the tick: say where a tick was held up.
             log.warning("worker group tick took %.1fs (placements %.1fs, collecting polls %.1fs, sending "
@@ -283,7 +286,7 @@ class RayWorkerGroup:
 
     def _lost_with_agent(self, wids: list[int], node_id: str, why: str) -> None:
         """Their agent was lost with its node: so are they."""
-        now = time.monotonic()
+        now = self._clock()
         for wid in wids:
             slot = self._slots.get(wid)
             if slot is not None and slot.status == READY:
@@ -305,7 +308,7 @@ class RayWorkerGroup:
         if slot.status == DEAD:
             return
         slot.status = DEAD
-        slot.died_at = time.monotonic()
+        slot.died_at = self._clock()
         slot.death, slot.death_cause = reason, cause
         slot.poll_ref = None
         if slot.agent is not None and self._agents is not None:
@@ -340,12 +343,12 @@ class RayWorkerGroup:
         start_generation refused because its previous generation's thread is stuck) is in a state
         nobody planned: it is killed here, so the controller replaces it. A dead or silent one is
         left to the controller (which replaces it as lost) and to the polls."""
-        deadline = time.monotonic() + self._failure.heartbeat_timeout_s
+        deadline = self._clock() + self._failure.heartbeat_timeout_s
         answers: list[Any] = []
         failures: dict[int, tuple[Cause, str]] = {}
         for wid, ref in refs.items():
             try:
-                answers.append(ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
+                answers.append(ray.get(ref, timeout=max(0.0, deadline - self._clock())))
                 continue
             except RayTaskError as error:
                 self.kill(wid, f"{what}: {first_line(error)}")

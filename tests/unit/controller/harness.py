@@ -9,15 +9,21 @@ from elastic.config import FailureConfig, ScalingConfig
 
 
 def make(min_workers=2, max_workers=3, capacity=3, max_failures=3, latest=None, fence=None, startup_wait_s=10.0,
-         spare_workers=0, step_timeout_s="auto", recorder=None, **kwargs):
+         spare_workers=0, step_timeout_s="auto", recorder=None, failure=None, checkpoints=None, unix_wall=False,
+         **kwargs):
+    """A controller over the fakes. `failure`: a FailureConfig instead of the one built from the
+    arguments; `checkpoints`: instead of FakeCheckpoints(latest, fence); `unix_wall`: its wall
+    clock is unix seconds that move with the fake clock."""
     clock, group = FakeClock(), FakeGroup(capacity)
     transitions = []
+    if unix_wall:
+        kwargs["wall_clock"] = lambda: 1.7e9 + clock()
     controller = Controller(
-        group, recorder or FakeRecorder(), FakeCheckpoints(latest, fence),
+        group, recorder or FakeRecorder(), checkpoints or FakeCheckpoints(latest, fence),
         scaling=ScalingConfig(min_workers=min_workers, max_workers=max_workers, startup_wait_s=startup_wait_s,
                               spare_workers=spare_workers),
-        failure=FailureConfig(max_failures=max_failures, heartbeat_timeout_s=5.0, collective_timeout_s=30.0,
-                              rendezvous_timeout_s=60.0, step_timeout_s=step_timeout_s),
+        failure=failure or FailureConfig(max_failures=max_failures, heartbeat_timeout_s=5.0, collective_timeout_s=30.0,
+                                         rendezvous_timeout_s=60.0, step_timeout_s=step_timeout_s),
         total_steps=100, clock=clock, callbacks=(lambda old, new, why: transitions.append((old, new)),), **kwargs)
     return controller, group, clock, transitions
 

@@ -2,6 +2,7 @@
 generation that never starts, transient storage errors in the control loop, a generation in
 which no step completes."""
 import pytest
+from fakes import FakeCheckpoints
 from harness import interrupt, make, start
 
 from checkpointing import StorageError
@@ -77,14 +78,15 @@ class FlakyCheckpoints:
 
 @pytest.mark.parametrize("method", ["fence", "latest_step"])
 def test_a_transient_storage_error_at_recovery_is_retried_and_counted_once(method):
-    controller, group, clock, _ = make(max_failures=5)
+    flaky = FlakyCheckpoints(FakeCheckpoints(), method, fails=0)
+    controller, group, clock, _ = make(max_failures=5, checkpoints=flaky)
     members = start(controller, group)
     group.complete_steps(members[0], 1, 10, 3)
     controller.tick()
     for wid in members:                                  # no survivor holds state: the checkpoint rung
         group.views[wid].report = group.views[wid].report.__class__(**{**group.views[wid].report.__dict__,
                                                                        "has_state": False})
-    controller.checkpoints = FlakyCheckpoints(controller.checkpoints, method, fails=3)
+    flaky.fails = 3                                      # storage fails from the recovery on
     group.die(members[2])
     controller.tick()
     interrupt(group, members[:2], 0, 10)
@@ -101,8 +103,7 @@ def test_a_transient_storage_error_at_recovery_is_retried_and_counted_once(metho
 
 
 def test_a_storage_error_that_lasts_past_the_rendezvous_timeout_fails_the_run_with_it():
-    controller, group, clock, _ = make()
-    controller.checkpoints = FlakyCheckpoints(controller.checkpoints, "fence", fails=10_000)
+    controller, group, clock, _ = make(checkpoints=FlakyCheckpoints(FakeCheckpoints(), "fence", fails=10_000))
     controller.tick()
     for _ in range(200):
         controller.tick()
@@ -113,8 +114,8 @@ def test_a_storage_error_that_lasts_past_the_rendezvous_timeout_fails_the_run_wi
 
 
 def test_storage_errors_count_against_max_failures():
-    controller, group, clock, _ = make(max_failures=0)
-    controller.checkpoints = FlakyCheckpoints(controller.checkpoints, "fence", fails=1)
+    flaky = FlakyCheckpoints(FakeCheckpoints(), "fence", fails=1)
+    controller, group, clock, _ = make(max_failures=0, checkpoints=flaky)
     controller.tick()
     controller.tick()
     assert controller.state.state == RunState.FAILED

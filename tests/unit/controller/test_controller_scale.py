@@ -136,9 +136,8 @@ def test_a_dead_slot_is_dropped_once_no_recovery_can_ask_about_it(monkeypatch):
     monkeypatch.setattr(ray_calls, "ray", fake)
     monkeypatch.setattr(ray_group, "remove_placement_group", lambda pg: None)
     now = [1000.0]
-    monkeypatch.setattr(ray_group.time, "monotonic", lambda: now[0])
     failure = FailureConfig(heartbeat_timeout_s=5.0, collective_timeout_s=30.0, rendezvous_timeout_s=60.0)
-    group = RayWorkerGroup(None, ScalingConfig(min_workers=1, max_workers=2), failure)
+    group = RayWorkerGroup(None, ScalingConfig(min_workers=1, max_workers=2), failure, clock=lambda: now[0])
     report = WorkerReport(phase="running", generation=3, rank=0, step=0, has_state=True, records=[])
     for wid in (0, 1):
         group._slots[wid] = _Slot(wid=wid, pg=None, pg_ready=None, created_at=0.0, status=READY,

@@ -18,7 +18,7 @@ DIED = Failure(Cause.WORKER_DIED, (1,), "lost worker(s) [1]")
 
 def budget(**config):
     clock = FakeClock()
-    return FailureBudget(FailurePolicy(), lambda: FailureConfig(**config), clock), clock
+    return FailureBudget(FailurePolicy(), FailureConfig(**config), clock), clock
 
 
 def test_a_run_that_moves_on_between_faults_is_never_stopped():
@@ -79,9 +79,8 @@ def test_the_rule_errors_pickle_with_their_type():
 
 
 def test_the_controller_ends_a_crash_loop_with_no_progress_error():
-    controller, group, clock, _ = make(capacity=10, max_failures=None, min_workers=2, max_workers=2)
-    controller.failure = FailureConfig(max_failures_without_progress=2, heartbeat_timeout_s=5.0,
-                                       collective_timeout_s=30.0, rendezvous_timeout_s=60.0)
+    controller, group, clock, _ = make(capacity=10, min_workers=2, max_workers=2, failure=FailureConfig(
+        max_failures_without_progress=2, heartbeat_timeout_s=5.0, collective_timeout_s=30.0, rendezvous_timeout_s=60.0))
     members = start(controller, group)
     attempts = 0
     for _ in range(3):                          # rank 1 dies at step 3 every time

@@ -228,8 +228,9 @@ def fake_ray(monkeypatch):
 
 
 def group_on(nodes: dict[int, str], agents: bool = True) -> RayWorkerGroup:
+    # The group's clock reads the time module's as the test sets it (monkeypatch), tick by tick.
     group = RayWorkerGroup(None, ScalingConfig(min_workers=1, max_workers=len(nodes), node_agents=agents),
-                           FailureConfig(heartbeat_timeout_s=5.0))
+                           FailureConfig(heartbeat_timeout_s=5.0), clock=lambda: ray_group.time.monotonic())
     group.terms = PollTerms(hold_s=1.0)
     for wid, node in nodes.items():
         group._slots[wid] = _Slot(wid=wid, pg=None, pg_ready=None, created_at=0.0, status=READY,

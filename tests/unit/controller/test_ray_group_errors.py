@@ -6,7 +6,6 @@ import pytest
 from fake_ray import Actor, Ref, group_of, task_error
 from ray.exceptions import ActorDiedError, GetTimeoutError
 
-import elastic._controller.worker_group as ray_group
 from elastic._controller.worker_group import DEAD, READY, RayWorkerGroup, _Slot
 from elastic._protocol import WorkerReport
 from elastic.config import FailureConfig, ScalingConfig
@@ -63,9 +62,8 @@ def test_a_placement_that_never_comes_is_said_once(fake_ray, monkeypatch, caplog
     fake_ray.wait = lambda refs, num_returns=1, timeout=None: ([], list(refs))     # the cluster is full
     fake_ray.available_resources = lambda: {"CPU": 0.5, "node:10.0.0.1": 1.0}
     now = [100.0]
-    monkeypatch.setattr(ray_group.time, "monotonic", lambda: now[0])
     group = RayWorkerGroup(None, ScalingConfig(min_workers=1, max_workers=1, spare_workers=1),
-                           FailureConfig(heartbeat_timeout_s=5.0))
+                           FailureConfig(heartbeat_timeout_s=5.0), clock=lambda: now[0])
     group._slots[1] = _Slot(wid=1, pg=None, pg_ready=Ref(None), created_at=90.0)      # the spare's placement
     with caplog.at_level("WARNING", logger="elastic.group"):
         group.tick()                      # 10 s: not yet

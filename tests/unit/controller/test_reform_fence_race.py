@@ -33,8 +33,8 @@ _STORAGE_CALLS = ("read_bytes", "open_read", "exists", "size", "listdir", "find"
 
 def _former(view: Any, generation: int) -> GenerationFormer:
     """A former over `view`, its storage calls made at once (reform_plan's whole use of storage)."""
-    former = GenerationFormer(None, lambda: view, lambda what, fn: (True, fn()),  # type: ignore[arg-type]
-                              failure=FailureConfig, clock=lambda: 0.0)
+    former = GenerationFormer(None, view, lambda what, fn: (True, fn()),  # type: ignore[arg-type]
+                              failure=FailureConfig(), clock=lambda: 0.0)
     former.generation = generation
     return former
 

@@ -64,8 +64,7 @@ def test_records_past_a_checkpoint_restore_are_not_taken():
 
 
 def test_a_failure_before_the_reformed_group_steps_joins_the_open_recovery():
-    controller, group, clock, _ = make(capacity=4, max_failures=5)
-    controller.wall_clock = lambda: 1.7e9 + clock()     # unix seconds that move with the fake clock
+    controller, group, clock, _ = make(capacity=4, max_failures=5, unix_wall=True)
     members = start(controller, group)
     group.complete_steps(members[0], 1, 5, 3)
     group.die(members[1])

@@ -137,8 +137,8 @@ def test_two_workers_one_slow_is_flagged_but_kept():
 
 def test_scoring_off_records_nothing():
     from elastic.config import FailureConfig
-    controller, group, clock, _ = make(min_workers=2, max_workers=4, capacity=4)
-    controller.failure = FailureConfig(straggler_threshold=None)
+    controller, group, clock, _ = make(min_workers=2, max_workers=4, capacity=4,
+                                       failure=FailureConfig(straggler_threshold=None))
     start(controller, group)
     run_slow_rank(controller, group, slow_rank=1, steps=30, s=3.0)
     assert getattr(controller.recorder, "stragglers", []) == []
