@@ -39,3 +39,15 @@ def interrupt(group, wids, generation, step):
     for wid in wids:
         group.set_report(wid, WorkerPhase.INTERRUPTED, generation=generation, step=step,
                          error_type="RuntimeError", error_message="gloo: Connection reset by peer")
+
+
+def stop_requested(controller, group, reason="maintenance"):
+    """A running generation of 3 that completed 7 steps, then `elastic stop`: the members, each
+    told to commit and leave (the controller is STOPPING)."""
+    members = start(controller, group)
+    group.complete_steps(members[0], 1, 7, 3)
+    controller.tick()
+    controller.checkpoints.stop = {"format": 1, "reason": reason}
+    controller.tick()
+    assert controller.state.state == RunState.STOPPING
+    return members

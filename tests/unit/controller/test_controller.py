@@ -3,7 +3,7 @@ from dataclasses import replace
 
 import pytest
 from fakes import FakeClock, FakeGroup
-from harness import interrupt, make, start
+from harness import interrupt, make, start, stop_requested
 
 from elastic._controller.controller import run_loop
 from elastic._controller.states import RunState
@@ -470,11 +470,7 @@ def test_a_grow_stops_at_the_scaling_policys_target_world_size():
 
 def test_a_stop_request_preempts_every_member_and_ends_the_run_stopped():
     controller, group, clock, transitions = make()
-    members = start(controller, group)
-    group.complete_steps(members[0], 1, 7, 3)
-    controller.tick()
-    controller.checkpoints.stop = {"format": 1, "reason": "maintenance"}
-    controller.tick()
+    members = stop_requested(controller, group)
     assert controller.state.state == RunState.STOPPING and group.preempted == [members]
     assert not group.killed
     # Ranks 0 and 1 committed step 8 and left; rank 2 is still at its boundary: wait for it.
@@ -561,12 +557,7 @@ def test_a_stop_whose_commit_failed_on_its_members_fails_the_run_not_stopped():
     """R3-2: a member leaving the stop with its commit refused reports FAILED (check_committed
     raised); the run must say so, not end "stopped" with the step uncommitted."""
     controller, group, clock, _ = make()
-    members = start(controller, group)
-    group.complete_steps(members[0], 1, 7, 3)
-    controller.tick()
-    controller.checkpoints.stop = {"format": 1, "reason": "maintenance"}
-    controller.tick()
-    assert controller.state.state == RunState.STOPPING
+    members = stop_requested(controller, group)
     for rank, wid in enumerate(members):
         group.set_report(wid, WorkerPhase.FAILED, generation=0, rank=rank, step=8, error_kind="infra",
                          error_type="CheckpointError",
