@@ -41,9 +41,9 @@ from dataclasses import replace
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "unit", "controller")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "unit", "controller")]
 
-from fakes import FakeCheckpoints, FakeClock, FakeGroup  # noqa: E402
+from fakes import FakeCheckpoints, FakeGroup  # noqa: E402
 
 from elastic._controller.actor import tune_gc  # noqa: E402
 from elastic._controller.controller import Controller  # noqa: E402
@@ -53,6 +53,7 @@ from elastic._controller.states import Recovering, Running, RunState  # noqa: E4
 from elastic._controller.worker_group import DEAD, PollTerms, WorkerView  # noqa: E402
 from elastic._protocol import StepRecord, WorkerPhase, WorkerReport  # noqa: E402
 from elastic.config import FailureConfig, ScalingConfig  # noqa: E402
+from support import FakeClock  # noqa: E402
 
 NODE = 8                       # ranks per node: a node loss takes 8
 TICK_S, STEP_S = 0.2, 1.0      # the controller's tick interval (heartbeat_interval_s) and a step

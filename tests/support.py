@@ -208,3 +208,16 @@ class SlowDown(threading.Thread):
     def stop(self) -> None:
         self._halt.set()
         self.join(timeout=5)
+
+
+class FakeClock:
+    """A clock that moves only when told (`advance`): parts that take a `clock=` in the tests."""
+
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from elastic.progress import ProgressDisplay, StepRate
-from fakes import FakeClock
+from support import FakeClock
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -14,17 +14,6 @@ from elastic._protocol import GenerationPlan, StepRecord, WorkerInfo, WorkerPhas
 from elastic.policies import Cause
 
 
-class FakeClock:
-    def __init__(self, now: float = 1000.0):
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
 class FakeGroup:
     """Workers become ready at once, up to `capacity` live ones. Tests script their reports."""
 

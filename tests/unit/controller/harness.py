@@ -1,11 +1,12 @@
 """A controller over the unit tests' fakes (fakes.py), and the moves the tests make on it: the
 shared harness of the controller's tests (no Ray, a fake clock)."""
-from fakes import FakeCheckpoints, FakeClock, FakeGroup, FakeRecorder
+from fakes import FakeCheckpoints, FakeGroup, FakeRecorder
 
 from elastic._controller.controller import Controller
 from elastic._controller.states import RunState
 from elastic._protocol import WorkerPhase
 from elastic.config import FailureConfig, ScalingConfig
+from support import FakeClock
 
 
 def make(min_workers=2, max_workers=3, capacity=3, max_failures=3, latest=None, fence=None, startup_wait_s=10.0,

@@ -3,7 +3,7 @@ the controller's feed; a raising callback does not stop the run; TensorBoard eve
 import sys
 
 import pytest
-from fakes import FakeCheckpoints, FakeClock, FakeGroup
+from fakes import FakeCheckpoints, FakeGroup
 from harness import interrupt
 
 from elastic import Callback, CheckpointConfig, ElasticTrainer, ScalingConfig, TensorBoardCallback
@@ -15,6 +15,7 @@ from elastic._protocol import StepRecord
 from elastic.callbacks import CallbackRunner
 from elastic.config import FailureConfig
 from elastic.errors import ConfigError
+from support import FakeClock
 
 pytestmark = pytest.mark.timeout(60)
 

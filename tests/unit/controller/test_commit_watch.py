@@ -7,7 +7,7 @@ import json
 import threading
 
 import pytest
-from fakes import FakeCheckpoints, FakeClock, FakeGroup
+from fakes import FakeCheckpoints, FakeGroup
 
 from chaos.services import wait_until
 from elastic._controller.commit_watch import LATEST_EVERY_S, CommitWatch
@@ -16,6 +16,7 @@ from elastic._controller.feed import FeedKind, RunFeed
 from elastic._controller.run_record import RunRecorder
 from elastic._controller.states import RunState
 from elastic.config import FailureConfig, ScalingConfig
+from support import FakeClock
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -2,7 +2,7 @@
 from dataclasses import replace
 
 import pytest
-from fakes import FakeClock, FakeGroup
+from fakes import FakeGroup
 from harness import interrupt, make, start, stop_requested
 
 from elastic._controller.controller import run_loop
@@ -12,6 +12,7 @@ from elastic._protocol import PositionReport, ThreadPlace, WorkerPhase
 from elastic.config import FailureConfig
 from elastic.errors import InsufficientWorkersError, TooManyFailuresError
 from elastic.policies import FailureDecision, FailurePolicy, ScalingPolicy
+from support import FakeClock
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -2,7 +2,6 @@
 import pickle
 
 import pytest
-from fakes import FakeClock
 from harness import interrupt, make, start
 
 from elastic._controller.failure_budget import FailureBudget
@@ -10,6 +9,7 @@ from elastic._controller.states import RunState
 from elastic.config import FailureConfig
 from elastic.errors import FailureRateError, NoProgressError, TooManyFailuresError
 from elastic.policies import Cause, Failure, FailurePolicy
+from support import FakeClock
 
 pytestmark = pytest.mark.timeout(30)
 

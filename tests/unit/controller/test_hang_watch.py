@@ -5,7 +5,6 @@ a run with too few step times never are; the bound follows the step times."""
 from __future__ import annotations
 
 import pytest
-from fakes import FakeClock
 
 from elastic._controller.hang_watch import MIN_ANSWER_GAPS, HangWatch
 from elastic._controller.running import Fault, RunningWatch
@@ -15,6 +14,7 @@ from elastic._protocol import PositionReport, ThreadPlace, WorkerPhase, WorkerRe
 from elastic.config import FailureConfig
 from elastic.errors import ConfigError
 from elastic.policies import Cause
+from support import FakeClock
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -3,10 +3,10 @@ import threading
 import time
 
 import pytest
-from fakes import FakeClock
 
 from chaos.services import wait_until
 from elastic._controller.status_writer import StatusWriter
+from support import FakeClock
 
 pytestmark = pytest.mark.timeout(30)
 

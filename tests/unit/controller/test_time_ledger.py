@@ -5,7 +5,7 @@ import json
 from dataclasses import replace
 
 import pytest
-from fakes import FakeCheckpoints, FakeClock, FakeGroup
+from fakes import FakeCheckpoints, FakeGroup
 
 from elastic._controller.controller import Controller
 from elastic._controller.run_record import RunRecorder
@@ -14,6 +14,7 @@ from elastic._controller.time_ledger import RECOVERY_PARTS, LedgerPart, TimeLedg
 from elastic._protocol import StepRecord, WorkerPhase
 from elastic.config import FailureConfig, ScalingConfig
 from run_file_schemas import validate
+from support import FakeClock
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -9,7 +9,6 @@ import time
 
 import pytest
 import torch
-from fakes import FakeClock
 
 from elastic._protocol import ThreadPlace
 from elastic._worker import thread_position
@@ -17,6 +16,7 @@ from elastic._worker.fault_gate import STUCK_AT_KEY, HoldAt, HoldTimeoutError, S
 from elastic._worker.step_timer import StepTimer, stamp_end_of_backward
 from elastic._worker.thread_position import ThreadPosition
 from elastic.errors import ConfigError
+from support import FakeClock
 
 pytestmark = pytest.mark.timeout(30)
 
