@@ -9,7 +9,6 @@ the controller imports this module only to launch the actor class, and stays fre
 """
 from __future__ import annotations
 
-import datetime
 import importlib
 import inspect
 import logging
@@ -18,14 +17,10 @@ import re
 import signal
 import threading
 import traceback
-from typing import TYPE_CHECKING
 
 from elastic._credentials import MaskingFormatter, mask_text
 from elastic._protocol import GenerationPlan, RunSpec, WorkerInfo, WorkerPhase, WorkerReport
-
-if TYPE_CHECKING:
-    from elastic._worker.group_sockets import GroupSockets
-    from elastic._worker.rendezvous import HostedStore
+from elastic._worker.membership import GroupMembership
 
 log = logging.getLogger("elastic.worker")
 
@@ -185,16 +180,12 @@ class TrainWorker:
         self._plan: GenerationPlan | None = None
         self._state = WorkerState()
         self._stop_requested = threading.Event()
-        # request_stop(cut_group=True) for the current plan: its group is cut, even one this rank
-        # has not begun to join yet (its sockets are handed over at the join: _join_group).
-        self._cut_requested = threading.Event()
         self._preempted = threading.Event()
         self._commit_requested = threading.Event()   # `elastic stop`: the group commits before it leaves
         self._thread: threading.Thread | None = None
         self._error: dict | None = None
         self._model_sha256: str | None = None
-        self._group_sockets: GroupSockets | None = None
-        self._hosted: HostedStore | None = None       # the next generation's store, when this is its rank 0
+        self._membership = GroupMembership(use_gpu=spec.scaling.use_gpu)   # its group, generation after generation
         from elastic._worker.thread_position import ThreadPosition
         self._position = ThreadPosition(completed=lambda: self._state.progress.step, news=self._state.outbox.news)
         torch.set_num_threads(max(1, int(spec.scaling.cpus_per_worker)))
@@ -257,10 +248,7 @@ class TrainWorker:
         """Open the next generation's store on this worker (its rank 0) and say where it listens
         (elastic._worker.rendezvous). An earlier one that no generation used is dropped."""
         import ray
-
-        from elastic._worker.rendezvous import HostedStore
-        self._hosted = HostedStore(ray.util.get_node_ip_address())
-        return self._hosted.address
+        return self._membership.host_store(ray.util.get_node_ip_address())
 
     def start_generation(self, plan: GenerationPlan) -> None:
         # The previous generation's thread has reported its outcome (the controller acts on that
@@ -278,7 +266,7 @@ class TrainWorker:
             self._phase = WorkerPhase.RUNNING
             self._error = None
             self._stop_requested.clear()
-            self._cut_requested.clear()
+            self._membership.new_plan()
             self._thread = threading.Thread(target=self._run_generation, args=(plan,),
                                             name=f"train-g{plan.generation}", daemon=True)
             self._thread.start()
@@ -296,14 +284,11 @@ class TrainWorker:
             if self._plan is None or self._plan.generation != generation:
                 return
             self._stop_requested.set()
-            if cut_group:
-                self._cut_requested.set()
+            # Marked under the lock that starts a plan: the cut is this generation's, never the next's.
+            sockets = self._membership.mark_cut() if cut_group else None
             training = self._thread is not None and self._thread.is_alive()
-            # This generation's, joined or joining; before its join began, the previous one's
-            # (the join sees _cut_requested then).
-            sockets = self._group_sockets
         if cut_group and training:
-            self._cut_group(sockets)
+            self._membership.cut(sockets)
 
     def poll(self, hold_s: float = 0.0, acked: int | None = None, wake_s: float | None = None) -> WorkerReport:
         """What this worker is doing. With `hold_s` the answer waits until something the
@@ -350,7 +335,13 @@ class TrainWorker:
         ctx: TrainContext | None = None
         try:
             self._position.enter(plan.generation)   # this thread's place, for the hang judge
-            self._join_group(plan)
+            _set_torchrun_environment(plan)
+            self._membership.join(plan, backend="nccl" if self._spec.scaling.use_gpu else "gloo",
+                                  # The checkpoint side group is formed with the main group, before
+                                  # the capture: a peer lost during the first save then breaks its
+                                  # connections too, instead of leaving the survivors waiting on the
+                                  # store for the side group's creation.
+                                  formed=lambda: self._state.checkpoints.open(self._spec).bind_group())
             ctx = TrainContext(plan=plan, spec=self._spec, worker=self._state, loop_config=self._loop_config,
                                stop_requested=self._stop_requested, preempted=self._preempted,
                                commit_requested=self._commit_requested, device=self._device)
@@ -380,70 +371,10 @@ class TrainWorker:
                 self._state.checkpoints.settle(peers_alive=False)
                 # Close this rank's connections now: a peer waiting on us (not on the dead rank)
                 # gets "connection closed" at once instead of sitting out the collective timeout.
-                self._leave_group(abort=True)
+                self._membership.leave(abort=True)
             # A pending step's non-finite loss outranks the broken group: reported as the user's
             # error, it fails the run (a re-form would restore that step and could commit it).
             self._record_error(nonfinite if nonfinite is not None else error)
-
-    def _leave_group(self, abort: bool = False) -> None:
-        """Destroy the current group. With `abort` (the group broke), first cut its connections
-        so that peers blocked on this rank fail now (see elastic._worker.group_sockets)."""
-        import torch.distributed as dist
-        if not dist.is_initialized():
-            return
-        if abort:
-            self._cut_group(self._group_sockets)
-        try:
-            dist.destroy_process_group()
-        except Exception:   # the old group may already be broken; it is discarded either way
-            log.debug("destroying the previous process group failed", exc_info=True)
-
-    def _cut_group(self, sockets: GroupSockets | None) -> None:
-        """Fail every collective of the current group, on this rank and on the peers blocked on
-        it: abort the NCCL communicators, shut down the gloo connections and the store's (a
-        group still forming waits on its store). Best effort."""
-        if self._spec.scaling.use_gpu:
-            try:
-                from torch.distributed.distributed_c10d import _abort_process_group
-                _abort_process_group()
-            except Exception:   # e.g. mid-join, no group yet to abort: the sockets are still cut
-                log.debug("aborting the process group failed", exc_info=True)
-        if sockets is not None:
-            try:
-                sockets.shutdown()
-                sockets.cut_store()
-            except Exception:   # best effort; the collective timeout still applies
-                log.debug("cutting the group's connections failed", exc_info=True)
-
-    def _join_group(self, plan: GenerationPlan) -> None:
-        import torch.distributed as dist
-
-        from elastic._worker.rendezvous import join_store
-        self._leave_group()
-        _set_torchrun_environment(plan)
-        hosted, self._hosted = self._hosted, None
-        store, sockets = join_store((plan.master_addr, plan.master_port), plan.rank, plan.timeout_s, hosted)
-        # Handed over before the join: a cut (request_stop) from now on reaches this group's
-        # store, on which the join waits for every rank; a member that never got its plan would
-        # otherwise hold this rank there for collective_timeout_s. After the capture below it
-        # reaches the group's connections too, and releases the capture's exchange of listeners.
-        with self._lock:
-            self._group_sockets = sockets
-            cut = self._cut_requested.is_set()
-        if cut:      # the cut came before the hand-over: it reached the previous group's sockets
-            self._cut_group(sockets)
-            raise dist.DistNetworkError(f"generation {plan.generation}'s group was cut before rank {plan.rank} "
-                                        f"joined it (a member was lost)")
-        dist.init_process_group(
-            "nccl" if self._spec.scaling.use_gpu else "gloo", store=store,
-            rank=plan.rank, world_size=plan.world_size,
-            timeout=datetime.timedelta(seconds=plan.timeout_s))
-        # The checkpoint side group is formed with the main group, inside the capture: a peer
-        # lost during the first save then breaks its connections (cut by _leave_group) instead
-        # of leaving the survivors waiting on the store for the side group's creation.
-        self._state.checkpoints.open(self._spec).bind_group()
-        sockets.capture(store=dist.distributed_c10d._get_default_store(), rank=plan.rank,
-                        world_size=plan.world_size)
 
     def _set_phase(self, phase: WorkerPhase) -> None:
         with self._lock:

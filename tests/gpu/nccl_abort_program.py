@@ -3,26 +3,24 @@
 Run by tests/gpu/test_gpu_nccl_abort.py in a process of its own (an abort changes torch's
 process-wide group registry, and a hang must end in the caller's timeout, not in pytest's):
 
-1. `TrainWorker._cut_group` called from a thread other than the one that formed the group, as
-   `request_stop(cut_group=True)` does when the controller reports a lost member: the NCCL
-   communicators are aborted (`_abort_process_group`) and the group's sockets shut down;
-2. `TrainWorker._leave_group(abort=True)`, the training thread's path after a broken collective;
+1. `GroupMembership.cut` called from a thread other than the one that formed the group, as
+   `TrainWorker.request_stop(cut_group=True)` does when the controller reports a lost member: the
+   NCCL communicators are aborted (`_abort_process_group`) and the group's sockets shut down;
+2. `GroupMembership.leave(abort=True)`, the training thread's path after a broken collective;
 3. the next generation's group, formed in the same process: collectives work, and a checkpoint
    saved and loaded over a new side group gives back what was saved.
 
-Each group is formed as `TrainWorker._join_group` forms it (GroupSockets around the rendezvous,
+Each group is formed as `GroupMembership.join` forms it (GroupSockets around the rendezvous,
 the checkpoint manager's gloo side group bound with it). Prints one JSON line of findings.
 Usage: python nccl_abort_program.py CHECKPOINT_URL
 """
 from __future__ import annotations
 
 import datetime
-import functools
 import json
 import sys
 import threading
 import time
-import types
 
 import torch
 import torch.distributed as dist
@@ -31,7 +29,7 @@ from torch.distributed import distributed_c10d as c10d
 from chaos.services import free_port
 from checkpointing import CheckpointManager
 from elastic._worker.group_sockets import GroupSockets
-from elastic._worker.worker import TrainWorker
+from elastic._worker.membership import GroupMembership
 
 CUDA = torch.device("cuda", 0)
 
@@ -50,11 +48,11 @@ def form(manager: CheckpointManager):
     return dist.group.WORLD, sockets
 
 
-def worker(sockets: GroupSockets):
-    """The parts of a TrainWorker that _cut_group and _leave_group use, around the real methods."""
-    stub = types.SimpleNamespace(_spec=types.SimpleNamespace(use_gpu=True), _group_sockets=sockets)
-    stub._cut_group = functools.partial(TrainWorker._cut_group, stub)
-    return stub
+def member(sockets: GroupSockets) -> GroupMembership:
+    """A rank's membership of the group formed here by hand (join() forms it from a rendezvous)."""
+    membership = GroupMembership(use_gpu=True)
+    membership._sockets = sockets
+    return membership
 
 
 def gone(pg) -> dict:
@@ -75,19 +73,18 @@ def main(url: str) -> dict:
     manager = CheckpointManager(url, async_save=False)
 
     pg, sockets = form(manager)
-    stub = worker(sockets)
+    membership = member(sockets)
     started = time.monotonic()
-    cutter = threading.Thread(target=stub._cut_group, args=(sockets,), daemon=True)
+    cutter = threading.Thread(target=membership.cut, args=(sockets,), daemon=True)
     cutter.start()
     cutter.join(60)
     findings["cut_returned"] = not cutter.is_alive()
     findings["cut_s"] = round(time.monotonic() - started, 3)
     findings["after_cut"] = gone(pg)
-    TrainWorker._leave_group(stub)     # what _join_group does first: nothing left to destroy
+    membership.leave()                 # what join() does first: nothing left to destroy
 
     pg, sockets = form(manager)
-    stub = worker(sockets)
-    TrainWorker._leave_group(stub, abort=True)
+    member(sockets).leave(abort=True)
     findings["after_leave_abort"] = gone(pg)
 
     form(manager)

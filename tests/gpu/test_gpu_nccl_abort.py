@@ -1,4 +1,4 @@
-"""Cutting an NCCL group the way the worker does (TrainWorker._cut_group: `_abort_process_group`
+"""Cutting an NCCL group the way the worker does (GroupMembership.cut: `_abort_process_group`
 and the group's sockets shut down) returns at once, leaves no group behind, and the same process
 forms the next generation's group and checkpoints over it. One GPU, one rank: what needs two
 ranks (a peer blocked in a collective released by the cut) is covered with gloo in

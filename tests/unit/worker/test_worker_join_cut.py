@@ -48,8 +48,8 @@ spec = RunSpec(user_code=cloudpickle.dumps((loop, None)), total_steps=1, seed=0,
                failure=FailureConfig(collective_timeout_s=TIMEOUT_S))
 worker = TrainWorker(spec)
 if role == "host":      # the plan's rank 0: it hosts the store (what rendezvous_address does)
-    worker._hosted = HostedStore("127.0.0.1")
-    rank, address = 0, worker._hosted.address
+    worker._membership.hosted = HostedStore("127.0.0.1")
+    rank, address = 0, worker._membership.hosted.address
 else:                   # rank 1 of a store hosted by a rank 0 that never joins (here, in this process)
     absent = HostedStore("127.0.0.1")
     rank, address = 1, absent.address
@@ -91,9 +91,9 @@ report = worker.poll()
 print("left", report.phase, report.error_kind, report.error_type, round(time.monotonic() - cut_at, 2), flush=True)
 worker._thread.join(DEADLINE_S)
 # The next generation (alone, on a store of its own) starts and runs on the same worker.
-worker._hosted = HostedStore("127.0.0.1")
+worker._membership.hosted = HostedStore("127.0.0.1")
 worker.start_generation(GenerationPlan(generation=2, rank=0, world_size=1, master_addr="127.0.0.1",
-                                       master_port=worker._hosted.address[1], restore=RestorePlan("fresh"),
+                                       master_port=worker._membership.hosted.address[1], restore=RestorePlan("fresh"),
                                        timeout_s=TIMEOUT_S))
 wait_for(lambda: worker.poll(1.0).phase != WorkerPhase.RUNNING, "the next generation to end")
 report = worker.poll()
