@@ -4,6 +4,8 @@ A generation is one formation of the process group. When the controller rescales
 unwound at a step boundary (`report`) and re-entered with a new context. This class is the
 user's face only; the work is done by the worker-side parts it holds:
 - `StepBoundary` (elastic/_worker/step_boundary.py): opens and closes steps, shares the metrics;
+- `StateKeeper` (elastic/_worker/keeping.py): the checkpoints, FSDP's copies in memory, the commit
+  before the group changes and the final one;
 - `Restorer` (elastic/_worker/restore.py): the recovery ladder's rungs into the generation's state;
 - `TrainState` (elastic/_worker/train_state.py): what `restore(...)` was handed, the one object that
   warm broadcasts and checkpoints both save and load;
@@ -20,18 +22,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from elastic._determinism import mix_seed, state_sha256
+from elastic._determinism import mix_seed
 from elastic._protocol import GenerationPlan, RunSpec
-from elastic._worker import checkpoint_io as _checkpoint_io
 from elastic._worker import fault_gate as _fault_gate
 from elastic._worker import thread_position as _thread_position
 from elastic._worker import wrap as _wrap
 from elastic._worker.accumulation import wrap_optimizer
+from elastic._worker.keeping import StateKeeper
 from elastic._worker.loader import ElasticLoader
 from elastic._worker.precision import Precision
 from elastic._worker.restore import Restorer, named_objects
 from elastic._worker.state import WorkerState
-from elastic._worker.step_boundary import StepBoundary, StepOutcome
+from elastic._worker.step_boundary import StepBoundary
 from elastic._worker.train_state import TrainState
 from elastic.errors import ConfigError, NonFiniteLossError, RestoreRequiredError
 
@@ -57,14 +59,23 @@ class TrainContext:
                                       commit_requested=commit_requested)
         self._restorer = Restorer(plan=plan, spec=spec, worker=worker,
                                   comm_device=device if spec.scaling.use_gpu else torch.device("cpu"))
+        self._keeper = StateKeeper(plan=plan, spec=spec, worker=worker, boundary=self._boundary, device=device)
         self._models: list[tuple[nn.Module, nn.Module]] = []   # (as returned to the user, unwrapped)
         self._optimizers: list[torch.optim.Optimizer] = []
-        self._state: TrainState | None = None                   # set by restore()
         self._scaling = spec.scaling
         if worker.grad_scaler is None:
             worker.grad_scaler = Precision.new_scaler(self._scaling.precision, device)
         self._precision = Precision(self._scaling.precision, spec.scaling.strategy, device, worker.grad_scaler)
-        self._compression: _wrap.PowerSGDCompression | None = None
+
+    @property
+    def _state(self) -> TrainState | None:
+        """What restore() loaded (None before): the keeper's, which saves and copies it."""
+        return self._keeper.state
+
+    @property
+    def _compression(self) -> _wrap.PowerSGDCompression | None:
+        """The PowerSGD state checkpoints carry (the first compressed model's)."""
+        return self._keeper.compression
 
     # ---- identity -------------------------------------------------------------------
     @property
@@ -141,7 +152,7 @@ class TrainContext:
         self._models.append((wrapped, model))
         self._boundary.sync_model = self._boundary.sync_model or wrapped
         # Checkpoints carry one PowerSGD state per rank: the first compressed model's.
-        self._compression = self._compression or compression
+        self._keeper.compression = self._keeper.compression or compression
         return wrapped
 
     def autocast(self):
@@ -203,7 +214,7 @@ class TrainContext:
                            progress=self._worker.progress, precision=self._precision)
         started = time.monotonic()
         self._restorer.restore(state, self._compression)
-        self._state = state
+        self._keeper.state = state
         # No copy in memory here: the survivors' copies of the previous generation stay until
         # this one's first K-step boundary (see elastic._worker.replicas).
         # The generation's first step record carries it (the run's time ledger: restore).
@@ -220,38 +231,8 @@ class TrainContext:
 
     def save_checkpoint(self, *, wait: bool = False) -> None:
         """Collective: commit a checkpoint of the current step (async unless `wait`)."""
-        _thread_position.mark(_thread_position.ThreadPlace.CHECKPOINT)   # never judged hung here (hang_watch)
-        state = self._require_state("ctx.save_checkpoint()")
-        # The steps' losses are known before their state is saved: a non-finite one is never committed.
-        self._boundary.settle()
-        # The held poll answers now, with the records of every step up to this one: a step must
-        # reach the controller before its commit can. Were every rank to die after the commit
-        # (a node, or a whole group, lost) with the records still held, the restored steps would
-        # have no metrics.jsonl lines (steps of milliseconds fill a 1 s hold with 100 of them).
-        self._worker.outbox.news.set()
-        started = time.monotonic()
-        payload, meta = state.checkpoint_payload(_wrap.compression_extra(self._compression, self.rank),
-                                                 world_size=self.world_size)
-        self._worker.checkpoints.save(self._spec, self.step, payload, generation=self.generation, wait=wait,
-                                      meta=meta)
-        if self.rank == 0:
-            self._worker.checkpoints.export_commit()
-        # What the loop was blocked for: the next step's record carries it (the run's time ledger).
-        self._boundary.checkpoint_stall_s += time.monotonic() - started
-
-    def _commit_before_leaving(self) -> None:
-        """Commit this step and make sure it is committed: the group is about to change and this
-        state will not be in memory to retry with. A failed commit is raised, not left behind
-        unseen (the recovery then counts the steps it loses). The step's save may have been
-        issued already (a scheduled one at this step): then it is waited for and checked alike."""
-        session = self._worker.checkpoints
-        if session.last_saved_step != self.step:
-            self.save_checkpoint(wait=True)
-        elif session.manager is not None:
-            started = time.monotonic()
-            session.manager.wait()
-            self._boundary.checkpoint_stall_s += time.monotonic() - started
-        session.check_committed(self.step)
+        self._require_state("ctx.save_checkpoint()")
+        self._keeper.save(wait=wait)
 
     # ---- step boundary --------------------------------------------------------------
     def report(self, **metrics: Any) -> None:
@@ -274,53 +255,11 @@ class TrainContext:
         outcome = self._boundary.end_step(metrics)
         if outcome is None:
             return
-        step = self.step
-        every, in_memory = self._spec.checkpoint.every_n_steps, self._spec.in_memory_every
-        if every is not None and step % every == 0 and step < self.total_steps:
-            self.save_checkpoint()
-        leaving = outcome.stop or outcome.preempted > 0
-        if leaving:
-            outcome = self._boundary.recount(outcome)
-        if in_memory is not None and (step % in_memory == 0 or leaving) and step < self.total_steps:
-            # FSDP's copies (every rank at the same steps: the swap is a collective); a group that
-            # leaves together takes them at the step it leaves from, which the next one restores.
-            # The loop waits for them like for a checkpoint save (the run's time ledger says so).
-            started = time.monotonic()
-            self._copy_to_memory()
-            self._boundary.checkpoint_stall_s += time.monotonic() - started
-        if leaving:
-            if not self._stays_in_memory(outcome):
-                self._commit_before_leaving()
+        if self._keeper.after_step(outcome):      # the group leaves the loop (committed first if it must)
             self._boundary.settle()   # this step's record, before the loop unwinds
             raise RescaleInterrupt()
-        _fault_gate.hold_after(step, self._loop_config, settle=self._boundary.settle)   # tests only: see fault_gate
+        _fault_gate.hold_after(self.step, self._loop_config, settle=self._boundary.settle)  # tests only: fault_gate
         self._boundary.timer.start()
-
-    def _stays_in_memory(self, outcome: StepOutcome) -> bool:
-        """Whether the group that leaves the loop (a rescale, `outcome.preempted` ranks with a
-        notice) keeps the whole state of this step in the memory of the ranks that stay, so the
-        re-formed group restores it without a commit first. A commit at a notice costs the
-        seconds of a full save to storage (minutes for a large model) while the survivors already
-        hold what it would write; what it would protect against, the survivors failing before the
-        next scheduled commit, is the risk of any other step. DDP: every survivor holds a full
-        replica. FSDP with copies in memory (just taken, at this leaving step): each rank's shards
-        have one copy, at its ring neighbour, which covers one leaving rank. FSDP shards without
-        copies cannot be rebuilt after the group changes. `elastic stop`, and a group that
-        leaves whole, commit."""
-        if outcome.commit or outcome.preempted >= self.world_size:
-            return False
-        if self._worker.warm.capable:
-            return True
-        # No copies are taken at the final step (the run commits it instead), so a group leaving
-        # from it would restore older copies and redo steps: it commits, like `elastic stop`.
-        return self._spec.in_memory_every is not None and outcome.preempted <= 1 and self.step < self.total_steps
-
-    def _copy_to_memory(self) -> None:
-        """Collective: this rank's state into host memory, and a copy to its ring neighbour."""
-        assert self._state is not None
-        self._worker.replicas.refresh(self._state, generation=self.generation, rank=self.rank,
-                                      world_size=self.world_size, step=self.step,
-                                      device=self.device if self._spec.scaling.use_gpu else torch.device("cpu"))
 
     def _abandon(self) -> NonFiniteLossError | None:
         """The loop failed (a broken group, the user's error): keep the records of the steps
@@ -341,23 +280,4 @@ class TrainContext:
             if self._models or self._optimizers:
                 self._require_state("train_loop returned")
             return None
-        self._boundary.settle()   # the last step's record
-        session = self._worker.checkpoints
-        if session.last_saved_step != self.step:
-            self.save_checkpoint(wait=True)
-        if session.manager is not None:
-            session.manager.wait()
-            if self.rank == 0:
-                session.export_commit()
-            session.confirm_final(self.step)
-        modules = self._state.modules()
-        if not modules:
-            return None
-        full = {name: _checkpoint_io.full_model_state(m) if self._spec.scaling.strategy == "fsdp" else m.state_dict()
-                for name, m in modules.items()}
-        if self.rank != 0:
-            return None
-        # One model: the hash of its own state dict (as before several models were possible).
-        if len(full) == 1:
-            return state_sha256(next(iter(full.values())))
-        return state_sha256({f"{name}.{key}": v for name, sd in full.items() for key, v in sd.items()})
+        return self._keeper.finish()

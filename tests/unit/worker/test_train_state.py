@@ -477,6 +477,6 @@ def test_an_fsdp_group_leaving_at_the_final_step_commits_it(generations):
     rescale = StepOutcome(stop=True, preempted=0, commit=False)
     ctx.report(loss=1.0)
     ctx.report(loss=1.0)
-    assert ctx._stays_in_memory(rescale)       # step 2: copies of the step the group leaves from
+    assert ctx._keeper.stays_in_memory(rescale)       # step 2: copies of the step the group leaves from
     ctx.report(loss=1.0)
-    assert ctx.step == 3 and not ctx._stays_in_memory(rescale)
+    assert ctx.step == 3 and not ctx._keeper.stays_in_memory(rescale)
