@@ -178,7 +178,10 @@ class ControllerActor:
             model_sha256=controller.model_sha256,
             error=None if error is None else {k: error[k] for k in ("type", "message", "traceback", "ranks")})
         try:
-            self._recorder.write_status(force=True, state=controller.state.state.value)
+            # The newest commit as the final listing found it: the commit watch looks every few
+            # seconds on its own thread, and is closed by now (the final commit is often newer).
+            self._recorder.write_status(force=True, state=controller.state.state.value,
+                                        last_committed_step=checkpoints[-1] if checkpoints else None)
         except Exception:   # the outcome must reach the driver: fit() returns, never raises
             logging.getLogger("elastic.controller").exception("could not write the final status.json")
         if self._lease is not None:
