@@ -50,15 +50,16 @@ from typing import Any
 
 from checkpointing import manifest as mf
 from checkpointing.errors import RunConflictError
+from checkpointing.masking import mask_text, mask_url
 from checkpointing.storage import Storage
 
 log = logging.getLogger("checkpointing.lease")
 
 DEFAULT_STALE_AFTER_S = 60.0
 # The holder's timing, as shares of the staleness bound (LeaseKeeper):
-RENEW_EVERY = 0.25       # a renewal this often
-RETRY_EVERY = 0.05       # a failed renewal is tried again this soon
-LOST_AFTER = 0.75        # none went through this long: lost (the run stops before a taker may judge it dead)
+RENEW_EVERY = 0.25        # a renewal this often
+RETRY_EVERY = 0.05        # a failed renewal is tried again this soon
+UNCONFIRMED_AFTER = 0.75  # none went through this long: unconfirmed (the run stops writing before a taker may)
 STATUS_NAME = "status.json"
 FINAL_STATES = frozenset({"finished", "failed", "stopped", "stopped_early"})
 
@@ -243,10 +244,11 @@ class LeaseKeeper:
         if not bound > 0:
             raise ValueError(f"LeaseKeeper(stale_after_s={stale_after_s}) must be > 0")
         self._lease = lease
+        self._shown = mask_url(lease.url)                      # the URL as messages and logs show it
         self.stale_after_s = bound
         self.renew_every_s = bound * RENEW_EVERY
         self.retry_every_s = bound * RETRY_EVERY
-        self.lost_after_s = bound * LOST_AFTER
+        self.unconfirmed_after_s = bound * UNCONFIRMED_AFTER
         self._clock, self._wall_clock = clock, wall_clock      # the deadline's; lease_at's
         self._lock = threading.Lock()                          # the fields below: set by the thread, read by anyone
         self._valid_from = clock()    # start of the newest renewal that succeeded (first: the lease was just taken)
@@ -271,12 +273,12 @@ class LeaseKeeper:
 
     def unconfirmed(self) -> str | None:
         """Why this run cannot tell that it still holds its storage (no renewal went through for
-        `lost_after_s`), or None while a recent renewal confirms it."""
+        `unconfirmed_after_s`), or None while a recent renewal confirms it."""
         with self._lock:
             late = self._clock() - self._valid_from
-            if self._closed or late <= self.lost_after_s:
+            if self._closed or late <= self.unconfirmed_after_s:
                 return None
-            return (f"this run could not renew its lease on {self._lease.url} for {late:.0f}s ("
+            return (f"this run could not renew its lease on {self._shown} for {late:.0f}s ("
                     f"{self._failing or 'a renewal is stuck in a storage call'}); after {self.stale_after_s:.0f}s "
                     f"another run may take the storage over, so this run writes none of its files there until a "
                     f"renewal goes through again")
@@ -294,25 +296,26 @@ class LeaseKeeper:
         except RunConflictError as error:
             with self._lock:
                 self._taken = error
-            log.error("run %s lost its lease on %s: %s", self._lease.run_id, self._lease.url, error)
+            log.error("run %s lost its lease on %s: %s", self._lease.run_id, self._shown, error)
             return False
         except Exception as error:   # noqa: BLE001 - storage trouble: tried again until the deadline
             with self._lock:
-                first, self._failing = self._failing is None, f"last error: {type(error).__name__}: {error}"
+                first = self._failing is None
+                self._failing = f"last error: {type(error).__name__}: {mask_text(str(error))}"
             (log.warning if first else log.debug)(
-                "could not renew the run's lease on %s (%s: %s); trying again every %.1fs, the run stops if "
-                "none goes through for %.0fs", self._lease.url, type(error).__name__, error, self.retry_every_s,
-                self.lost_after_s)
+                "could not renew the run's lease on %s (%s); trying again every %.1fs, the run writes none of its "
+                "files if none goes through for %.0fs", self._shown, self._failing, self.retry_every_s,
+                self.unconfirmed_after_s)
             return False
         with self._lock:
-            late = self._clock() - self._valid_from > self.lost_after_s
+            late = self._clock() - self._valid_from > self.unconfirmed_after_s
             self._valid_from = max(self._valid_from, started)
             recovered, self._failing = self._failing is not None, None
         if late:
             log.warning("renewed the run's lease on %s again: nobody took the storage over; the run's files "
-                        "are written again", self._lease.url)
+                        "are written again", self._shown)
         elif recovered:
-            log.info("renewed the run's lease on %s again", self._lease.url)
+            log.info("renewed the run's lease on %s again", self._shown)
         return True
 
     def close(self, timeout_s: float = 5.0) -> None:

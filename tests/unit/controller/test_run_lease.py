@@ -102,7 +102,7 @@ def test_the_keeper_renews_every_quarter_of_the_bound_and_a_run_taken_over_loses
     url, wall = str(tmp_path), [1000.0]
     mine = acquire_run_lease(url, "run-a", clock=lambda: wall[0])
     keeper = LeaseKeeper(mine, stale_after_s=60.0, clock=lambda: wall[0], wall_clock=lambda: wall[0], start=False)
-    assert (keeper.renew_every_s, keeper.retry_every_s, keeper.lost_after_s) == (15.0, 3.0, 45.0)
+    assert (keeper.renew_every_s, keeper.retry_every_s, keeper.unconfirmed_after_s) == (15.0, 3.0, 45.0)
     wall[0] += 15.0
     assert keeper.renew_once() and storage_fence(url).lease_at == 1015.0
     assert keeper.lost() is None and keeper.holds()
