@@ -59,7 +59,7 @@ DEFAULT_STALE_AFTER_S = 60.0
 # The holder's timing, as shares of the staleness bound (LeaseKeeper):
 RENEW_EVERY = 0.25        # a renewal this often
 RETRY_EVERY = 0.05        # a failed renewal is tried again this soon
-UNCONFIRMED_AFTER = 0.75  # none went through this long: unconfirmed (the run stops writing before a taker may)
+UNCONFIRMED_AFTER = 0.75  # no renewal for this long: unconfirmed, the run stops writing (before a taker may come)
 STATUS_NAME = "status.json"
 FINAL_STATES = frozenset({"finished", "failed", "stopped", "stopped_early"})
 
