@@ -46,9 +46,7 @@ from elastic.config import FailureConfig, ScalingConfig
 from elastic.policies import Failure, FailurePolicy, ScalingPolicy
 
 MIN_TICK_GAP_S = 0.01     # the least time between two ticks (see run_loop)
-# Where the workers hold their polls (answered at once on news, else once a hold): while a
-# generation trains, and while one recovers or stops, where the news awaited is a member leaving
-# the loop. A held answer wakes the controller (run_loop); an unheld one comes at each tick.
+
 if TYPE_CHECKING:
     from elastic._controller.run_record import RunRecord
 

@@ -102,9 +102,8 @@ class GenerationFormer:
         return True, RestorePlan(RestoreKind.CHECKPOINT, step=latest, reason=why)
 
     def _fence_then_list(self) -> int | None:
-        checkpoints = self._checkpoints
-        checkpoints.fence(self.generation + 1)
-        return checkpoints.latest_step()
+        self._checkpoints.fence(self.generation + 1)
+        return self._checkpoints.latest_step()
 
     def form(self, st: Starting, views: dict[int, WorkerView]) -> Formed | None:
         """Fence the storage for the next generation and start it on `st.members`. None: storage

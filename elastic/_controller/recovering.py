@@ -61,12 +61,11 @@ class RecoveryWatch:
             elif report.phase == WorkerPhase.FINISHED and report.step >= total_steps:
                 tick.finished = report
                 return tick
-            elif (report.phase == WorkerPhase.FAILED and report.generation == st.generation
-                  and report.error_kind == "user" and report.rank is not None):
-                tick.errored[report.rank] = report
-                settled[wid] = report
             else:
                 settled[wid] = report
+                if (report.phase == WorkerPhase.FAILED and report.generation == st.generation
+                        and report.error_kind == "user" and report.rank is not None):
+                    tick.errored[report.rank] = report
         now = self._clock()
         if settled and self._first_settled_at is None:
             self._first_settled_at = now

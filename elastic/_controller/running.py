@@ -23,7 +23,9 @@ from elastic._protocol import WorkerPhase, WorkerReport
 from elastic.config import FailureConfig, ScalingConfig
 from elastic.policies import CAUSE_OF_ERROR_KIND, Cause, Failure, ScalingPolicy
 
-# States in which the workers' polls are held (see RunningWatch.poll_terms).
+# Where the workers hold their polls (answered at once on news, else once a hold): while a
+# generation trains, and while one recovers or stops, where the news awaited is a member leaving
+# the loop. A held answer wakes the controller (run_loop); an unheld one comes at each tick.
 HELD_POLLS = frozenset({RunState.RUNNING, RunState.RECOVERING, RunState.STOPPING})
 
 
