@@ -133,10 +133,10 @@ class Restorer:
             if planned is not None:
                 # The controller planned from a checkpoint it listed; its vanishing is a storage
                 # fault to recover from (the re-plan lists again), never a silent start from step 0.
-                url = self._spec.checkpoint.storage
+                url = self._spec.checkpoint.storage    # shown masked: a CheckpointError masks its message
                 raise StorageError(f"the checkpoint of step {planned} that generation {self._plan.generation} "
-                                   f"was planned to restore is no longer committed under {mask_url(url)}; "
-                                   f"re-planning", url=url)
+                                   f"was planned to restore is no longer committed under {url}; re-planning",
+                                   url=url)
             log.warning("rank %d: no committed checkpoint under %s; starting fresh", self._plan.rank,
                         mask_url(self._spec.checkpoint.storage))
             self._start_over()
