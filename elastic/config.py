@@ -264,7 +264,15 @@ class ScalingConfig:
     """Ray resources reserved for each worker (its placement-group bundle): name -> finite amount
     >= 0. A "GPU" amount needs use_gpu=True (else the workers would hold GPUs and train on CPU)."""
     strategy: str = "ddp"
-    """"ddp" (replicated; warm recovery from any survivor) or "fsdp" (FSDP2 fully_shard)."""
+    """"ddp" (replicated; warm recovery from any survivor) or "fsdp" (FSDP2 fully_shard). With
+    tensor_parallel_size > 1 it names what is done over the data-parallel dimension, TP inside:
+    "ddp" replicates each TP shard over the replicas (FSDP2's replicate), "fsdp" shards it over
+    them (FSDP2 on the dp_shard dimension of a 2-D mesh, as torchtitan's FSDP x TP)."""
+    tensor_parallel_size: int = 1
+    """Ranks per replica for tensor parallelism (T): the model is split over T ranks by the user's
+    TP plan (`ctx.prepare_model(model, parallelize=fn)`). min_workers, max_workers and
+    spare_workers count ranks and must be multiples of T; the data-parallel degree (world size
+    / T) grows and shrinks one replica at a time."""
     precision: str = "fp32"
     """"fp32"; "bf16": autocast to bfloat16 around `ctx.autocast()` (CPU and GPU; FSDP casts
     parameters with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) instead); "fp16":
@@ -308,8 +316,22 @@ class ScalingConfig:
         _flag("ScalingConfig.node_agents", self.node_agents)
         _require(self.strategy in STRATEGIES,
                  f"ScalingConfig.strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        self._check_replicas()
         self._check_resources()
         self._check_precision_and_memory()
+
+    def _check_replicas(self) -> None:
+        """Counts of ranks come in whole replicas of tensor_parallel_size ranks."""
+        tp = self.tensor_parallel_size
+        _count("ScalingConfig.tensor_parallel_size", tp, 1)
+        for name in ("min_workers", "max_workers", "spare_workers"):
+            value = getattr(self, name)
+            _require(value is None or value % tp == 0,
+                     f"ScalingConfig.{name}={value} is not a multiple of tensor_parallel_size={tp}: the run grows "
+                     f"and shrinks by whole replicas of {tp} ranks; set {name} to a multiple of {tp}")
+        _require(tp == 1 or self.grad_compression is None,
+                 f"ScalingConfig.grad_compression={self.grad_compression!r} works through DDP communication hooks, "
+                 f"which a tensor-parallel model (tensor_parallel_size={tp}) does not use; set grad_compression=None")
 
     def _check_resources(self) -> None:
         resources = self.resources_per_worker
@@ -548,9 +570,11 @@ class LRScalingConfig:
     LR follows only the schedule)."""
 
     base_world_size: int
-    """World size at which `base_lr` is right (base global batch = base_world_size x per-rank batch).
-    In constant_global_batch mode the global batch is always this many per-rank batches, so it must
-    be divisible by every world size in [min_workers, max_workers]."""
+    """Data-parallel degree at which `base_lr` is right (base global batch = base_world_size x
+    per-rank batch): ranks, or replicas of tensor_parallel_size ranks when that is above 1 (the
+    ranks of a replica read the same batch, so the batch and the rule count replicas). In
+    constant_global_batch mode the global batch is always this many per-rank batches, so it must
+    be divisible by every data-parallel degree the run allows."""
     base_lr: float | None = None
     """The LR at `base_world_size`; None takes the optimizer's initial LR."""
     warmup_steps: int = 0
@@ -621,16 +645,18 @@ def allowed_world_sizes(min_workers: int, max_workers: int) -> list[int]:
     return list(range(min_workers, max_workers + 1))
 
 
-def check_divisible(base_world_size: int, min_workers: int, max_workers: int | None) -> None:
-    """Configuration check: base_world_size must split into whole micro-batches at every allowed W."""
+def check_divisible(base_world_size: int, min_workers: int, max_workers: int | None, tp: int = 1) -> None:
+    """Configuration check: base_world_size must split into whole micro-batches at every allowed
+    data-parallel degree (world sizes in replicas of `tp` ranks)."""
     if max_workers is None:
         raise ConfigError("LRScalingConfig(mode='constant_global_batch') needs a bounded world size: set "
                           "ScalingConfig.max_workers (the global batch must divide by every allowed world size)")
-    sizes = allowed_world_sizes(min_workers, max_workers)
+    sizes = allowed_world_sizes(min_workers // tp, max_workers // tp)
     bad = [w for w in sizes if base_world_size % w]
     if bad:
         fits = math.lcm(*sizes)
+        unit = "world sizes" if tp == 1 else f"data-parallel degrees (replicas of {tp} ranks)"
         raise ConfigError(
             f"LRScalingConfig.base_world_size={base_world_size} (the global batch in per-rank batches) is not "
-            f"divisible by world sizes {bad} of ScalingConfig [{min_workers}, {max_workers}]; set "
+            f"divisible by {unit} {bad} of ScalingConfig [{min_workers}, {max_workers}]; set "
             f"base_world_size to a multiple of {fits} (the lcm of the allowed sizes) or narrow min/max_workers")
