@@ -72,6 +72,9 @@ class WorkerReport:
     replicas: ReplicaHeld | None = None  # FSDP: the shards this worker holds copies of (in host memory)
     position: PositionReport | None = None   # where its training thread is (elastic._worker.thread_position)
     seq: int = 0                         # this answer's number (the next poll acknowledges it: state.Outbox)
+    # (TP rank, TP degree) of the state in memory: under tensor parallelism a survivor is a warm
+    # source only for the ranks of its own TP rank (elastic._controller.replica_arrangement).
+    shard: tuple[int, int] = (0, 1)
 
 
 @dataclass(frozen=True)
@@ -231,7 +234,11 @@ class RunSpec:
     def in_memory_every(self) -> int | None:
         """Steps between FSDP's copies in host memory (elastic._worker.replicas); None: no copies
         (DDP's survivors hold full replicas; HSDP and the rest do not take them)."""
-        return self.checkpoint.in_memory_every_n_steps if self.scaling.strategy == "fsdp" else None
+        if self.scaling.strategy != "fsdp" or self.scaling.tensor_parallel_size > 1:
+            # FSDP x TP shards on a 2-D mesh, which the copies (1-D Shard(0) pieces) do not cut
+            # yet: such a run restores a lost rank's shards from the checkpoint.
+            return None
+        return self.checkpoint.in_memory_every_n_steps
 
     def apply_storage_env(self) -> None:
         """Put the run's storage credentials in this process's environment (before any storage

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -30,12 +30,16 @@ from elastic._worker import wrap as _wrap
 from elastic._worker.accumulation import wrap_optimizer
 from elastic._worker.keeping import StateKeeper
 from elastic._worker.loader import ElasticLoader
+from elastic._worker.mesh import GenerationMesh
 from elastic._worker.precision import Precision
 from elastic._worker.restore import Restorer, named_objects
 from elastic._worker.state import WorkerState
 from elastic._worker.step_boundary import StepBoundary
 from elastic._worker.train_state import TrainState
 from elastic.errors import ConfigError, NonFiniteLossError, RestoreRequiredError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 class RescaleInterrupt(BaseException):
@@ -45,7 +49,64 @@ class RescaleInterrupt(BaseException):
     """
 
 
-class TrainContext:
+class RankPlace:
+    """Where a rank is in its generation: its rank, its node, its replica and TP rank (the
+    identity part of TrainContext)."""
+
+    _plan: GenerationPlan
+    _mesh: GenerationMesh
+
+    @property
+    def rank(self) -> int:
+        return self._plan.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._plan.world_size
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's replica: the data-parallel rank its batches and its randomness follow."""
+        return self._mesh.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel degree: replicas of tp_size ranks (world_size without tensor parallelism)."""
+        return self._mesh.layout.dp
+
+    @property
+    def tp_rank(self) -> int:
+        return self._mesh.tp_rank
+
+    @property
+    def tp_size(self) -> int:
+        """ScalingConfig.tensor_parallel_size: ranks per replica."""
+        return self._mesh.layout.tp
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The generation's DeviceMesh, (dp_replicate, tp) under strategy "ddp" or (dp_shard, tp)
+        under "fsdp", named as torchtitan names them. Built at its first use, a collective: use
+        it on every rank (prepare_model with a TP plan builds it)."""
+        return self._mesh.mesh()
+
+    @property
+    def local_rank(self) -> int:
+        """This rank's index among the group's ranks on its node (torchrun's LOCAL_RANK)."""
+        return self._plan.local_rank
+
+    @property
+    def local_world_size(self) -> int:
+        """Ranks of the group on this rank's node (torchrun's LOCAL_WORLD_SIZE)."""
+        return self._plan.local_world_size
+
+    @property
+    def node_rank(self) -> int:
+        """Index of this rank's node among the group's nodes, in rank order (torchrun's GROUP_RANK)."""
+        return self._plan.node_rank
+
+
+class TrainContext(RankPlace):
     """Per-rank handle given to `train_loop(ctx)`; re-created after every rescale."""
 
     def __init__(self, *, plan: GenerationPlan, spec: RunSpec, worker: WorkerState, loop_config: Any,
@@ -54,10 +115,11 @@ class TrainContext:
         self._plan, self._spec, self._worker, self._loop_config = plan, spec, worker, loop_config
         self.device = device
         self._preempted = preempted
-        self._boundary = StepBoundary(plan=plan, spec=spec, worker=worker, device=device,
+        self._mesh = GenerationMesh(rank=plan.rank, world_size=plan.world_size, scaling=spec.scaling, device=device)
+        self._boundary = StepBoundary(plan=plan, spec=spec, worker=worker, device=device, layout=self._mesh.layout,
                                       stop_requested=stop_requested, preempted=preempted,
                                       commit_requested=commit_requested)
-        self._restorer = Restorer(plan=plan, spec=spec, worker=worker,
+        self._restorer = Restorer(plan=plan, spec=spec, worker=worker, mesh=self._mesh,
                                   comm_device=device if spec.scaling.use_gpu else torch.device("cpu"))
         self._keeper = StateKeeper(plan=plan, spec=spec, worker=worker, boundary=self._boundary, device=device)
         self._models: list[tuple[nn.Module, nn.Module]] = []   # (as returned to the user, unwrapped)
@@ -76,30 +138,6 @@ class TrainContext:
     def _compression(self) -> _wrap.PowerSGDCompression | None:
         """The PowerSGD state checkpoints carry (the first compressed model's)."""
         return self._keeper.compression
-
-    # ---- identity -------------------------------------------------------------------
-    @property
-    def rank(self) -> int:
-        return self._plan.rank
-
-    @property
-    def world_size(self) -> int:
-        return self._plan.world_size
-
-    @property
-    def local_rank(self) -> int:
-        """This rank's index among the group's ranks on its node (torchrun's LOCAL_RANK)."""
-        return self._plan.local_rank
-
-    @property
-    def local_world_size(self) -> int:
-        """Ranks of the group on this rank's node (torchrun's LOCAL_WORLD_SIZE)."""
-        return self._plan.local_world_size
-
-    @property
-    def node_rank(self) -> int:
-        """Index of this rank's node among the group's nodes, in rank order (torchrun's GROUP_RANK)."""
-        return self._plan.node_rank
 
     @property
     def generation(self) -> int:
@@ -133,7 +171,8 @@ class TrainContext:
         return self._loop_config
 
     # ---- preparation ----------------------------------------------------------------
-    def prepare_model(self, model: nn.Module, *, shard_modules: list[nn.Module] | None = None) -> nn.Module:
+    def prepare_model(self, model: nn.Module, *, shard_modules: list[nn.Module] | None = None,
+                      parallelize: Callable[[nn.Module, DeviceMesh], Any] | None = None) -> nn.Module:
         """Move the model to this rank's device and wrap it: DDP (with the gradient compression
         hook of ScalingConfig), or FSDP2 `fully_shard` (with its precision and memory options).
 
@@ -142,13 +181,28 @@ class TrainContext:
         may be prepared (GAN, teacher/student); hand each to `restore` under a name of its own.
         Models that are not trained across ranks (an EMA copy) need no preparing: move them to
         `ctx.device` and hand them to `restore`.
+
+        With ScalingConfig.tensor_parallel_size T > 1, `parallelize(model, tp_mesh)` applies the
+        user's TP plan (torch's `parallelize_module` with Colwise/Rowwise/SequenceParallel styles)
+        on the replica's T ranks; then the data-parallel dimension is wrapped (strategy "ddp":
+        FSDP2's replicate; "fsdp": fully_shard on dp_shard). At T = 1 `parallelize` is not called
+        (there is nothing to split), so one script serves both and a checkpoint moves between them.
         """
         model = model.to(self.device)
-        # The same PowerSGD seed on every rank: its random projections must match across ranks.
-        wrapped, compression = _wrap.wrap_model(
-            model, device=self.device, world_size=self.world_size, scaling=self._scaling,
-            timer=self._boundary.timer, seed=mix_seed(self.seed, "powersgd", len(self._models)),
-            shard_modules=shard_modules)
+        compression = None
+        if self.tp_size > 1:
+            if parallelize is None:
+                raise ConfigError(f"ScalingConfig.tensor_parallel_size={self.tp_size} needs the model's TP plan: "
+                                  f"ctx.prepare_model(model, parallelize=fn), fn(model, tp_mesh) applying "
+                                  f"parallelize_module to it")
+            wrapped = _wrap.wrap_tensor_parallel(model, generation_mesh=self._mesh, scaling=self._scaling,
+                                                 parallelize=parallelize, shard_modules=shard_modules)
+        else:
+            # The same PowerSGD seed on every rank: its random projections must match across ranks.
+            wrapped, compression = _wrap.wrap_model(
+                model, device=self.device, world_size=self.world_size, scaling=self._scaling,
+                timer=self._boundary.timer, seed=mix_seed(self.seed, "powersgd", len(self._models)),
+                shard_modules=shard_modules)
         self._models.append((wrapped, model))
         self._boundary.sync_model = self._boundary.sync_model or wrapped
         # Checkpoints carry one PowerSGD state per rank: the first compressed model's.

@@ -10,6 +10,7 @@ rewrites status.json.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -89,9 +90,11 @@ class Controller:
         self.recoveries = RecoveryLedger(clock, wall_clock)
         self.intake = ReportIntake(recorder, self.steps, self.recoveries, self.stragglers, failure)
         # The actor's commit watch looks on a thread of its own; without one, looks are inline (fakes).
-        self.status = StatusReport(recorder, commits or CommitWatch(checkpoints, clock, background=False))
+        self.status = StatusReport(recorder, commits or CommitWatch(checkpoints, clock, background=False),
+                                   tp=scaling.tensor_parallel_size)
         self.slots = Slots(scaling)
-        self.former = GenerationFormer(group, checkpoints, self._storage, failure=failure, clock=clock)
+        self.former = GenerationFormer(group, checkpoints, self._storage, failure=failure, clock=clock,
+                                       tp=scaling.tensor_parallel_size)
 
     @property
     def done(self) -> bool:
@@ -174,7 +177,7 @@ class Controller:
         if gate == Gate.START:
             ok, plan = self._storage("read the checkpoints to resume from", self._resume_plan)
             if ok and plan is not None:
-                self._transition(Starting(self.slots.cap(ready), plan), f"{len(ready)} workers ready")
+                self._transition(Starting(self.slots.cap(ready, views=self.views), plan), f"{len(ready)} workers ready")
                 self._on_starting()
         elif gate == Gate.TOO_FEW:
             self._fail(too_few_to_start(len(ready), self.scaling, self.failure))
@@ -331,7 +334,8 @@ class Controller:
         """Re-form with the survivors out of the broken group (`settled`, with their reports) and
         the ready spares: warm from the survivor furthest ahead that holds its state, else from the
         newest checkpoint."""
-        members, survivors = plan_members(st, settled, self.slots.ready(self.views), self.slots.cap)
+        members, survivors = plan_members(st, settled, self.slots.ready(self.views),
+                                          functools.partial(self.slots.cap, views=self.views))
         recovery = self.recoveries.current
         if len(members) < self.scaling.min_workers:
             self._place_slots()

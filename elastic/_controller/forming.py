@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from elastic._controller.collaborators import CheckpointView, WorkerGroup
+from elastic._controller.replica_arrangement import warm_sources
 from elastic._controller.running import Fault
 from elastic._controller.states import Running, Starting
 from elastic._controller.worker_group import WorkerView
@@ -47,9 +48,9 @@ class GenerationFormer:
     nothing to the other parts (the controller does, with what `form` returns)."""
 
     def __init__(self, group: WorkerGroup, checkpoints: CheckpointView, storage: StorageCall, *,
-                 failure: FailureConfig, clock: Callable[[], float]):
+                 failure: FailureConfig, clock: Callable[[], float], tp: int = 1):
         self.group, self._checkpoints, self._storage = group, checkpoints, storage
-        self._failure, self._clock = failure, clock
+        self._failure, self._clock, self._tp = failure, clock, tp
         self.generation = -1
 
     def resume_plan(self) -> RestorePlan:
@@ -67,18 +68,19 @@ class GenerationFormer:
 
     def reform_plan(self, members: list[int], settled: dict[int, WorkerReport]) -> tuple[bool, RestorePlan | None]:
         """A re-formed group's restore: warm from every member that holds the state of the newest
-        step any member holds (a slice from each); else from the members' in-memory copies (FSDP)
-        unless a checkpoint is newer; else from the newest committed checkpoint (or fresh when
-        there is none)."""
-        holders = [w for w in members if w in settled and settled[w].has_state]
-        if holders:
+        step any member holds (a slice from each; under TP, of its own TP rank's shard: every TP
+        rank needs one); else from the members' in-memory copies (FSDP) unless a checkpoint is
+        newer; else from the newest committed checkpoint (or fresh when there is none)."""
+        warm = warm_sources(members, settled, self._tp)
+        if not isinstance(warm, str):
             # Every member holding the newest step sends a slice; one holding an older step receives.
-            newest = max(settled[w].step for w in holders)
-            rank_of = {w: rank for rank, w in enumerate(members)}      # no list scan per holder (10,000 ranks)
-            sources = tuple(rank_of[w] for w in holders if settled[w].step == newest)
+            newest, sources = warm
+            held = "full state" if self._tp == 1 else f"TP shards (all {self._tp} TP ranks)"
             return True, RestorePlan(RestoreKind.BROADCAST, source_rank=sources[0], sources=sources, step=newest,
-                                     reason=f"{len(sources)} survivor(s) hold the full state of step {newest}")
+                                     reason=f"{len(sources)} survivor(s) hold the {held} of step {newest}")
         memory = memory_source(members, settled)
+        if self._tp > 1 and any(w in settled and settled[w].has_state for w in members):
+            memory = warm      # why the survivors' memory is not enough (copies are not kept under TP)
         # Fence the next generation before listing (the protocol of checkpointing.manifest's
         # advance_fence): a broken generation's rank 0 may still be committing a save issued
         # before its peer died. Listed first, that late commit could land after the listing, run

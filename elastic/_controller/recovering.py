@@ -119,15 +119,14 @@ class RecoveryWatch:
 
 
 def plan_members(st: Recovering, settled: dict[int, WorkerReport], ready: list[int],
-                 cap: Callable[[list[int]], list[int]]) -> tuple[list[int], list[int]]:
+                 cap: Callable[..., list[int]]) -> tuple[list[int], list[int]]:
     """The new group: the settled survivors, furthest ahead first (the order they had among
-    equals), then the ready spares, up to the cap. Returns (members, survivors among them)."""
+    equals), then the ready spares, up to the cap (Slots.cap: whole replicas, in rank order).
+    Returns (members, survivors among them)."""
     order = {w: i for i, w in enumerate(st.survivors)}
     survivors = sorted(settled, key=lambda w: (-settled[w].step, order[w]))
     spares = [w for w in ready if w not in order]
-    members = cap(survivors + spares)
-    if st.target_world is not None:
-        members = members[:st.target_world]
+    members = cap(survivors + spares, settled=settled, limit=st.target_world)
     kept = set(members)
     return members, [w for w in survivors if w in kept]
 

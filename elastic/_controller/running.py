@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from elastic._controller.hang_watch import HangWatch
 from elastic._controller.recurrence import ErrorSighting, RecurringErrors
+from elastic._controller.replica_arrangement import whole_replicas
 from elastic._controller.states import Running, RunState
 from elastic._controller.stragglers import StragglerDetector
 from elastic._controller.worker_group import DEAD, PollTerms, WorkerView
@@ -179,7 +180,7 @@ class RunningWatch:
                scaling: ScalingConfig, window: int) -> Resize | None:
         """Ask the scaling policy about the slowest flagged straggler (again after `window`
         steps), else about growing onto the ready `spares`."""
-        world = len(st.members)
+        world, tp = len(st.members), scaling.tensor_parallel_size
         flagged = stragglers.flagged()
         if flagged:
             flag = flagged[0]
@@ -188,13 +189,16 @@ class RunningWatch:
                 self._eviction_asked[flag.rank] = flag.step
                 decision = policy.decide_eviction(rank=flag.rank, score=flag.score, world_size=world,
                                                   min_workers=scaling.min_workers)
-                if decision is not None and decision.target_world_size < world:
-                    return Resize(Cause.STRAGGLER, decision.reason, world - 1, [st.members[flag.rank]])
+                if decision is not None and decision.target_world_size < world and world - tp >= scaling.min_workers:
+                    # Its replica leaves with it (the group is whole replicas); its TP peers stay
+                    # outside as warm members.
+                    return Resize(Cause.STRAGGLER, decision.reason, world - tp, [st.members[flag.rank]])
         if spares:
             grow = policy.decide_resize(world_size=world, ready_spares=len(spares),
                                         min_workers=scaling.min_workers, max_workers=scaling.max_workers)
-            if grow is not None and grow.target_world_size > world:
-                return Resize(Cause.SCALE_UP, grow.reason, grow.target_world_size)
+            target = whole_replicas(grow.target_world_size, tp) if grow is not None else world
+            if grow is not None and target > world:
+                return Resize(Cause.SCALE_UP, grow.reason, target)
         return None
 
 

@@ -2,11 +2,15 @@
 
 Pure arithmetic over ScalingConfig and the worker views: the slots to keep alive or pending
 (max_workers plus the spares; with no maximum, every placed worker plus one probe placement),
-the cap on a group's size, the ready workers.
+the cap on a group's size and its members' order (whole replicas), the ready workers.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+from elastic._controller.replica_arrangement import arrange
 from elastic._controller.worker_group import READY, STARTING, WorkerView
+from elastic._protocol import WorkerReport
 from elastic.config import ScalingConfig
 
 
@@ -34,9 +38,14 @@ class Slots:
             return min(wanted, max(scaling.min_workers, broken_world))
         return wanted
 
-    def cap(self, wids: list[int]) -> list[int]:
-        maximum = self._scaling.max_workers
-        return wids if maximum is None else wids[:maximum]
+    def cap(self, wids: list[int], *, settled: Mapping[int, WorkerReport] | None = None,
+            views: Mapping[int, WorkerView] | None = None, limit: int | None = None) -> list[int]:
+        """The group from the candidates `wids`, preferred first: at most max_workers (and
+        `limit`), in whole replicas of tensor_parallel_size ranks, in rank order (survivors at
+        the TP rank of the shard they hold: elastic._controller.replica_arrangement)."""
+        most = min(n for n in (self._scaling.max_workers, limit, len(wids)) if n is not None)
+        node_of = {w: v.info.node_id for w, v in views.items() if v.info is not None} if views else None
+        return arrange(wids, settled or {}, self._scaling.tensor_parallel_size, limit=most, node_of=node_of)
 
     @staticmethod
     def ready(views: dict[int, WorkerView]) -> list[int]:

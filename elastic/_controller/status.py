@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from elastic._controller.states import RunState
 from elastic._controller.worker_group import READY, WorkerView
+from elastic.layout import Layout
 
 if TYPE_CHECKING:
     from elastic._controller.commit_watch import CommitWatch
@@ -19,8 +20,8 @@ log = logging.getLogger("elastic.controller")
 
 
 class StatusReport:
-    def __init__(self, recorder: RunRecord, commits: CommitWatch):
-        self._recorder, self._commits = recorder, commits
+    def __init__(self, recorder: RunRecord, commits: CommitWatch, *, tp: int = 1):
+        self._recorder, self._commits, self._tp = recorder, commits, tp
         self.last_committed: int | None = None
         self.world_size = 0                  # of the newest generation that ran
 
@@ -40,13 +41,15 @@ class StatusReport:
         ranked = tuple(members)
         self._recorder.write_status(force=force, state=state.value, generation=generation, step=step,
                                     world_size=self.world_size, last_committed_step=self.last_committed,
-                                    workers=lambda: _workers(ranked, views),
+                                    layout=Layout.of(self.world_size, self._tp).to_dict() if self.world_size else None,
+                                    workers=lambda: _workers(ranked, views, self._tp),
                                     spares=lambda: _spares(ranked, views))
 
 
-def _workers(members: tuple[int, ...], views: dict[int, WorkerView]) -> list[dict]:
-    """status.json's `workers`: the group's members in rank order."""
-    return [{"rank": rank, "pid": v.info.pid, "node_id": v.info.node_id, "actor_id": v.info.actor_id,
+def _workers(members: tuple[int, ...], views: dict[int, WorkerView], tp: int) -> list[dict]:
+    """status.json's `workers`: the group's members in rank order, with their replica and TP rank."""
+    return [{"rank": rank, "replica": rank // tp, "tp_rank": rank % tp, "pid": v.info.pid,
+             "node_id": v.info.node_id, "actor_id": v.info.actor_id,
              "polled_by": "agent" if v.via_agent else "controller"}
             for rank, wid in enumerate(members) if (v := views.get(wid)) and v.info]
 

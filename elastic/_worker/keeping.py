@@ -135,8 +135,9 @@ class StateKeeper:
         modules = self.state.modules()
         if not modules:
             return None
-        fsdp = self._spec.scaling.strategy == "fsdp"
-        full = {name: _checkpoint_io.full_model_state(m) if fsdp else m.state_dict() for name, m in modules.items()}
+        # Sharded modules (FSDP, TP) are gathered: a collective, and the hash is of the whole model.
+        sharded = self._spec.scaling.strategy == "fsdp" or self._spec.scaling.tensor_parallel_size > 1
+        full = {name: _checkpoint_io.full_model_state(m) if sharded else m.state_dict() for name, m in modules.items()}
         if self._plan.rank != 0:
             return None
         if len(full) == 1:

@@ -4,7 +4,8 @@ DataLoader that fetches them.
 The sample order is a pure function of (seed, epoch); consumption is counted in global samples.
 At a step with world size W and per-rank batch B, rank r reads global positions
 [seen + r*B, seen + (r+1)*B) of that order, so a resume at any world size neither repeats nor
-skips a sample.
+skips a sample. W and r are the data-parallel degree and rank (elastic.layout): under tensor
+parallelism every rank of a replica reads its replica's samples, and its step's randomness.
 
 With LRScalingConfig(mode="constant_global_batch") the global batch is G = base_world_size x B
 at every W: rank r reads [seen + r*G/W, seen + (r+1)*G/W) as G/(W*B) micro-batches of B, one per
@@ -60,9 +61,9 @@ class LoaderSide(Protocol):
     The loader only reads the counters: read-only here."""
 
     @property
-    def rank(self) -> int: ...
+    def dp_rank(self) -> int: ...         # data-parallel rank: the ranks of a TP replica read the same batch
     @property
-    def world_size(self) -> int: ...
+    def dp_size(self) -> int: ...         # data-parallel degree (elastic.layout.Layout)
     @property
     def total_steps(self) -> int: ...
     @property
@@ -307,7 +308,7 @@ class ElasticLoader:
         self._shuffle = shuffle
         self._seed = ctx.seed if seed is None else seed
         self._orders: dict[int, torch.Tensor] = {}
-        check_dataset_covers_global_batch(len(dataset), batch_size=batch_size, world_size=ctx.world_size,
+        check_dataset_covers_global_batch(len(dataset), batch_size=batch_size, world_size=ctx.dp_size,
                                           accum_steps=self.accum_steps)
         device = getattr(ctx, "device", None)
         self._device = torch.device(device) if device is not None else torch.device("cpu")
@@ -340,7 +341,7 @@ class ElasticLoader:
 
     @property
     def global_batch(self) -> int:
-        return self.batch_size * self._ctx.world_size * self.accum_steps
+        return self.batch_size * self._ctx.dp_size * self.accum_steps
 
     def __len__(self) -> int:
         """Batches (micro-batches) this loader still yields."""
@@ -348,7 +349,7 @@ class ElasticLoader:
 
     def sample_ids(self, samples_seen: int, rank: int) -> list[int]:
         """Dataset indices rank `rank` reads at the step that starts after `samples_seen`."""
-        positions = rank_positions(samples_seen, self.global_batch, self._ctx.world_size, rank)
+        positions = rank_positions(samples_seen, self.global_batch, self._ctx.dp_size, rank)
         return self._dataset_indices(positions.start, positions.stop)
 
     def _dataset_indices(self, start: int, stop: int) -> list[int]:
@@ -379,15 +380,15 @@ class ElasticLoader:
         accumulation on the micro-batch's place in the global batch, which no W changes."""
         ctx = self._ctx
         if getattr(ctx, "accumulation", None) is None:
-            return mix_seed(ctx.seed, "step", step, ctx.rank)
-        return mix_seed(ctx.seed, "step", step, "micro", ctx.rank * self.accum_steps + micro)
+            return mix_seed(ctx.seed, "step", step, ctx.dp_rank)
+        return mix_seed(ctx.seed, "step", step, "micro", ctx.dp_rank * self.accum_steps + micro)
 
     def _keys(self) -> Iterator[_Key]:
         """Every micro-batch from the context's step now to total_steps (the batch sampler)."""
         ctx, batch, accum = self._ctx, self.batch_size, self.accum_steps
         step, seen, global_batch = ctx.step, ctx.samples_seen, self.global_batch
         while step < ctx.total_steps:
-            ids = self.sample_ids(seen, ctx.rank)
+            ids = self.sample_ids(seen, ctx.dp_rank)
             for micro in range(accum):
                 yield _Key(step, micro, seen, ids[micro * batch:(micro + 1) * batch],
                            mix_seed(self._micro_seed(step, micro), "fetch"))

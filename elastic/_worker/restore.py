@@ -19,6 +19,7 @@ from elastic._protocol import GenerationPlan, ReplicaSource, RestoreKind, Restor
 from elastic._worker import wrap as _wrap
 from elastic._worker.broadcast import broadcast_state
 from elastic._worker.lr import ScaleRamp
+from elastic._worker.mesh import GenerationMesh
 from elastic._worker.replicas import Rebuild
 from elastic._worker.state import WorkerState
 from elastic._worker.train_state import EXTRA, TrainState
@@ -58,8 +59,10 @@ def named_objects(models: list[tuple[nn.Module, nn.Module]], optimizers: list[to
 class Restorer:
     """Carries out one generation's restore plan into its TrainState."""
 
-    def __init__(self, *, plan: GenerationPlan, spec: RunSpec, worker: WorkerState, comm_device: torch.device):
+    def __init__(self, *, plan: GenerationPlan, spec: RunSpec, worker: WorkerState, mesh: GenerationMesh,
+                 comm_device: torch.device):
         self._plan, self._spec, self._worker, self._comm_device = plan, spec, worker, comm_device
+        self._mesh = mesh
 
     def restore(self, state: TrainState, compression: Any) -> RestorePlan:
         """Load `state` per the generation's plan; afterwards it is the worker's warm source."""
@@ -81,6 +84,7 @@ class Restorer:
         step = worker.progress.step
         worker.warm.state = state
         worker.warm.capable = self._spec.scaling.strategy == "ddp" and bool(state.modules())
+        worker.warm.shard = (self._mesh.tp_rank, self._mesh.layout.tp)
         worker.warm.restored = (self._plan.generation, step)
         worker.outbox.drop_after(step)
         log.info("rank %d generation %d restored %s (%s) at step %d",
@@ -89,16 +93,29 @@ class Restorer:
 
     def _warm(self, state: TrainState, sources: tuple[int, ...]) -> None:
         """Every source sends a slice to the ranks that lack the state (elastic._worker.warm_slices);
-        a source loads its own copy, the others receive into their new objects' tensors."""
-        rank = self._plan.rank
+        a source loads its own copy, the others receive into their new objects' tensors.
+
+        Under tensor parallelism a replica's ranks hold different shards: each TP rank's shard
+        moves within its data-parallel group, from the sources of the same TP rank (the
+        controller places every survivor at the TP rank of the shard it holds), as the local
+        tensors of the DTensors, rewrapped on arrival (elastic._worker.warm_slices.localized)."""
+        rank, mesh = self._plan.rank, self._mesh
+        group = None
+        if mesh.tensor_parallel:
+            peers = set(mesh.dp_peers(mesh.tp_rank))
+            sources = tuple(r for r in sources if r in peers)
+            if not sources:
+                raise StateError(f"the warm restore names no source of TP rank {mesh.tp_rank}; the controller "
+                                 f"should have planned another rung")
+            group = mesh.dp_group()
         if rank in sources:
             source = self._worker.warm
             if not source.available or source.state is None:
                 raise ElasticError(f"rank {rank} was chosen as warm source but holds no state")
-            held = send_slices(source.state.state_dict(), sources, self._comm_device).state
+            held = send_slices(source.state.state_dict(), sources, self._comm_device, group=group).state
             state.load_state_dict(held, source=f"this rank's in-memory state (rank {rank})")
             return
-        payload = send_slices(None, sources, self._comm_device, into=state.state_dict()).state
+        payload = send_slices(None, sources, self._comm_device, into=state.state_dict(), group=group).state
         state.load_state_dict(payload, source=f"the in-memory state of ranks {list(sources)}")
 
     def _memory(self, state: TrainState, source: ReplicaSource, step: int) -> None:
@@ -166,7 +183,7 @@ class Restorer:
         holds it and a load always asks for it."""
         progress, rule = self._worker.progress, self._spec.lr
         if rule is not None and progress.lr_ramp is None:
-            progress.lr_ramp = ScaleRamp.initial(self._plan.world_size, rule.base_world_size)
+            progress.lr_ramp = ScaleRamp.initial(self._mesh.layout.dp, rule.base_world_size)
 
 
 # Checkpoints of runtimes before the state contract saved the one optimizer as "optim".

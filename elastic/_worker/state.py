@@ -33,6 +33,7 @@ class WarmSource:
     state: TrainState | None = None
     capable: bool = False                      # `state` holds the full state (not FSDP shards)
     restored: tuple[int, int] | None = None    # (generation, step) of the last ctx.restore
+    shard: tuple[int, int] = (0, 1)            # (TP rank, TP degree) of `state`: which shard it holds
 
     @property
     def available(self) -> bool:

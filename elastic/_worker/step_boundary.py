@@ -51,6 +51,7 @@ from elastic._worker.lr import ScaleRamp, rule_lr
 from elastic._worker.state import WorkerState
 from elastic._worker.step_timer import StepTimer
 from elastic.errors import NonFiniteLossError, StateError
+from elastic.layout import Layout
 
 if TYPE_CHECKING:
     from torch import nn
@@ -89,14 +90,15 @@ class StepBoundary:
     """One generation's step accounting on one rank."""
 
     def __init__(self, *, plan: GenerationPlan, spec: RunSpec, worker: WorkerState, device: torch.device,
-                 stop_requested: threading.Event, preempted: threading.Event,
+                 layout: Layout, stop_requested: threading.Event, preempted: threading.Event,
                  commit_requested: threading.Event | None = None):
         self._plan, self._spec, self._worker = plan, spec, worker
         self.device = device
         self._comm_device = device if spec.scaling.use_gpu else torch.device("cpu")
         self._stop_requested, self._preempted = stop_requested, preempted
         self._commit_requested = commit_requested if commit_requested is not None else threading.Event()
-        self.accumulation: Accumulation | None = new_accumulation(spec.lr, plan.world_size)
+        self.layout = layout
+        self.accumulation: Accumulation | None = new_accumulation(spec.lr, self.layout.dp)
         self.timer = StepTimer()
         self.sync_model: nn.Module | None = None    # first prepared model: accumulation toggles its gradient sync
         self.lr_optimizer: torch.optim.Optimizer | None = None   # the first prepared: the LR rule acts on it
@@ -120,6 +122,14 @@ class StepBoundary:
     @property
     def world_size(self) -> int:
         return self._plan.world_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.layout.dp_rank(self._plan.rank)
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.dp
 
     @property
     def total_steps(self) -> int:
@@ -149,13 +159,14 @@ class StepBoundary:
         self._apply_lr()
 
     def _apply_lr(self) -> None:
-        """Set this step's LR from the rule: a function of the step and the world-size history."""
+        """Set this step's LR from the rule: a function of the step and the history of the
+        data-parallel degree (the world size without tensor parallelism)."""
         rule, progress = self._spec.lr, self._worker.progress
         if rule is None or self.lr_optimizer is None or progress.base_lr is None or not self.group_ratios:
             return
         step = progress.step
-        ramp = progress.lr_ramp or ScaleRamp.initial(self.world_size, rule.base_world_size)
-        progress.lr_ramp = ramp.rescaled(step, self.world_size, rule.base_world_size, rule.rescale_warmup_steps)
+        ramp = progress.lr_ramp or ScaleRamp.initial(self.dp_size, rule.base_world_size)
+        progress.lr_ramp = ramp.rescaled(step, self.dp_size, rule.base_world_size, rule.rescale_warmup_steps)
         lr = rule_lr(rule, base_lr=progress.base_lr, ramp=progress.lr_ramp, step=step, total_steps=self.total_steps)
         # A group added after prepare_optimizer() has no ratio: it keeps the LR it was given.
         for group, ratio in zip(self.lr_optimizer.param_groups, self.group_ratios, strict=False):
@@ -303,11 +314,14 @@ class StepBoundary:
             raise StateError(f"ctx.report() at step {step.step}: the ranks reported different metric names "
                              f"(rank {self.rank}: {list(names)}); report the same names on every rank, and "
                              f"rank-local values through ctx.log()")
-        means = shared[:, _HEADER:_HEADER + len(names)].mean(dim=0).tolist()
+        # Means over the data-parallel replicas: one row per replica (its TP rank 0's; the ranks
+        # of a replica compute the same loss), so tensor parallelism weighs no replica twice.
+        rows = shared[::self.layout.tp] if ranks == self.world_size else shared
+        means = rows[:, _HEADER:_HEADER + len(names)].mean(dim=0).tolist()
         metrics = dict(zip(names, means, strict=True))
         if step.lr is not None:
             metrics["lr"] = step.lr
-        mean_loss = float(shared[:, 0].sum()) / ranks if step.has_loss else None
+        mean_loss = float(rows[:, 0].sum()) / rows.shape[0] if step.has_loss else None
         # Every rank keeps the record (same all-gathered values): if rank 0 dies before the
         # controller polls it, a survivor still has the step. The per-rank compute times (for
         # straggler scoring) ride on rank 0's only: on every rank's, the controller would take

@@ -85,25 +85,38 @@ def cut_slices(sizes: list[int], parts: int) -> list[list[Piece]]:
 
 
 def send_slices(held: Any | None, sources: tuple[int, ...], device: torch.device, *,
-                into: Any | None = None) -> Transfer:
-    """Collective: ranks in `sources` pass the state they hold (`held`), every other rank passes
-    None and, as `into`, a state of the same structure whose tensors receive the bytes in place
-    where shape, dtype and device allow. Sources get their own state back; the others get the
-    first source's skeleton filled with the received tensors."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+                into: Any | None = None, group: dist.ProcessGroup | None = None) -> Transfer:
+    """Collective over `group` (default: the world): ranks in `sources` (global ranks) pass the
+    state they hold (`held`), every other rank passes None and, as `into`, a state of the same
+    structure whose tensors receive the bytes in place where shape, dtype and device allow.
+    Sources get their own state back; the others get the first source's skeleton filled with the
+    received tensors. DTensors travel as their local shards (`localized`) and arrive as DTensors
+    again, on the mesh and placements of `into`'s."""
+    rank = dist.get_rank()
+    members = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
     holding = set(sources)
-    receivers = [r for r in range(world) if r not in holding]
+    receivers = [r for r in members if r not in holding]
     if rank in holding and held is None:
         raise StateError(f"rank {rank} was named a warm source but passed no state")
     if not receivers:
         return Transfer(held)       # every rank holds the state: nothing to move
+    transfer = _send_local(localized(held), sources, receivers, device, localized(into), group)
+    if rank in holding:
+        return Transfer(held, transfer.extra_bytes)
+    return Transfer(delocalized(transfer.state, into), transfer.extra_bytes)
+
+
+def _send_local(held: Any | None, sources: tuple[int, ...], receivers: list[int], device: torch.device,
+                into: Any | None, group: dist.ProcessGroup | None) -> Transfer:
+    rank = dist.get_rank()
+    holding = set(sources)
     box = [_split_tree(held, []) if rank == sources[0] else None]
-    dist.broadcast_object_list(box, src=sources[0])
+    dist.broadcast_object_list(box, src=sources[0], group=group)
     skeleton = box[0]
     paths = [path for path, _ in _leaves(skeleton)]
     slots: list[_TensorSlot] = [slot for _, slot in _leaves(skeleton)]
     mine = dict(_leaves(held if rank in holding else into))
-    _agree_on_structure(rank, sources, _mismatch(paths, slots, mine) if rank in holding else None, device)
+    _agree_on_structure(rank, sources, _mismatch(paths, slots, mine) if rank in holding else None, device, group)
 
     slices = cut_slices([_nbytes(s) for s in slots], len(sources))
     ops: list[dist.P2POp] = []
@@ -117,7 +130,8 @@ def send_slices(held: Any | None, sources: tuple[int, ...], device: torch.device
         mine_to_send = slices[sources.index(rank)]
         for receiver in receivers:
             for tag, piece in enumerate(mine_to_send):
-                ops.append(dist.P2POp(dist.isend, tensors[piece.slot][piece.start:piece.end], receiver, tag=tag))
+                ops.append(dist.P2POp(dist.isend, tensors[piece.slot][piece.start:piece.end], receiver, group,
+                                      tag=tag))
         _run(ops)
         return Transfer(held, extra)
     received: dict[int, torch.Tensor] = {}
@@ -141,7 +155,7 @@ def send_slices(held: Any | None, sources: tuple[int, ...], device: torch.device
         targets.append(target.reshape(-1).view(torch.uint8))
     for source, pieces in zip(sources, slices, strict=True):
         for tag, piece in enumerate(pieces):
-            ops.append(dist.P2POp(dist.irecv, targets[piece.slot][piece.start:piece.end], source, tag=tag))
+            ops.append(dist.P2POp(dist.irecv, targets[piece.slot][piece.start:piece.end], source, group, tag=tag))
     _run(ops)
     with torch.no_grad():
         for buffer, target in copy_back:
@@ -149,17 +163,52 @@ def send_slices(held: Any | None, sources: tuple[int, ...], device: torch.device
     return Transfer(_fill_tree(skeleton, received), extra)
 
 
-def _agree_on_structure(rank: int, sources: tuple[int, ...], mismatch: str | None, device: torch.device) -> None:
+def _agree_on_structure(rank: int, sources: tuple[int, ...], mismatch: str | None, device: torch.device,
+                        group: dist.ProcessGroup | None) -> None:
     """Every rank raises, or none, naming the first source whose tensors differ from the first
     source's (one scalar reduced, whatever the world size)."""
     world = dist.get_world_size()
     first_bad = torch.tensor([rank if mismatch is not None else world], dtype=torch.int64, device=device)
-    dist.all_reduce(first_bad, op=dist.ReduceOp.MIN)
+    dist.all_reduce(first_bad, op=dist.ReduceOp.MIN, group=group)
     bad = int(first_bad.item())
     if bad < world:
         detail = f" (here: {mismatch})" if mismatch else ""
         raise StateError(f"warm source {bad} holds tensors other than source {sources[0]}'s{detail}: the survivors "
                          f"are not replicas of one state; restore from a checkpoint instead")
+
+
+def localized(tree: Any) -> Any:
+    """`tree` with every DTensor replaced by its local shard (the same storage: a receiver's
+    bytes land in the DTensor's own tensor)."""
+    from torch.distributed.tensor import DTensor
+    if isinstance(tree, DTensor):
+        with torch.no_grad():       # to_local() is then the local tensor itself, not an autograd view
+            return tree.to_local()
+    if isinstance(tree, torch.Tensor) or tree is None:
+        return tree
+    if _is_record(tree):
+        return dataclasses.replace(tree, **{f.name: localized(getattr(tree, f.name)) for f in dataclasses.fields(tree)})
+    if isinstance(tree, dict):
+        return {k: localized(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(localized(v) for v in tree)
+    return tree
+
+
+def delocalized(tree: Any, template: Any) -> Any:
+    """A received `tree` with each local shard made the DTensor that `template` has at its place
+    (over the template's storage when the bytes landed there)."""
+    from torch.distributed.tensor import DTensor
+    if isinstance(template, DTensor) and isinstance(tree, torch.Tensor) and not isinstance(tree, DTensor):
+        return DTensor.from_local(tree, template.device_mesh, template.placements, run_check=False,
+                                  shape=template.shape, stride=template.stride())
+    if isinstance(tree, dict):
+        sub = template if isinstance(template, dict) else {}
+        return {k: delocalized(v, sub.get(k)) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)) and not _is_record(tree):
+        items = template if isinstance(template, (list, tuple)) and len(template) == len(tree) else [None] * len(tree)
+        return type(tree)(delocalized(v, t) for v, t in zip(tree, items, strict=True))
+    return tree
 
 
 def _mismatch(paths: list[Path], slots: list[_TensorSlot], mine: dict[Path, Any]) -> str | None:

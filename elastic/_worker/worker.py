@@ -309,7 +309,7 @@ class TrainWorker:
             return WorkerReport(
                 phase=self._phase, generation=plan.generation if plan else -1,
                 rank=plan.rank if plan else None, step=progress.step,
-                has_state=warm.available, records=records,
+                has_state=warm.available, shard=warm.shard, records=records,
                 error_type=error.get("type"), error_message=error.get("message"),
                 error_traceback=error.get("traceback"), error_kind=error.get("kind"),
                 error=error.get("exception"), preempted=self._preempted.is_set(),

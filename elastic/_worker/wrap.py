@@ -1,5 +1,6 @@
 """Wrapping a rank's model for ScalingConfig: DDP with an optional compression hook, or FSDP2
-with its precision and memory options.
+with its precision and memory options; with tensor parallelism, the user's TP plan and then
+FSDP2's replicate or fully_shard over the data-parallel dimension (`wrap_tensor_parallel`).
 
 Every DDP model gets `stamp_end_of_backward`, so straggler scoring sees only this rank's compute
 (the end of its backward, before any wait for a peer) whatever hook sends the gradients. Without
@@ -21,12 +22,14 @@ from __future__ import annotations
 
 import io
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
+from elastic._worker.mesh import TP_DIM, GenerationMesh
 from elastic._worker.step_timer import StepTimer, stamp_end_of_backward
 from elastic.config import ScalingConfig
 
@@ -113,7 +116,8 @@ def wrap_model(model: nn.Module, *, device: torch.device, world_size: int, scali
                shard_modules: list[nn.Module] | None = None) -> tuple[nn.Module, PowerSGDCompression | None]:
     """The wrapped model for this generation, and its PowerSGD state when that is on."""
     if scaling.strategy == "fsdp":
-        return _fully_shard(model, device=device, world_size=world_size, scaling=scaling,
+        from torch.distributed.device_mesh import init_device_mesh
+        return _fully_shard(model, mesh=init_device_mesh(device.type, (world_size,)), scaling=scaling,
                             shard_modules=shard_modules), None
     from torch.nn.parallel import DistributedDataParallel
     device_ids = [device.index] if device.type == "cuda" else None
@@ -158,19 +162,42 @@ def _fix_bucket_layout(ddp: nn.Module) -> None:
     ddp.reducer._push_all_rebuilt_params()   # type: ignore[union-attr,operator]
 
 
-def _fully_shard(model: nn.Module, *, device: torch.device, world_size: int, scaling: ScalingConfig,
+def wrap_tensor_parallel(model: nn.Module, *, generation_mesh: GenerationMesh, scaling: ScalingConfig,
+                         parallelize: Callable[[nn.Module, Any], Any],
+                         shard_modules: list[nn.Module] | None = None) -> nn.Module:
+    """The user's TP plan on the replica's ranks (`parallelize(model, mesh["tp"])`), then the
+    data-parallel dimension: FSDP2's `replicate` (strategy "ddp": every replica holds the TP
+    shards whole, so any survivor of the same TP rank is a warm source) or `fully_shard` on
+    "dp_shard" (strategy "fsdp": torchtitan's FSDP x TP). Both keep the parameters DTensors of
+    the 2-D mesh, which checkpoints save and reshard to another layout.
+
+    torch DDP is not used: it takes plain tensors, so a TP model would reach its state dict as
+    each rank's local shards (torch's own DDP x TP path, `_pre_dp_module_transform`, does that),
+    and a checkpoint could not be resharded to another TP degree.
+    """
+    mesh = generation_mesh.mesh()
+    parallelize(model, mesh[TP_DIM])
+    dp_mesh = mesh[generation_mesh.dp_dim]
+    if scaling.strategy == "fsdp":
+        return _fully_shard(model, mesh=dp_mesh, scaling=scaling, shard_modules=shard_modules)
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    replicate(model, mesh=dp_mesh)
+    return model
+
+
+def _fully_shard(model: nn.Module, *, mesh: Any, scaling: ScalingConfig,
                  shard_modules: list[nn.Module] | None) -> nn.Module:
-    """FSDP2: each module in `shard_modules` (default: every child of every ModuleList, i.e. the
-    transformer blocks) becomes its own shard unit, then the root."""
-    from torch.distributed.device_mesh import init_device_mesh
+    """FSDP2 over `mesh` (the world, or the data-parallel dimension of a 2-D one): each module
+    in `shard_modules` (default: every child of every ModuleList, i.e. the transformer blocks)
+    becomes its own shard unit, then the root."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-    mesh = init_device_mesh(device.type, (world_size,))
+    device = mesh.device_type
     low = low_precision_dtype(scaling.precision)
     # Gradients are reduced in fp32 whatever the compute dtype: a bf16 sum over many ranks
     # loses the small updates.
     mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
     # Pinned host memory needs CUDA; on a CPU run the offload only changes where the optimizer runs.
-    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if scaling.fsdp_cpu_offload else OffloadPolicy()
+    offload = CPUOffloadPolicy(pin_memory=device == "cuda") if scaling.fsdp_cpu_offload else OffloadPolicy()
     options: dict[str, Any] = dict(mesh=mesh, mp_policy=mp, offload_policy=offload,
                                    reshard_after_forward=scaling.fsdp_reshard_after_forward)
     units = shard_modules if shard_modules is not None else [

@@ -64,7 +64,8 @@ def status_doc(state: str, **fields: Any) -> dict[str, Any]:
 
 def summary_doc(*, status: str, final_step: int, total_steps: int, config: dict[str, Any] | None,
                 error: dict[str, Any] | None, wall_s: float, checkpoints: list[int] | None = None,
-                world_size_history: list | None = None, recoveries: list | None = None,
+                world_size_history: list | None = None, layout_history: list | None = None,
+                recoveries: list | None = None,
                 loss_first: float | None = None, loss_last: float | None = None, model_sha256: str | None = None,
                 time_ledger: dict[str, float] | None = None, metrics: dict[str, Any] | None = None,
                 goodput: float | None = None, resumed_from: int | None = None, stragglers: list | None = None,
@@ -74,7 +75,8 @@ def summary_doc(*, status: str, final_step: int, total_steps: int, config: dict[
     empty): the controller's at a run's end, the driver's when the controller was lost."""
     doc: dict[str, Any] = {
         "format": SUMMARY_FORMAT, "status": status, "final_step": final_step, "total_steps": total_steps,
-        "world_size_history": world_size_history or [], "recoveries": recoveries or [],
+        "world_size_history": world_size_history or [], "layout_history": layout_history or [],
+        "recoveries": recoveries or [],
         "checkpoints": checkpoints or [], "loss_first": loss_first, "loss_last": loss_last,
         "model_sha256": model_sha256, "wall_s": round(wall_s, 3)}
     if time_ledger is not None:

@@ -21,7 +21,7 @@ class Ctx:
     def __init__(self, *, total_steps=12, step=0, samples_seen=0, world_size=1, rank=0, seed=0,
                  device=CPU, accum=None, rescale_at=None):
         self.total_steps, self.step, self.samples_seen = total_steps, step, samples_seen
-        self.world_size, self.rank, self.seed, self.device = world_size, rank, seed, device
+        self.dp_size, self.dp_rank, self.seed, self.device = world_size, rank, seed, device
         self.accumulation = Accumulation(accum) if accum else None
         self._model = None
         self.rescale_at = rescale_at

@@ -63,7 +63,7 @@ class FakeCtx:
     """What the loader reads of a TrainContext; report() follows TrainContext's accumulation."""
 
     def __init__(self, world_size, rank, accum, seen=0):
-        self.world_size, self.rank, self.seed, self.total_steps = world_size, rank, 0, 100
+        self.dp_size, self.dp_rank, self.seed, self.total_steps = world_size, rank, 0, 100
         self.step, self.samples_seen, self._model = 0, seen, None
         self.accumulation = Accumulation(accum)
         self.begun = []

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.timeout(30)
 
 class FakeCtx:
     def __init__(self, world_size, rank=0, seed=0):
-        self.world_size, self.rank, self.seed = world_size, rank, seed
+        self.dp_size, self.dp_rank, self.seed = world_size, rank, seed     # the loader reads the data-parallel place
         self.step, self.samples_seen, self.total_steps = 0, 0, 10_000
 
 

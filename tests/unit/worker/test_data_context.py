@@ -40,7 +40,7 @@ def train(ctx, stop_after: int | None = None) -> list[list[int]]:
 
 
 def expected_order(samples: int) -> str:
-    loader = ElasticLoader(SimpleNamespace(seed=0, world_size=1, total_steps=1), Noisy(), batch_size=1)
+    loader = ElasticLoader(SimpleNamespace(seed=0, dp_size=1, total_steps=1), Noisy(), batch_size=1)
     return DataOrder.of(loader._dataset_indices(0, samples)).hexdigest()
 
 

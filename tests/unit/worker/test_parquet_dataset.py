@@ -84,7 +84,7 @@ def test_pickles_without_its_filesystem_and_reopens_it(corpus):
 
 def test_the_loader_reads_the_corpus_in_its_global_order(corpus):
     class Ctx:
-        world_size, rank, seed, step, samples_seen, total_steps = 1, 0, 3, 0, 0, 1
+        dp_size, dp_rank, seed, step, samples_seen, total_steps = 1, 0, 3, 0, 0, 1
 
         def begin_step(self, global_batch, ids):
             self.ids = ids

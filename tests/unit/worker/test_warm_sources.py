@@ -4,6 +4,7 @@ with the sources' state bitwise, in place, sources untouched and sending in plac
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from elastic._controller.forming import GenerationFormer
 from elastic._protocol import RestoreKind, RestorePlan, WorkerPhase, WorkerReport
 from elastic._worker.warm_slices import Piece, cut_slices
+from elastic.config import FailureConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "integration" / "ckpt"))
 from ckpt_ranks import run_ranks
@@ -45,7 +47,7 @@ def _report(step: int, has_state: bool) -> WorkerReport:
 
 def _former() -> GenerationFormer:
     # reform_plan's warm branch reads only its arguments (no storage call before it answers).
-    return GenerationFormer.__new__(GenerationFormer)
+    return GenerationFormer(None, None, None, failure=FailureConfig(), clock=time.monotonic)  # type: ignore[arg-type]
 
 
 def test_every_member_holding_the_newest_step_is_a_source_and_an_older_one_receives():

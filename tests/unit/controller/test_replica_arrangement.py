@@ -1,0 +1,94 @@
+"""Groups of whole replicas under tensor parallelism (elastic._controller.replica_arrangement):
+sizes in multiples of T, survivors at the TP rank of the shard they hold, warm sources for every
+TP rank or the reason there are none; and the sizes the controller's parts derive from it."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from elastic._controller.forming import GenerationFormer
+from elastic._controller.replica_arrangement import arrange, warm_sources, whole_replicas
+from elastic._controller.slots import Slots
+from elastic._protocol import RestoreKind, WorkerPhase, WorkerReport
+from elastic.config import FailureConfig, ScalingConfig
+from elastic.errors import ConfigError
+from elastic.layout import Layout
+
+
+def _held(step: int, tp_rank: int | None, tp: int = 2, rank: int | None = None) -> WorkerReport:
+    """A survivor's report: the state of `step` of TP rank `tp_rank` (None: nothing in memory), as
+    rank `rank` of generation 1 (None: out of the group)."""
+    return WorkerReport(phase=WorkerPhase.INTERRUPTED, generation=1, rank=rank, step=step,
+                        has_state=tp_rank is not None, records=[],
+                        shard=(tp_rank, tp) if tp_rank is not None else (0, 1))
+
+
+def test_whole_replicas_and_the_layout_of_a_world():
+    assert [whole_replicas(n, 2) for n in range(7)] == [0, 0, 2, 2, 4, 4, 6]
+    assert whole_replicas(5, 1) == 5
+    assert Layout.of(6, 2).to_dict() == {"dp": 3, "tp": 2, "pp": 1}
+    assert [(Layout.of(6, 2).dp_rank(r), Layout.of(6, 2).tp_rank(r)) for r in range(6)] == [
+        (0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    with pytest.raises(ConfigError, match="does not split into replicas"):
+        Layout.of(5, 2)
+
+
+def test_a_lost_rank_takes_its_replica_out_and_its_peer_waits_outside():
+    """TP 2 x DP 3; rank 3 (replica 1, TP rank 1) is lost: five survivors, a group of four. Worker
+    ids are the old ranks. The peer of the lost rank (2) stays out; each survivor keeps its TP rank."""
+    settled = {w: _held(30, w % 2, rank=w) for w in (0, 1, 2, 4, 5)}
+    members = arrange([0, 1, 2, 4, 5], settled, 2, limit=6)
+    assert members == [0, 1, 4, 5]          # the two whole replicas, each still together
+    warm = warm_sources(members, settled, 2)
+    assert warm == (30, (0, 1, 2, 3))
+
+
+def test_a_replacement_completes_a_replica_with_the_waiting_peer():
+    """Growing back: the four members at step 40, the waiting peer (step 30, shard 0) and a new
+    worker (no state): the peer keeps TP rank 0, the new worker takes TP rank 1, both receive."""
+    settled = {0: _held(40, 0), 1: _held(40, 1), 4: _held(40, 0), 5: _held(40, 1), 2: _held(30, 0), 9: _held(0, None)}
+    members = arrange([0, 1, 4, 5, 2, 9], settled, 2, limit=6)
+    assert members[4:] == [2, 9]
+    step, sources = warm_sources(members, settled, 2)      # type: ignore[misc]
+    assert step == 40 and sources == (0, 1, 2, 3)           # the peer is a step behind: it receives
+
+
+def test_survivors_holding_the_wrong_shard_are_moved_to_it_or_named_as_the_reason():
+    # Both survivors hold shard 0: no member holds shard 1, so no warm restore (the checkpoint).
+    settled = {7: _held(12, 0), 8: _held(12, 0), 9: _held(0, None), 10: _held(0, None)}
+    members = arrange([7, 8, 9, 10], settled, 2, limit=4)
+    assert [members[0], members[2]] == [7, 8]               # each at TP rank 0
+    reason = warm_sources(members, settled, 2)
+    assert isinstance(reason, str) and "TP rank(s) [1]" in reason
+    former = GenerationFormer(None, _NoCheckpoints(), lambda what, fn: (True, fn()),  # type: ignore[arg-type]
+                              failure=FailureConfig(), clock=time.monotonic, tp=2)
+    ok, plan = former.reform_plan(members, settled)
+    assert ok and plan is not None and plan.kind == RestoreKind.FRESH and "TP rank(s) [1]" in plan.reason
+
+
+def test_without_tensor_parallelism_the_order_is_the_candidates_own():
+    settled = {w: _held(5, 0, tp=1) for w in range(5)}
+    assert arrange([3, 1, 4, 0, 2], settled, 1, limit=4) == [3, 1, 4, 0]
+
+
+def test_members_of_one_node_form_a_replica_where_the_workers_allow_it():
+    settled = {w: _held(0, None) for w in range(4)}
+    node_of = {0: "a", 1: "b", 2: "a", 3: "b"}
+    members = arrange([0, 1, 2, 3], settled, 2, limit=4, node_of=node_of)
+    assert {node_of[w] for w in members[:2]} == {"a"} and {node_of[w] for w in members[2:]} == {"b"}
+
+
+def test_the_cap_of_a_group_is_whole_replicas():
+    slots = Slots(ScalingConfig(min_workers=4, max_workers=6, tensor_parallel_size=2))
+    assert slots.cap(list(range(7))) == list(range(6))
+    assert slots.cap(list(range(5))) == list(range(4))
+    assert slots.cap(list(range(6)), limit=5) == list(range(4))
+
+
+class _NoCheckpoints:
+    def fence(self, generation: int, start_step: int | None = None) -> None:
+        pass
+
+    def latest_step(self) -> int | None:
+        return None

@@ -1,0 +1,65 @@
+"""Tensor parallelism inside data-parallel replicas, on real TrainContexts of 4 gloo processes
+(no Ray): the layout a rank sees, data by DP rank, DDP x TP and FSDP x TP against one process
+training the unsharded model on the global batch, and the warm rung moving each TP shard from a
+survivor of the same TP rank."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "integration" / "ckpt"))
+import tp_ranks
+
+from ckpt_ranks import run_ranks
+
+
+def _close(a: list[float], b: list[float], tol: float = 1e-5) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= tol * max(1.0, abs(y)) for x, y in zip(a, b, strict=True))
+
+
+def _check_against_reference(results: list[dict]) -> None:
+    ref = tp_ranks.reference(tp_ranks.STEPS, dp=2)
+    for rank, result in enumerate(results):
+        assert result["place"]["dp_rank"] == rank // 2 and result["place"]["tp_rank"] == rank % 2
+        assert result["place"]["dp_size"] == 2 and result["place"]["tp_size"] == 2
+        for name, values in ref["params"].items():
+            assert _close(result["params"][name], values), f"rank {rank}: {name} differs from the unsharded run"
+        # A replica's ranks read the same batches; the two replicas read different ones.
+        assert result["seen"] == results[rank - rank % 2]["seen"]
+        # The LR rule scales with the data-parallel degree (2 replicas / base 1), not the world (4).
+        assert result["lr"] == pytest.approx(2e-2)
+        assert result["samples"] == tp_ranks.STEPS * tp_ranks.BATCH * 2
+    assert results[0]["seen"] != results[2]["seen"]
+    # The step's loss is the mean over the replicas, as the unsharded loss of the global batch.
+    replica_means = [(a + b) / 2 for a, b in zip(results[0]["losses"], results[2]["losses"], strict=True)]
+    assert _close(replica_means, ref["losses"])
+    # metrics.jsonl's loss: the mean over the replicas (each replica once, whatever its TP degree).
+    assert results[0]["records"], "no step record was kept"
+    for step, loss in results[0]["records"]:
+        assert loss == pytest.approx(replica_means[step - 1], rel=1e-6), f"step {step}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_ddp_x_tp_trains_as_the_unsharded_model_and_a_new_replica_restores_warm_per_tp_rank():
+    results = run_ranks("tp_ranks:layouts", 4, timeout=240, strategy="ddp")
+    assert results[0]["place"]["mesh"] == ["dp_replicate", "tp"]
+    _check_against_reference(results)
+    for rank, result in enumerate(results):
+        assert result["restored"] == tp_ranks.STEPS
+        # Each rank holds, after the restore, exactly the shard its TP rank's survivor held.
+        assert result["after"] == results[rank % 2]["before"], f"rank {rank} got another shard"
+        # ... and the group trains on as one model.
+        assert result["next_params"] == results[0]["next_params"]
+        assert result["next_losses"] == results[rank - rank % 2]["next_losses"]
+    assert results[0]["before"] != results[1]["before"]      # the TP ranks hold different shards
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_fsdp_x_tp_trains_as_the_unsharded_model():
+    results = run_ranks("tp_ranks:layouts", 4, timeout=240, strategy="fsdp")
+    assert results[0]["place"]["mesh"] == ["dp_shard", "tp"]
+    _check_against_reference(results)
