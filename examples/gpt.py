@@ -2,6 +2,7 @@
 as a Parquet corpus), and the train loop used by examples/pretrain.py, the tests and the benchmarks."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ MODEL_SIZES = {
     "small": (192, 4, 4, 64, 512),     # make run: ~2M parameters
     "base": (256, 6, 8, 128, 1024),    # ~5M parameters
 }
+MLP_RATIO = 4       # the MLP's hidden width is MLP_RATIO x d_model
 
 
 @dataclass(frozen=True)
@@ -33,23 +35,51 @@ class GPTConfig:
         return cls(d_model=d, n_layers=layers, n_heads=heads, seq_len=seq, vocab=vocab)
 
 
+class Attention(nn.Module):
+    """Causal self-attention with separate q, k and v projections, so that a TP plan can shard
+    each by columns (whole heads per rank) and `proj` by rows (parallelize_gpt).
+
+    The number of heads is read from the local q's width (`view(b, t, -1, head_dim)`): n_heads
+    on an unsharded model, n_heads / T on a rank whose projections hold 1/T of the columns.
+
+    Parameter names: the block's fused `qkv` (d -> 3d) became `attn.q`, `attn.k` and `attn.v`
+    (its rows 0:d, d:2d and 2d:3d), and `proj` became `attn.proj`. A checkpoint written before
+    that split does not load by name; its `blocks.N.qkv.weight` / `.bias` split in three along
+    dim 0 give the new tensors, unchanged otherwise."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        d = cfg.d_model
+        self.head_dim = d // cfg.n_heads
+        # Initialised from one fused (d -> 3d) draw, as the fused qkv projection this replaced
+        # was (skip_init: q, k and v draw nothing of their own), so a seed gives the same initial
+        # model, and run, as before the split.
+        fused = nn.Linear(d, 3 * d)
+        self.q, self.k, self.v = (nn.utils.skip_init(nn.Linear, d, d) for _ in range(3))
+        with torch.no_grad():
+            for i, linear in enumerate((self.q, self.k, self.v)):
+                linear.weight.copy_(fused.weight[i * d:(i + 1) * d])
+                linear.bias.copy_(fused.bias[i * d:(i + 1) * d])
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (z(x).view(b, t, -1, self.head_dim).transpose(1, 2) for z in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.n_heads = cfg.n_heads
         self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.attn = Attention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = nn.Sequential(nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(),
-                                 nn.Linear(4 * cfg.d_model, cfg.d_model))
+        self.mlp = nn.Sequential(nn.Linear(cfg.d_model, MLP_RATIO * cfg.d_model), nn.GELU(),
+                                 nn.Linear(MLP_RATIO * cfg.d_model, cfg.d_model))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
 
@@ -75,6 +105,91 @@ class GPT(nn.Module):
             else:
                 x = block(x)
         return self.head(self.ln_f(x))
+
+
+def check_tensor_parallel(cfg: GPTConfig, tp: int, *, sequence_parallel: bool = False) -> None:
+    """Raise ConfigError, naming the field and the fix, unless `cfg` splits over `tp`
+    tensor-parallel ranks as parallelize_gpt splits it. Cheap and torch-free: the driver calls it
+    before any worker starts, so a bad tensor_parallel_size fails in seconds, not in every rank."""
+    from elastic.errors import ConfigError
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ConfigError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
+    if cfg.d_model % cfg.n_heads:
+        raise ConfigError(f"GPTConfig.d_model={cfg.d_model} is not a multiple of n_heads={cfg.n_heads}: every head "
+                          f"has d_model / n_heads channels; choose d_model and n_heads so that it divides")
+    if cfg.n_heads % tp:
+        fits = [t for t in range(1, cfg.n_heads + 1) if cfg.n_heads % t == 0]
+        raise ConfigError(f"GPTConfig.n_heads={cfg.n_heads} is not divisible by tensor_parallel_size={tp}: each "
+                          f"tensor-parallel rank computes n_heads / {tp} whole heads; set tensor_parallel_size "
+                          f"(pretrain.py --tp) to one of {fits}, or use a model whose n_heads is a multiple of {tp}")
+    # Whole heads per rank make d_model (the columns of q, k, v and the rows of proj) and the
+    # MLP's hidden width (MLP_RATIO x d_model) multiples of tp as well: nothing more to check there.
+    if sequence_parallel and cfg.seq_len % tp:
+        raise ConfigError(f"GPTConfig.seq_len={cfg.seq_len} is not divisible by tensor_parallel_size={tp}: sequence "
+                          f"parallelism gives each rank seq_len / {tp} positions between the blocks; turn "
+                          f"sequence_parallel off (pretrain.py: leave out --sequence-parallel) or use a seq_len "
+                          f"that is a multiple of {tp}")
+
+
+def parallelize_gpt(model: GPT, tp_mesh, *, sequence_parallel: bool = False) -> GPT:
+    """Split `model` in place over the ranks of `tp_mesh` (a 1-D DeviceMesh) by Megatron-style
+    tensor parallelism; the `parallelize=` of `ctx.prepare_model`, which wraps the
+    data-parallel dimension afterwards.
+
+    In every block the attention's q, k and v are split by columns (each rank holds whole heads)
+    and its output projection by rows; the MLP's up projection by columns and its down
+    projection by rows: two all-reduces per block forward, and two in backward. With
+    `sequence_parallel` the residual stream between blocks is split along the sequence (each
+    rank holds seq_len / T positions), and the LayerNorms run on that slice: the all-reduces
+    become all-gathers (into attention and MLP) and reduce-scatters (out of them), and
+    activations outside attention and MLP take 1/T of the memory (as torchtitan's `apply_tp`).
+
+    The embeddings and the LM head stay whole (plain tensors) on every rank: the vocabulary need
+    not divide by T, and the loop's loss reads whole logits. With `sequence_parallel` the final
+    LayerNorm runs on each rank's positions too and its output is gathered before the head; the
+    LayerNorms' weights are replicated DTensors whose gradients are partial sums over the ranks
+    (`full_tensor()`, or any DTensor op such as the optimizer's, adds them up).
+
+    Parameter names do not change: a state dict of the unsharded model loads into this one by
+    name (torch.distributed.checkpoint, or set_model_state_dict with full_state_dict=True)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+    check_tensor_parallel(model.cfg, tp_mesh.size(), sequence_parallel=sequence_parallel)
+    # The layout of the residual stream between blocks: split along the sequence, or whole.
+    stream = Shard(1) if sequence_parallel else Replicate()
+    if sequence_parallel:
+        parallelize_module(model, tp_mesh, {
+            # The embeddings' whole output becomes this rank's slice of positions (no
+            # communication; an all-gather of the gradient in backward).
+            "blocks.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                           use_local_output=True),
+            "ln_f": SequenceParallel(),
+            "head": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                       use_local_output=True),
+        })
+    for block in model.blocks:
+        plan = {
+            # The input becomes one replicated DTensor that q, k and v share: their input gradients
+            # add up as one partial sum, reduced once (not once per projection).
+            "attn": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
+            "attn.q": ColwiseParallel(),
+            "attn.k": ColwiseParallel(),
+            "attn.v": ColwiseParallel(),
+            "attn.proj": RowwiseParallel(output_layouts=stream),
+            "mlp": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
+            "mlp.0": ColwiseParallel(),
+            "mlp.2": RowwiseParallel(output_layouts=stream),
+        }
+        if sequence_parallel:
+            plan |= {"ln1": SequenceParallel(), "ln2": SequenceParallel()}
+        parallelize_module(block, tp_mesh, plan)
+    return model
 
 
 class SyntheticTokens(torch.utils.data.Dataset):
@@ -164,11 +279,19 @@ def make_dataset(cfg: dict, model_cfg: GPTConfig, seed: int):
 
 def train_loop(ctx) -> None:
     """The example's loop; `ctx.config` may hold model_size, batch_size, lr, optimizer, n_samples,
-    activation_checkpointing, data (URL of a Parquet token corpus) and loader_workers (DataLoader worker
-    processes). Precision comes from ScalingConfig through ctx.autocast/backward."""
+    activation_checkpointing, data (URL of a Parquet token corpus), loader_workers (DataLoader worker
+    processes) and sequence_parallel (with tensor parallelism). Precision comes from ScalingConfig
+    through ctx.autocast/backward, the tensor-parallel degree from ScalingConfig.tensor_parallel_size
+    through ctx.tp_size."""
     cfg = dict(ctx.config or {})
     model_cfg = GPTConfig.named(cfg.get("model_size", "small"))
-    model = ctx.prepare_model(GPT(model_cfg, activation_checkpointing=bool(cfg.get("activation_checkpointing"))))
+    model = GPT(model_cfg, activation_checkpointing=bool(cfg.get("activation_checkpointing")))
+    # A context without tp_size (one from before tensor parallelism) runs replicas of one rank.
+    if getattr(ctx, "tp_size", 1) > 1:
+        plan = functools.partial(parallelize_gpt, sequence_parallel=bool(cfg.get("sequence_parallel")))
+        model = ctx.prepare_model(model, parallelize=plan)
+    else:
+        model = ctx.prepare_model(model)
     # "sgd" (momentum 0.9): an update proportional to the gradient, for tests that compare models.
     opt_class = {"adamw": torch.optim.AdamW, "sgd": lambda p, lr: torch.optim.SGD(p, lr=lr, momentum=0.9)}
     optimizer = ctx.prepare_optimizer(

@@ -6,7 +6,9 @@ Starts a local Ray instance (or joins the cluster in RAY_ADDRESS), checkpoints t
 resumes from it when run again. Trains on the Parquet token corpus at --data URL, or on a
 synthetic one written under <storage>/corpus/ on the first run and reused afterwards. Kill a
 worker (its pid is in <storage>/status.json) and watch the run re-form and go on. With --gpu
-each worker trains on one GPU of its own (NCCL), which --precision fp16 needs.
+each worker trains on one GPU of its own (NCCL), which --precision fp16 needs. With --tp T the
+model is split over replicas of T ranks by tensor parallelism (gpt.parallelize_gpt; --workers then
+counts ranks, in multiples of T), and --sequence-parallel splits the sequence between its blocks too.
 
 Exit codes: 0 finished; 1 failed; 2 bad flags or storage that cannot be written; 3 the loop
 stopped before --steps; 4 the storage is in use by another live run (see --takeover); 5 stopped
@@ -49,6 +51,16 @@ def parse_workers(text: str) -> tuple[int, int]:
         return int(low), int(high or low)
     except ValueError:
         raise argparse.ArgumentTypeError(f"--workers must be MIN:MAX or N, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
 
 
 def positive_float(text: str) -> float:
@@ -94,7 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", metavar="URL",
                    help="folder of Parquet token shards (local, file:// or s3://); default: a synthetic corpus "
                         "written under <storage>/corpus/ on the first run and reused on resume")
-    p.add_argument("--workers", type=parse_workers, default=(2, 2), help="MIN:MAX workers (default 2:2)")
+    p.add_argument("--workers", type=parse_workers, default=(2, 2),
+                   help="MIN:MAX workers (default 2:2); ranks, in multiples of --tp")
     p.add_argument("--spare-workers", type=int, default=0, metavar="N",
                    help="hot spares beyond MAX: idle workers that replace a lost one at once")
     p.add_argument("--node-agents", action="store_true",
@@ -102,7 +115,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "of workers and more: ScalingConfig.node_agents)")
     p.add_argument("--steps", type=int, default=200, help="total optimizer steps of the run")
     p.add_argument("--checkpoint-every", type=int, default=50, help="commit a checkpoint every K steps")
-    p.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp")
+    p.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp",
+                   help="over the data-parallel dimension (the replicas, with --tp)")
+    p.add_argument("--tp", type=positive_int, default=1, metavar="T",
+                   help="tensor parallelism: split the model over replicas of T ranks (ScalingConfig."
+                        "tensor_parallel_size; the model's n_heads must divide by T); default 1: none")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp: also split the sequence between the transformer blocks (the model's "
+                        "seq_len must divide by T): less activation memory, the same communication volume")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-size", choices=sorted(gpt.MODEL_SIZES), default="small")
     p.add_argument("--batch-size", type=int, default=8,
@@ -150,6 +170,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.precision == "fp16" and not args.gpu:
         p.error("--precision fp16 needs --gpu (its GradScaler runs on the GPU); add --gpu, "
                 "or use --precision bf16 on CPU")
+    if args.sequence_parallel and args.tp == 1:
+        p.error("--sequence-parallel splits the sequence over the ranks of a tensor-parallel replica; "
+                "add --tp T (T > 1), or leave it out")
     return args
 
 
@@ -157,10 +180,11 @@ def lr_config(args: argparse.Namespace) -> LRScalingConfig | None:
     """The LR rule the flags ask for (None for --lr-mode none); invalid values raise ConfigError."""
     if args.lr_mode == "none":
         return None
-    low, high = args.workers
+    # The rule counts data-parallel replicas (the ranks of a tensor-parallel replica read one batch).
+    low, high = (n // args.tp for n in args.workers)
     base = args.base_world_size
     if base is None:
-        base = high if args.lr_mode == "linear" else math.lcm(*range(low, high + 1))
+        base = high if args.lr_mode == "linear" else math.lcm(*range(max(low, 1), high + 1))
     return LRScalingConfig(base_world_size=base, base_lr=args.lr, warmup_steps=args.warmup_steps,
                            rescale_warmup_steps=args.rescale_warmup_steps, mode=args.lr_mode, schedule=args.schedule)
 
@@ -174,7 +198,16 @@ def scaling_config(args: argparse.Namespace) -> ScalingConfig:
                          resources_per_worker={"CPU": args.cpus_per_worker}, precision=args.precision,
                          grad_compression=None if args.grad_compression == "none" else args.grad_compression,
                          fsdp_reshard_after_forward=args.fsdp_reshard_after_forward,
-                         fsdp_cpu_offload=args.fsdp_cpu_offload, node_agents=args.node_agents)
+                         fsdp_cpu_offload=args.fsdp_cpu_offload, node_agents=args.node_agents,
+                         tensor_parallel_size=args.tp)
+
+
+def model_config(args: argparse.Namespace) -> gpt.GPTConfig:
+    """The model the flags ask for; a model that --tp (and --sequence-parallel) cannot split raises
+    ConfigError here, in the driver, instead of in every rank once the workers have started."""
+    model_cfg = gpt.GPTConfig.named(args.model_size)
+    gpt.check_tensor_parallel(model_cfg, args.tp, sequence_parallel=args.sequence_parallel)
+    return model_cfg
 
 
 class InjectedUserError(Exception):
@@ -234,6 +267,11 @@ def storage_refused(error: Exception) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        model_config(args)      # before the corpus is written and any worker starts
+    except ConfigError as error:
+        print(f"configuration error: {error}", file=sys.stderr)
+        return 2
+    try:
         data_url = prepare_corpus(args)
     except (DatasetError, StorageError) as e:
         print(f"data: {type(e).__name__}: {e}", file=sys.stderr)
@@ -251,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
             train_loop,
             train_loop_config={"model_size": args.model_size, "batch_size": args.batch_size, "lr": args.lr,
                                "activation_checkpointing": args.activation_checkpointing, "data": data_url,
-                               HOLD_AT_KEY: args.hold_at, "loader_workers": args.loader_workers},
+                               HOLD_AT_KEY: args.hold_at, "loader_workers": args.loader_workers,
+                               "sequence_parallel": args.sequence_parallel},
             scaling=scaling_config(args),
             checkpoint=CheckpointConfig(storage=args.storage, every_n_steps=args.checkpoint_every,
                                         async_save=not args.sync_checkpoints, takeover=args.takeover,

@@ -77,3 +77,56 @@ def test_main_with_gpu_refuses_a_machine_without_enough_gpus(tmp_path, capsys, m
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)     # fewer than MIN, on any machine
     code = pretrain.main(["--storage", str(tmp_path), "--workers", "2:2", "--gpu", "--model-size", "tiny", "--quiet"])
     assert code == 2 and "1 CUDA device(s)" in capsys.readouterr().err
+
+
+def test_tp_sets_the_tensor_parallel_size_and_defaults_to_none():
+    assert (args().tp, args().sequence_parallel) == (1, False)
+    assert pretrain.scaling_config(args()).tensor_parallel_size == 1
+    parsed = args("--tp", "2", "--sequence-parallel")
+    assert pretrain.scaling_config(parsed).tensor_parallel_size == 2 and parsed.sequence_parallel
+    for bad in ("0", "-1", "x"):
+        with pytest.raises(SystemExit):
+            args("--tp", bad)
+    with pytest.raises(ConfigError, match="max_workers=3 is not a multiple of tensor_parallel_size=2"):
+        pretrain.scaling_config(pretrain.parse_args(["--storage", "unused", "--workers", "2:3", "--tp", "2"]))
+
+
+def test_sequence_parallel_without_tp_says_to_add_it(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        args("--sequence-parallel")
+    assert exit_info.value.code == 2 and "add --tp T" in capsys.readouterr().err
+
+
+def test_lr_rule_counts_replicas_under_tp():
+    # --workers 2:4 ranks in replicas of 2: data-parallel degrees 1 and 2.
+    assert pretrain.lr_config(args("--tp", "2", "--lr-mode", "linear")).base_world_size == 2
+    assert pretrain.lr_config(args("--tp", "2", "--lr-mode", "constant_global_batch")).base_world_size == 2
+
+
+def _no_trainer(*_args, **_kwargs):
+    raise AssertionError("an ElasticTrainer was built: the model check came too late")
+
+
+def test_main_refuses_heads_that_tp_does_not_divide_before_anything_starts(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(pretrain, "ElasticTrainer", _no_trainer)
+    monkeypatch.setattr(pretrain, "prepare_corpus", _no_trainer)
+    # tiny has 2 heads: 4 ranks of one replica cannot split them.
+    code = pretrain.main(["--storage", str(tmp_path), "--workers", "4:4", "--tp", "4", "--model-size", "tiny",
+                          "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "n_heads=2 is not divisible by tensor_parallel_size=4" in err and "[1, 2]" in err
+    assert list(tmp_path.iterdir()) == []       # no corpus written, no storage claimed
+
+
+def test_main_hands_tp_and_sequence_parallel_to_the_trainer(tmp_path, monkeypatch):
+    seen = {}
+
+    def trainer(train_loop, **kwargs):
+        seen.update(kwargs)
+        raise ConfigError("stop before any worker")     # main's ConfigError path: exit 2
+
+    monkeypatch.setattr(pretrain, "ElasticTrainer", trainer)
+    code = pretrain.main(["--storage", str(tmp_path), "--workers", "2:4", "--tp", "2", "--sequence-parallel",
+                          "--model-size", "tiny", "--quiet"])
+    assert code == 2
+    assert seen["scaling"].tensor_parallel_size == 2 and seen["train_loop_config"]["sequence_parallel"] is True
