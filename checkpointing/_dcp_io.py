@@ -12,6 +12,19 @@ Requests that would grow with the world size for nothing are left out: a rank wi
 write (under DDP every rank but the lowest: replicated tensors are written once) writes no file
 at all, where DCP's writer would PUT an empty `.distcp` per rank; and no rank but the coordinator
 asks whether a `.metadata` exists already (DCP's writer asks on every rank, only to warn).
+(Under tensor parallelism every rank holds TP shards of its own, and DCP's de-duplication keys
+items by name and global offset, not by placement: a DTensor replicated over the DP dimension of a
+2-D mesh, (Replicate(), Shard(0)), is written once per TP shard, and a rank left with nothing
+after de-duplication still writes no file.)
+
+DCP records each rank's piece of a DTensor as one block of the global tensor: its first global
+offset and its local shape (torch.distributed.tensor._utils.compute_local_shape_and_global_offset).
+A placement whose local shard is not one block (a `_StridedShard` that is not directly refined by
+the `Shard` it was made for, e.g. (Shard(0), _StridedShard(0, sf=2)), or _StridedShard alone) is
+mis-addressed: a save fails in DCP's plan validation ("overlapping chunks"), and a load into it
+fills every shard with the wrong elements, silently. `unaddressable_dtensors` finds those, so
+that loads refuse them first (see _load) and saves say why DCP refused. FSDP2 over TP
+(parallelize_module, then fully_shard) gives (_StridedShard(d, sf=tp), Shard(d)): blocks.
 """
 
 from __future__ import annotations
@@ -19,8 +32,9 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager
+from typing import Any
 
 from torch.distributed.checkpoint.filesystem import (
     FileSystemBase,
@@ -165,3 +179,60 @@ class StorageReader(FileSystemReader):
         super().__init__(path)
         self.fs = _StorageFS(storage, path, allowed=allowed)  # type: ignore[assignment]  # as in StorageWriter
         self.path = path
+
+
+def unaddressable_dtensors(state: Any, prefix: str = "") -> list[str]:
+    """Dotted keys of the DTensors in `state` whose shard on this rank is not one block of the
+    global tensor (see the module docstring), with their placements. Local: no collective."""
+    try:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:  # pragma: no cover - torch builds without distributed
+        return []
+    found: list[str] = []
+
+    def visit(key: str, value: Any) -> None:
+        if isinstance(value, DTensor):
+            if any(isinstance(p, _StridedShard) for p in value.placements) and not _one_block(value):
+                found.append(f"{key} {tuple(value.placements)}")
+        elif isinstance(value, Mapping):
+            for k, v in value.items():
+                visit(f"{key}.{k}" if key else str(k), v)
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                visit(f"{key}.{i}" if key else str(i), v)
+
+    visit(prefix, state)
+    return found
+
+
+def _one_block(dtensor: Any) -> bool:
+    """Whether this rank's shard of `dtensor` covers consecutive global indices in every dim:
+    the global indices each placement leaves this rank, composed as torch composes them for
+    DCP's offsets, compared with the block DCP assumes."""
+    try:
+        from torch.distributed.tensor._utils import _get_shard_size_and_offsets
+        from torch.distributed.tensor.placement_types import Shard, _StridedShard
+        mesh = dtensor.device_mesh
+        coordinate = mesh.get_coordinate()
+        if coordinate is None:
+            return True
+        sizes = list(dtensor.shape)
+        indices: dict[int, Any] = {}
+        for mesh_dim, placement in enumerate(dtensor.placements):
+            if not isinstance(placement, (Shard, _StridedShard)):  # not a subclass of Shard in 2.13
+                continue
+            dim = placement.dim
+            sizes[dim], indices[dim] = _get_shard_size_and_offsets(
+                sizes[dim], mesh.size(mesh_dim), coordinate[mesh_dim], placement, indices.get(dim),
+                dtensor.shape[dim], False)
+    except Exception:  # noqa: BLE001 - torch internals moved: cannot tell, let DCP decide as before
+        return True
+    import torch
+    for dim, index in indices.items():
+        if sizes[dim] and index is not None:
+            index = torch.as_tensor(index)
+            first = int(index[0])
+            if not torch.equal(index, torch.arange(first, first + sizes[dim], dtype=index.dtype)):
+                return False
+    return True

@@ -13,7 +13,10 @@ this one): the candidates are then listed once more, and if a newer checkpoint a
 load raises StorageError (retryable: the caller re-plans from the newer one) rather than falling
 back or calling the checkpoints corrupt.
 DCP then reads only the byte ranges each rank needs (and only files the manifest lists): DCP
-resharding handles a different world size for replicated tensors and DTensor shards alike.
+resharding handles a different world size for replicated tensors and DTensor shards alike, on 1-D
+and 2-D meshes (TP 2 x DP 2 into TP 1 or another DP strategy, and back). A state holding a
+DTensor whose shard DCP cannot address (see _dcp_io) is refused on every rank, in the
+verification's all-gather, before DCP would fill it with the wrong elements.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from checkpointing import manifest as mf
-from checkpointing._dcp_io import StorageReader
+from checkpointing._dcp_io import StorageReader, unaddressable_dtensors
 from checkpointing._groups import GroupView
 from checkpointing.errors import CheckpointError, CorruptCheckpointError, StorageError
 from checkpointing.storage import Storage
@@ -93,15 +96,32 @@ def _reason(bad: list[dict]) -> str:
     return reason
 
 
-def _verify_shared(storage: Storage, info: mf.CommitInfo, group: GroupView) -> list[dict]:
+def _verify_shared(storage: Storage, info: mf.CommitInfo, group: GroupView,
+                   unaddressable: list[str]) -> list[dict]:
+    """Every rank's share of the file checks, and (in the same all-gather) every rank's
+    DTensors DCP cannot address (see _dcp_io): a load into those is refused on every rank."""
     names = sorted(info.files)
     mine = {n: info.files[n] for i, n in enumerate(names) if i % group.world_size == group.rank}
-    local: tuple[str, list[dict] | CheckpointError]    # ("ok", bad files) or ("error", why)
-    try:
-        local = ("ok", mf.verify_files(storage, info.step, mine))
-    except CheckpointError as e:
-        local = ("error", e)
+    local: tuple[str, list[dict] | CheckpointError | list[str]]  # ("ok", bad files), ("error", why)
+    if unaddressable:
+        local = ("layout", unaddressable)
+    else:
+        try:
+            local = ("ok", mf.verify_files(storage, info.step, mine))
+        except CheckpointError as e:
+            local = ("error", e)
     verdicts = group.all_gather(local)
+    layout = [(rank, keys) for rank, (kind, keys) in enumerate(verdicts) if kind == "layout"]
+    if layout:
+        rank, keys = layout[0]
+        raise CheckpointError(
+            f"refusing to load step {info.step} from {storage.display(info.path)}: {len(keys)} DTensor(s) of "
+            f"the state to fill have a layout DCP cannot address on rank {rank} (and {len(layout) - 1} other "
+            f"rank(s)): {'; '.join(keys[:3])}{'; ...' if len(keys) > 3 else ''}. A rank's shard is not one "
+            f"block of the global tensor there, and DCP reads one block per rank (first offset, local "
+            f"shape): it would fill the shards with the wrong elements. Load into a layout whose shards "
+            f"are blocks (TP before FSDP gives (_StridedShard(d), Shard(d)); Shard and Replicate always "
+            f"are), then redistribute", url=storage.url)
     for kind, value in verdicts:
         if kind == "error":
             raise value
@@ -112,8 +132,9 @@ def load_latest(storage: Storage, state: dict, group: GroupView) -> mf.LoadResul
     skipped: list[dict] = []
     candidates = _Candidates(storage, group)
     relisted = False
+    unaddressable = unaddressable_dtensors(state)
     for info in candidates.newest_first():
-        bad = _verify_shared(storage, info, group)
+        bad = _verify_shared(storage, info, group, unaddressable)
         if bad and not relisted and any(b["reason"] == "missing" for b in bad):
             relisted = True
             newer = candidates.newer_committed(info.step)

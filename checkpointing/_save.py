@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlanner
 
 from checkpointing import manifest as mf
-from checkpointing._dcp_io import StorageWriter
+from checkpointing._dcp_io import StorageWriter, unaddressable_dtensors
 from checkpointing._groups import GroupView
 from checkpointing.errors import CheckpointError, FencedError, SaveCancelledError, StorageError
 from checkpointing.masking import mask_text
@@ -180,7 +180,15 @@ def run_save(job: SaveJob) -> mf.CommitInfo:
         dcp.save(job.state, storage_writer=writer, planner=_caching_planner(job), process_group=group.pg,
                  no_dist=group.pg is None)
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-        raise _as_checkpoint_error(storage, job, e) from e
+        error = _as_checkpoint_error(storage, job, e)
+        unaddressable = unaddressable_dtensors(job.state)
+        if unaddressable and type(error) is CheckpointError:
+            # DCP's own words ("overlapping chunks") do not say which layout it cannot write.
+            error = CheckpointError(
+                f"{error} -- {len(unaddressable)} DTensor(s) have a layout DCP cannot address on this rank: "
+                f"{'; '.join(unaddressable[:3])}{'; ...' if len(unaddressable) > 3 else ''} (a shard that is "
+                f"not one block of the global tensor; see checkpointing._dcp_io)", url=storage.url)
+        raise error from e
     finally:
         # The staged host copy is not needed past this point: an abandoned save that now waits
         # in a collective with a dead peer must not hold it until the collective times out.
