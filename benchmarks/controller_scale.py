@@ -49,8 +49,9 @@ from elastic._controller.actor import tune_gc  # noqa: E402
 from elastic._controller.controller import Controller  # noqa: E402
 from elastic._controller.node_agent import one_record_per_step  # noqa: E402
 from elastic._controller.run_record import RunRecorder  # noqa: E402
+from elastic._controller.slot_table import DEAD, WorkerView  # noqa: E402
 from elastic._controller.states import Recovering, Running, RunState  # noqa: E402
-from elastic._controller.worker_group import DEAD, PollTerms, WorkerView  # noqa: E402
+from elastic._controller.worker_group import PollTerms  # noqa: E402
 from elastic._protocol import StepRecord, WorkerPhase, WorkerReport  # noqa: E402
 from elastic.config import FailureConfig, ScalingConfig  # noqa: E402
 from support import FakeClock  # noqa: E402

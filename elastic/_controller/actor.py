@@ -146,7 +146,7 @@ class ControllerActor:
         self._closers = (commits.close, self._checkpoints.close)
         self._run_id, self._url, self._options = run_id, checkpoint.storage, options
         self._controller = Controller(
-            RayWorkerGroup(spec, scaling, failure), self._recorder, self._checkpoints, scaling=scaling,
+            RayWorkerGroup(spec), self._recorder, self._checkpoints, scaling=scaling,
             failure=failure, total_steps=total_steps, failure_policy=failure_policy, scaling_policy=scaling_policy,
             commits=commits, lease=self._lease)
         self._started = time.time()

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from elastic._controller.worker_group import PollTerms, WorkerView
+from elastic._controller.slot_table import WorkerView
+from elastic._controller.worker_group import PollTerms
 from elastic._protocol import GenerationPlan
 
 

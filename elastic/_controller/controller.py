@@ -2,15 +2,16 @@
 
 Each `tick()` refreshes the worker group's view, then runs the handler of the current state.
 The handlers ask the part that judges their state (scheduling.StartGate, running.RunningWatch,
-recovering.RecoveryWatch) what the views say, the policies decide (through the failure budget
-and the scaling policy), and only this class acts on it: it kills, stops, re-forms and resumes.
-Every change of state goes through `_transition`, which logs it, notifies callbacks and
-rewrites status.json.
+stopping.assess_stop) what the views say, the policies decide (through the failure budget and
+the scaling policy: triage), and this class acts on it: it kills, stops, re-forms and resumes.
+A recovery's own steps (asking the members to leave, its ledger, following the survivors with
+recovering.RecoveryWatch, the re-form: reforming.judge_reform) are recovery_course's, which
+returns each change of state to this class, as forming.GenerationFormer does. Every change of
+state goes through `_transition`, which logs it, notifies callbacks and rewrites status.json.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import time
 from collections.abc import Callable
@@ -19,12 +20,13 @@ from typing import TYPE_CHECKING, Any
 from elastic._controller.collaborators import CheckpointView, LeaseHold, WorkerGroup
 from elastic._controller.commit_watch import CommitWatch
 from elastic._controller.failure_budget import FailureBudget
-from elastic._controller.forming import GenerationFormer, GenerationStarted
+from elastic._controller.forming import GenerationFormer
 from elastic._controller.intake import ReportIntake
 from elastic._controller.ledgers import RecoveryLedger, StepLedger
-from elastic._controller.recovering import RecoveryWatch, plan_members, too_few_to_reform
-from elastic._controller.running import AllFinished, Fault, Resize, RunningWatch, reported_failure, still_in_loop
+from elastic._controller.recovery_course import RecoveryCourse
+from elastic._controller.running import AllFinished, Fault, RunningWatch
 from elastic._controller.scheduling import Gate, StartGate, too_few_to_start
+from elastic._controller.slot_table import DEAD, WorkerView
 from elastic._controller.slots import Slots
 from elastic._controller.states import (
     AnyState,
@@ -35,14 +37,15 @@ from elastic._controller.states import (
     RunState,
     Scheduling,
     Starting,
-    Stopped,
     Stopping,
 )
 from elastic._controller.status import StatusReport
+from elastic._controller.stopping import assess_stop, stopping_for
 from elastic._controller.storage_retry import StorageRetry
 from elastic._controller.stragglers import StragglerDetector
-from elastic._controller.worker_group import DEAD, READY, SLOW_TICK_S, WorkerView
-from elastic._protocol import RestoreKind, RestorePlan, WorkerPhase, WorkerReport
+from elastic._controller.triage import triage
+from elastic._controller.worker_group import SLOW_TICK_S
+from elastic._protocol import RestorePlan, WorkerReport
 from elastic.config import FailureConfig, ScalingConfig
 from elastic.policies import Failure, FailurePolicy, ScalingPolicy
 
@@ -86,7 +89,7 @@ class Controller:
                                             threshold=failure.straggler_threshold or float("inf"),
                                             min_excess_s=failure.straggler_min_excess_s)
         self.steps = StepLedger()
-        self.start_gate, self.running, self.recovering = StartGate(), RunningWatch(clock), RecoveryWatch(clock)
+        self.start_gate, self.running = StartGate(scaling, failure.rendezvous_timeout_s), RunningWatch(clock)
         self.recoveries = RecoveryLedger(clock, wall_clock)
         self.intake = ReportIntake(recorder, self.steps, self.recoveries, self.stragglers, failure)
         # The actor's commit watch looks on a thread of its own; without one, looks are inline (fakes).
@@ -95,6 +98,9 @@ class Controller:
         self.slots = Slots(scaling)
         self.former = GenerationFormer(group, checkpoints, self._storage, failure=failure, clock=clock,
                                        tp=scaling.tensor_parallel_size)
+        self.recovery = RecoveryCourse(group, self.recoveries, self.former, self.slots, self.budget, scaling=scaling,
+                                       failure=failure, total_steps=total_steps, clock=clock, kill=self._kill,
+                                       place=self._place_slots)
 
     @property
     def done(self) -> bool:
@@ -170,10 +176,8 @@ class Controller:
         self._place_slots()
         ready = self.slots.ready(self.views)
         now = self.clock()
-        gate = self.start_gate.judge(
-            ready=len(ready), pending=sum(1 for v in self.views.values() if v.status not in (READY, DEAD)),
-            waited_s=now - self.state.since, now=now, scaling=self.scaling,
-            rendezvous_timeout_s=self.failure.rendezvous_timeout_s)
+        gate = self.start_gate.judge(ready=len(ready), pending=self.slots.pending(self.views),
+                                     waited_s=now - self.state.since, now=now)
         if gate == Gate.START:
             ok, plan = self._storage("read the checkpoints to resume from", self._resume_plan)
             if ok and plan is not None:
@@ -186,9 +190,7 @@ class Controller:
         """The first generation's restore, and what the run keeps of the previous run: its
         generations (the intake's first), its steps and metrics lines up to the checkpoint."""
         plan = self.former.resume_plan()
-        self.intake.resume(first_generation=self.generation + 1, step=plan.step)
-        if plan.kind == RestoreKind.CHECKPOINT:
-            self.recorder.resumed(plan.step)
+        self.intake.resumed(plan, first_generation=self.generation + 1)
         return plan
 
     def _on_starting(self) -> None:
@@ -198,7 +200,8 @@ class Controller:
         if formed is None:
             return
         running, started, start_fault = formed
-        self._generation_started(started)
+        self.intake.generation_started(started)      # every ledger that counts per generation starts over
+        self.running.begin()
         self._transition(running, f"generation {self.generation}: world size {len(st.members)}, "
                                   f"restore {st.restore.kind}")
         if start_fault is not None:
@@ -207,14 +210,6 @@ class Controller:
             # RUNNING for a generation that never starts. The members that took their plan are
             # joining it; the cut (a fault with lost members) releases them from its rendezvous.
             self._recover_from(start_fault, st.members)
-
-    def _generation_started(self, started: GenerationStarted) -> None:
-        """Every part that counts per generation starts over from the new one, here and only here."""
-        self.recoveries.formed(started.world_size, started.step)
-        self.recorder.on_generation_start(started.step, started.world_size)
-        self.intake.restore(started.generation, started.step)
-        self.stragglers.reset(started.world_size)
-        self.running.begin()
 
     def _on_running(self) -> None:
         st = self.state
@@ -232,125 +227,50 @@ class Controller:
         elif (request := self.checkpoints.stop_request()) is not None:
             # `elastic stop`: the preemption notice's path, for every member at once.
             self.group.request_preemption(st.members)
-            reason = str(request.get("reason") or "elastic stop")
-            self._transition(Stopping(st.generation, list(st.members), self._recovery_deadline(), reason),
-                             f"stop requested: {reason}")
+            self._transition(*stopping_for(st, request, self.recovery.deadline()))
         else:
             self._place_slots()
             if self.recoveries.open is None:
-                members = set(st.members)
-                spares = [w for w in self.slots.ready(self.views) if w not in members]
-                resize = self.running.resize(st, spares=spares, stragglers=self.stragglers, policy=self.scaling_policy,
+                resize = self.running.resize(st, spares=self.slots.spares(self.views, st.members),
+                                             stragglers=self.stragglers, policy=self.scaling_policy,
                                              scaling=self.scaling, window=self.failure.straggler_window)
-                if resize is not None:
-                    self._resize(st, resize)
-
-    def _resize(self, st: Running, resize: Resize) -> None:
-        """Every member leaves the loop at the next step boundary; re-form at the new size."""
-        self.group.request_stop(st.members, st.generation)
-        self.recoveries.begin(resize.cause, len(st.members), self.step)
-        self._begin_recovery(Recovering(st.generation, list(st.members), self._recovery_deadline(), voluntary=True,
-                                        evict=resize.evict, target_world=resize.target_world), resize.reason)
+                if resize is not None:     # every member leaves the loop at the next step boundary
+                    self._transition(*self.recovery.open_resize(st, resize, self.step))
 
     def _recover_from(self, fault: Fault, members: list[int]) -> None:
-        """Charge the failure; fail the run, or kill what is lost and recover with the rest."""
-        failure = fault.failure
-        reached = max([self.step] + [report.step for w in members if (report := self.views[w].report) is not None])
-        decision = self.budget.charge(failure, reached)
+        """Charge the failure (triage); fail the run, or kill what is lost and recover with the rest."""
+        verdict = triage(fault, members, self.views, self.step, self.budget)
         for wid in fault.lost:
-            self._kill(wid, failure.cause)
-        if decision.action == "fail":
-            if fault.report is not None and not failure.is_infrastructure:
-                self._transition(Failed.of_report(decision.reason, failure, fault.report), decision.reason)
-            else:
-                self._fail(self.budget.exhausted(decision, failure), failure)
-            return
-        lost = set(fault.lost)
-        survivors = [w for w in members if w not in lost]
-        # A lost member may never close its connections (its node is gone or cut off): the
-        # survivors cut theirs, so none waits out the collective timeout on it.
-        self.group.request_stop(survivors, self.generation, cut_group=bool(fault.lost))
-        self.recoveries.begin(failure.cause, len(members), reached, fault.detect_s, list(failure.ranks),
-                              why=failure.message)
-        self._place_slots()
-        self._begin_recovery(Recovering(self.generation, survivors, self._recovery_deadline()),
-                             f"{failure.cause} on ranks {list(failure.ranks)}; {decision.reason}")
-
-    def _begin_recovery(self, state: Recovering, reason: str) -> None:
-        self.recovering.begin()
-        self._transition(state, reason)
-
-    def _recovery_deadline(self) -> float:
-        return self.clock() + self.failure.collective_timeout_s + self.failure.heartbeat_timeout_s
+            self._kill(wid, fault.failure.cause)
+        if isinstance(verdict, Failed):
+            self._transition(verdict, verdict.reason)
+        else:
+            self._transition(*self.recovery.open_after_fault(fault, members, self.generation, verdict))
 
     def _on_recovering(self) -> None:
+        """The recovery's course says what its survivors' views show: wait, end, or re-form."""
         st = self.state
         assert isinstance(st, Recovering)
-        tick = self.recovering.assess(st, self.views, heartbeat_timeout_s=self.failure.heartbeat_timeout_s,
-                                      step_s=self.steps.step_s, total_steps=self.total_steps)
-        for wid, reason in tick.kills:
-            self._kill(wid, reason)
-        for cause, ranks in tick.noted:
-            self.recoveries.note(cause, ranks)
-        if tick.cold:
-            self.recoveries.escalate_cold()
-        if tick.errored:
-            failure = reported_failure(tick.errored)
-            decision = self.budget.charge(failure, self.step)
-            if decision.action == "fail":
-                self._transition(Failed.of_report(decision.reason, failure, next(iter(tick.errored.values()))),
-                                 decision.reason)
-                return
-        if tick.finished is not None:
-            self._record_final(tick.finished)
+        course = self.recovery.follow(st, self.views, step=self.step, step_s=self.steps.step_s)
+        if isinstance(course, AllFinished):
+            self._record_final(course.report)
             self._transition(Finished(list(st.survivors)), "finished while recovering")
-        elif tick.settled is not None:
-            self._reform(st, tick.settled)
+        elif course is not None:
+            self._transition(*course)
+            if isinstance(course.state, Starting):
+                self._on_starting()
 
     def _on_stopping(self) -> None:
-        """Every member commits at its next step boundary and leaves the loop; then the run ends.
-        A member still in the loop at the deadline is killed (the commit it was part of is lost;
-        the run resumes from the one before)."""
+        """Every member commits at its next step boundary and leaves the loop; then the run ends
+        (stopping.assess_stop says when, and how)."""
         st = self.state
         assert isinstance(st, Stopping)
-        in_loop = still_in_loop(st.generation, st.members, self.views)
-        if in_loop and self.clock() < st.deadline:
+        end = assess_stop(st, self.views, now=self.clock(), step=self.step)
+        if end is None:
             return
-        for wid in in_loop:
+        for wid in end.late:
             self._kill(wid, "still training at the stop's deadline")
-        # A member that left with an error (its stop commit failed: check_committed raised) did
-        # not commit the step the run stops at: the run fails with that error, never "stopped".
-        errored = {rank: report for rank, wid in enumerate(st.members)
-                   if (report := self.views[wid].report) is not None and report.generation == st.generation
-                   and report.phase == WorkerPhase.FAILED}
-        if errored:
-            failure = reported_failure(errored)
-            reason = f"the stop at step {self.step} did not commit: {failure.message}"
-            self._transition(Failed.of_report(reason, failure, next(iter(errored.values()))), reason)
-            return
-        self._transition(Stopped(list(st.members), st.reason), f"stopped at step {self.step}: {st.reason}")
-
-    def _reform(self, st: Recovering, settled: dict[int, WorkerReport]) -> None:
-        """Re-form with the survivors out of the broken group (`settled`, with their reports) and
-        the ready spares: warm from the survivor furthest ahead that holds its state, else from the
-        newest checkpoint."""
-        members, survivors = plan_members(st, settled, self.slots.ready(self.views),
-                                          functools.partial(self.slots.cap, views=self.views))
-        recovery = self.recoveries.current
-        if len(members) < self.scaling.min_workers:
-            self._place_slots()
-            if self.clock() - recovery.detected_at > self.failure.rendezvous_timeout_s:
-                self._fail(too_few_to_reform(len(members), recovery.cause, self.scaling, self.failure))
-            return
-        for w in settled:
-            self.recoveries.reached(settled[w].step)
-        ok, plan = self.former.reform_plan(members, settled)
-        if not ok or plan is None:
-            return
-        self.recoveries.planned(plan.kind, plan.reason)
-        self._transition(Starting(members, plan),
-                         f"re-forming with {len(survivors)} survivor(s) and {len(members) - len(survivors)} new")
-        self._on_starting()
+        self._transition(end.state, end.reason)
 
     # ---- helpers -----------------------------------------------------------------------
     def _place_slots(self) -> None:
@@ -376,11 +296,9 @@ class Controller:
         return result.ok, result.value
 
     def _record_final(self, report: WorkerReport) -> None:
-        """The finished state as rank 0 holds it: model hash and data consumed. A recovery still
-        open (the re-formed group finished without another step) is recorded too."""
-        self.intake.close_recovery(self.generation)
+        """The finished state as rank 0 holds it: model hash and data consumed (intake.finished)."""
+        self.intake.finished(report, self.generation)
         self.model_sha256 = report.model_sha256 or self.model_sha256
-        self.recorder.on_final_data(report.samples_seen, report.data_order)
 
     def _write_status(self, force: bool) -> None:
         self.status.write(force=force, state=self.state.state, generation=self.generation, step=self.step,

@@ -21,8 +21,8 @@ from typing import Any, NamedTuple
 from elastic._controller.collaborators import CheckpointView, WorkerGroup
 from elastic._controller.replica_arrangement import warm_sources
 from elastic._controller.running import Fault
+from elastic._controller.slot_table import WorkerView
 from elastic._controller.states import Running, Starting
-from elastic._controller.worker_group import WorkerView
 from elastic._protocol import GenerationPlan, ReplicaSource, RestoreKind, RestorePlan, WorkerReport, placement
 from elastic.config import FailureConfig
 from elastic.errors import WorkerLostError

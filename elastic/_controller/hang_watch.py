@@ -56,8 +56,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from elastic._controller.slot_table import WorkerView
 from elastic._controller.states import Running
-from elastic._controller.worker_group import WorkerView
 from elastic._protocol import PositionReport, ThreadPlace, WorkerPhase, WorkerReport
 from elastic.config import FailureConfig
 

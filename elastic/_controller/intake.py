@@ -1,6 +1,7 @@
 """What the controller takes in from its workers' reports each tick, into the ledgers and the
 run record: the step each generation really restored, the step records (each step once, from
-whichever rank has it), `ctx.log` records, straggler scores and checkpoint fallbacks.
+whichever rank has it), `ctx.log` records, straggler scores and checkpoint fallbacks; and what
+those learn when a run resumes, a generation starts and the run finishes.
 
 Per-rank compute times may come on every rank's record of a step or on one rank's only: a step's
 times are scored once, from whichever record carries them, whichever tick it arrives in. They
@@ -17,13 +18,14 @@ from typing import TYPE_CHECKING, Any
 
 from elastic._controller.ledgers import RecoveryLedger, StepLedger
 from elastic._controller.log_records import LogRecordPicker
+from elastic._controller.slot_table import DEAD, WorkerView
 from elastic._controller.states import Running
 from elastic._controller.stragglers import StragglerDetector
-from elastic._controller.worker_group import DEAD, WorkerView
-from elastic._protocol import StepRecord, WorkerPhase
+from elastic._protocol import RestoreKind, RestorePlan, StepRecord, WorkerPhase, WorkerReport
 from elastic.config import FailureConfig
 
 if TYPE_CHECKING:
+    from elastic._controller.forming import GenerationStarted
     from elastic._controller.run_record import RunRecord
 
 log = logging.getLogger("elastic.controller")
@@ -68,6 +70,26 @@ class ReportIntake:
         if step is not None:
             self.steps.resume(step)
             self.step = step
+
+    def resumed(self, plan: RestorePlan, first_generation: int) -> None:
+        """The run's first generation (`first_generation`) restores by `plan`: what the run keeps
+        of the previous run on its storage (its steps and metrics lines up to the checkpoint)."""
+        self.resume(first_generation=first_generation, step=plan.step)
+        if plan.kind == RestoreKind.CHECKPOINT:
+            self.recorder.resumed(plan.step)
+
+    def generation_started(self, started: GenerationStarted) -> None:
+        """Every ledger that counts per generation starts over from the new one, here and only here."""
+        self.recoveries.formed(started.world_size, started.step)
+        self.recorder.on_generation_start(started.step, started.world_size)
+        self.restore(started.generation, started.step)
+        self.stragglers.reset(started.world_size)
+
+    def finished(self, report: WorkerReport, generation: int) -> None:
+        """The run finished in `generation`; rank 0's `report` holds the data consumed. A recovery
+        still open (the re-formed group finished without another step) is recorded too."""
+        self.close_recovery(generation)
+        self.recorder.on_final_data(report.samples_seen, report.data_order)
 
     def restore(self, generation: int, step: int) -> None:
         """Generation `generation` starts from `step`: the steps recorded past it are discarded."""

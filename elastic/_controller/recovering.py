@@ -3,19 +3,17 @@
 `RecoveryWatch` reads the survivors' views of one tick and returns what it found: survivors
 lost meanwhile (to note in the open recovery, and to kill when hung), survivors stuck in the
 old collective (to kill: the recovery turns cold), the run finishing after all, or the settled
-survivors to re-form with. It kills nothing itself. `plan_members` chooses the new group (its restore:
-forming.GenerationFormer.reform_plan).
+survivors to re-form with. It kills nothing itself. Whom the settled survivors re-form with is
+reforming's word (and the new group's restore, forming.GenerationFormer.reform_plan's).
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from elastic._controller.slot_table import DEAD, WorkerView
 from elastic._controller.states import Recovering
-from elastic._controller.worker_group import DEAD, WorkerView
 from elastic._protocol import WorkerPhase, WorkerReport
-from elastic.config import FailureConfig, ScalingConfig
-from elastic.errors import InsufficientWorkersError
 from elastic.policies import Cause
 
 STUCK_GRACE_S = 2.0      # floor of how long a survivor may lag the first one out of a broken group
@@ -116,24 +114,3 @@ class RecoveryWatch:
             return False
         answered_at = self._clock() - view.silent_s
         return answered_at - self._first_settled_at >= grace_s
-
-
-def plan_members(st: Recovering, settled: dict[int, WorkerReport], ready: list[int],
-                 cap: Callable[..., list[int]]) -> tuple[list[int], list[int]]:
-    """The new group: the settled survivors, furthest ahead first (the order they had among
-    equals), then the ready spares, up to the cap (Slots.cap: whole replicas, in rank order).
-    Returns (members, survivors among them)."""
-    order = {w: i for i, w in enumerate(st.survivors)}
-    survivors = sorted(settled, key=lambda w: (-settled[w].step, order[w]))
-    spares = [w for w in ready if w not in order]
-    members = cap(survivors + spares, settled=settled, limit=st.target_world)
-    kept = set(members)
-    return members, [w for w in survivors if w in kept]
-
-
-
-def too_few_to_reform(left: int, cause: Cause, scaling: ScalingConfig,
-                      failure: FailureConfig) -> InsufficientWorkersError:
-    return InsufficientWorkersError(
-        f"{left} workers left after {cause}, fewer than min_workers={scaling.min_workers}, and no "
-        f"replacement was placed within FailureConfig.rendezvous_timeout_s={failure.rendezvous_timeout_s:.0f}s")

@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from elastic._controller.hang_watch import HangWatch
 from elastic._controller.recurrence import ErrorSighting, RecurringErrors
 from elastic._controller.replica_arrangement import whole_replicas
+from elastic._controller.slot_table import DEAD, WorkerView
 from elastic._controller.states import Running, RunState
 from elastic._controller.stragglers import StragglerDetector
-from elastic._controller.worker_group import DEAD, PollTerms, WorkerView
+from elastic._controller.worker_group import PollTerms
 from elastic._protocol import WorkerPhase, WorkerReport
 from elastic.config import FailureConfig, ScalingConfig
 from elastic.policies import CAUSE_OF_ERROR_KIND, Cause, Failure, ScalingPolicy
@@ -200,12 +201,6 @@ class RunningWatch:
             if grow is not None and target > world:
                 return Resize(Cause.SCALE_UP, grow.reason, target)
         return None
-
-
-def still_in_loop(generation: int, members: list[int], views: dict[int, WorkerView]) -> list[int]:
-    """Members still training in `generation` (not dead, not out of its loop)."""
-    return [w for w in members if views[w].status != DEAD and (report := views[w].report) is not None
-            and report.generation == generation and report.phase == WorkerPhase.RUNNING]
 
 
 def reported_fault(errored: dict[int, WorkerReport], members: list[int]) -> Fault:

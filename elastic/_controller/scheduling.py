@@ -24,12 +24,13 @@ class Gate(enum.Enum):
 class StartGate:
     """Remembers since when the ready count holds (a placement settles when it stops moving)."""
 
-    def __init__(self) -> None:
+    def __init__(self, scaling: ScalingConfig, rendezvous_timeout_s: float) -> None:
+        self._scaling, self._rendezvous_timeout_s = scaling, rendezvous_timeout_s
         self._ready_count = 0
         self._ready_since = 0.0
 
-    def judge(self, *, ready: int, pending: int, waited_s: float, now: float, scaling: ScalingConfig,
-              rendezvous_timeout_s: float) -> Gate:
+    def judge(self, *, ready: int, pending: int, waited_s: float, now: float) -> Gate:
+        scaling = self._scaling
         if ready != self._ready_count:
             self._ready_count, self._ready_since = ready, now
         maximum = scaling.max_workers
@@ -39,7 +40,7 @@ class StartGate:
         enough = ready >= scaling.min_workers
         if (maximum is not None and ready >= maximum) or (enough and (settled or waited_s >= scaling.startup_wait_s)):
             return Gate.START
-        if not enough and waited_s > rendezvous_timeout_s:
+        if not enough and waited_s > self._rendezvous_timeout_s:
             return Gate.TOO_FEW
         return Gate.WAIT
 

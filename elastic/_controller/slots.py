@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from elastic._controller.replica_arrangement import arrange
-from elastic._controller.worker_group import READY, STARTING, WorkerView
+from elastic._controller.slot_table import DEAD, READY, STARTING, WorkerView
 from elastic._protocol import WorkerReport
 from elastic.config import ScalingConfig
 
@@ -50,6 +50,17 @@ class Slots:
     @staticmethod
     def ready(views: dict[int, WorkerView]) -> list[int]:
         return sorted(w for w, v in views.items() if v.status == READY)
+
+    @staticmethod
+    def spares(views: dict[int, WorkerView], members: list[int]) -> list[int]:
+        """Ready workers outside the group of `members`."""
+        group = set(members)
+        return [w for w in Slots.ready(views) if w not in group]
+
+    @staticmethod
+    def pending(views: dict[int, WorkerView]) -> int:
+        """Slots placed or starting, not ready yet."""
+        return sum(1 for v in views.values() if v.status not in (READY, DEAD))
 
     @staticmethod
     def preempted_spares(views: dict[int, WorkerView], members: list[int]) -> list[int]:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from elastic._controller.slot_table import READY, WorkerView
 from elastic._controller.states import RunState
-from elastic._controller.worker_group import READY, WorkerView
 from elastic.layout import Layout
 
 if TYPE_CHECKING:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from ray.exceptions import RayTaskError
 
-from elastic._controller.worker_group import READY, RayWorkerGroup, _Slot
-from elastic.config import FailureConfig, ScalingConfig
+from elastic._controller.slot_table import READY, Slot
+from elastic._controller.worker_group import RayWorkerGroup
+from elastic._protocol import RunSpec
+from elastic.config import CheckpointConfig, FailureConfig, ScalingConfig
 
 
 def task_error(method: str, message: str) -> RayTaskError:
@@ -49,10 +51,17 @@ class FakeRay:
         self.killed.append(actor)
 
 
+def spec_of(scaling: ScalingConfig, failure: FailureConfig) -> RunSpec:
+    """A run's spec that carries `scaling` and `failure` (the group reads nothing else of it
+    until it launches an actor, which these fakes never do)."""
+    return RunSpec(user_code=b"", total_steps=1, seed=0, scaling=scaling,
+                   checkpoint=CheckpointConfig(storage="memory://unused"), failure=failure)
+
+
 def group_of(*actors) -> RayWorkerGroup:
-    group = RayWorkerGroup(None, ScalingConfig(min_workers=1, max_workers=len(actors)),
-                           FailureConfig(heartbeat_timeout_s=5.0))
+    group = RayWorkerGroup(spec_of(ScalingConfig(min_workers=1, max_workers=len(actors)),
+                                   FailureConfig(heartbeat_timeout_s=5.0)))
     for wid, actor in enumerate(actors):
-        group._slots[wid] = _Slot(wid=wid, pg=None, pg_ready=None, created_at=0.0, status=READY, actor=actor,
-                                  last_answer_at=0.0)
+        group._slots.add(Slot(wid=wid, pg=None, pg_ready=None, created_at=0.0, status=READY, actor=actor,
+                              last_answer_at=0.0))
     return group

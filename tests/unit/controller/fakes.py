@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from elastic._controller.worker_group import DEAD, READY, PollTerms, WorkerView
+from elastic._controller.slot_table import DEAD, READY, WorkerView
+from elastic._controller.worker_group import PollTerms
 from elastic._protocol import GenerationPlan, StepRecord, WorkerInfo, WorkerPhase, WorkerReport
 from elastic.policies import Cause
 

@@ -6,8 +6,8 @@ from fakes import FakeGroup
 from harness import interrupt, make, start, stop_requested
 
 from elastic._controller.controller import run_loop
+from elastic._controller.slot_table import READY, STARTING
 from elastic._controller.states import RunState
-from elastic._controller.worker_group import READY, STARTING
 from elastic._protocol import PositionReport, ThreadPlace, WorkerPhase
 from elastic.config import FailureConfig
 from elastic.errors import InsufficientWorkersError, TooManyFailuresError

@@ -6,15 +6,17 @@ import statistics
 from collections import deque
 
 import pytest
-from fake_ray import Actor, FakeRay
+from fake_ray import Actor, FakeRay, spec_of
 from fakes import FakeRecorder
 from harness import make, start
 
+import elastic._controller.placement as placement
 import elastic._controller.ray_calls as ray_calls
 import elastic._controller.worker_group as ray_group
 from elastic._controller.intake import COMPUTE_TIMES_PER_LINE, carries_compute_times
+from elastic._controller.slot_table import DEAD, READY, Slot
 from elastic._controller.stragglers import StragglerDetector, others_medians
-from elastic._controller.worker_group import DEAD, READY, RayWorkerGroup, _Slot
+from elastic._controller.worker_group import RayWorkerGroup
 from elastic._protocol import WorkerReport
 from elastic.config import FailureConfig, ScalingConfig
 
@@ -133,15 +135,16 @@ def test_status_lists_are_built_when_written_from_the_ticks_members():
 def test_a_dead_slot_is_dropped_once_no_recovery_can_ask_about_it(monkeypatch):
     fake = FakeRay()
     monkeypatch.setattr(ray_group, "ray", fake)
+    monkeypatch.setattr(placement, "ray", fake)
     monkeypatch.setattr(ray_calls, "ray", fake)
     monkeypatch.setattr(ray_group, "remove_placement_group", lambda pg: None)
     now = [1000.0]
     failure = FailureConfig(heartbeat_timeout_s=5.0, collective_timeout_s=30.0, rendezvous_timeout_s=60.0)
-    group = RayWorkerGroup(None, ScalingConfig(min_workers=1, max_workers=2), failure, clock=lambda: now[0])
+    group = RayWorkerGroup(spec_of(ScalingConfig(min_workers=1, max_workers=2), failure), clock=lambda: now[0])
     report = WorkerReport(phase="running", generation=3, rank=0, step=0, has_state=True, records=[])
     for wid in (0, 1):
-        group._slots[wid] = _Slot(wid=wid, pg=None, pg_ready=None, created_at=0.0, status=READY,
-                                  actor=Actor(poll=report, request_stop=None))
+        group._slots.add(Slot(wid=wid, pg=None, pg_ready=None, created_at=0.0, status=READY,
+                              actor=Actor(poll=report, request_stop=None)))
     group.kill(1, "test")
     assert group.tick()[1].status == DEAD           # the controller sees it dead
     now[0] += 2 * (5.0 + 30.0 + 60.0) - 1

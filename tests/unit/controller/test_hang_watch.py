@@ -8,8 +8,8 @@ import pytest
 
 from elastic._controller.hang_watch import MIN_ANSWER_GAPS, HangWatch
 from elastic._controller.running import Fault, RunningWatch
+from elastic._controller.slot_table import READY, WorkerView
 from elastic._controller.states import Running
-from elastic._controller.worker_group import READY, WorkerView
 from elastic._protocol import PositionReport, ThreadPlace, WorkerPhase, WorkerReport
 from elastic.config import FailureConfig
 from elastic.errors import ConfigError

@@ -7,14 +7,17 @@ from __future__ import annotations
 import logging
 
 import pytest
+from fake_ray import spec_of
 from ray.exceptions import ActorDiedError, RayTaskError
 
 import elastic._controller.agent_pool as agent_pool
+import elastic._controller.placement as placement
 import elastic._controller.ray_calls as ray_calls
 import elastic._controller.worker_group as ray_group
 from elastic._controller.agent_pool import AGENT_IDLE_S, AGENT_RETRY_S, AGENT_STALL_S
 from elastic._controller.node_agent import NodeAgent, hold_until_beat, one_record_per_step
-from elastic._controller.worker_group import DEAD, READY, PollTerms, RayWorkerGroup, _Slot
+from elastic._controller.slot_table import DEAD, READY, Slot
+from elastic._controller.worker_group import PollTerms, RayWorkerGroup
 from elastic._protocol import PollFailure, StepRecord, WorkerInfo, WorkerReport
 from elastic.config import FailureConfig, ScalingConfig
 from elastic.policies import Cause
@@ -221,7 +224,7 @@ def test_a_forgotten_worker_is_no_longer_polled_nor_answered_for():
 @pytest.fixture
 def fake_ray(monkeypatch):
     fake = FakeRay()
-    for module in (ray_group, agent_pool, ray_calls):
+    for module in (ray_group, placement, agent_pool, ray_calls):
         monkeypatch.setattr(module, "ray", fake)
     monkeypatch.setattr(ray_group, "remove_placement_group", lambda pg: None)
     return fake
@@ -229,12 +232,12 @@ def fake_ray(monkeypatch):
 
 def group_on(nodes: dict[int, str], agents: bool = True) -> RayWorkerGroup:
     # The group's clock reads the time module's as the test sets it (monkeypatch), tick by tick.
-    group = RayWorkerGroup(None, ScalingConfig(min_workers=1, max_workers=len(nodes), node_agents=agents),
-                           FailureConfig(heartbeat_timeout_s=5.0), clock=lambda: ray_group.time.monotonic())
+    group = RayWorkerGroup(spec_of(ScalingConfig(min_workers=1, max_workers=len(nodes), node_agents=agents),
+                                   FailureConfig(heartbeat_timeout_s=5.0)), clock=lambda: ray_group.time.monotonic())
     group.terms = PollTerms(hold_s=1.0)
     for wid, node in nodes.items():
-        group._slots[wid] = _Slot(wid=wid, pg=None, pg_ready=None, created_at=0.0, status=READY,
-                                  actor=Actor("poll"), info=WorkerInfo(pid=wid, node_id=node, actor_id="", ip=""))
+        group._slots.add(Slot(wid=wid, pg=None, pg_ready=None, created_at=0.0, status=READY,
+                              actor=Actor("poll"), info=WorkerInfo(pid=wid, node_id=node, actor_id="", ip="")))
     return group
 
 

@@ -3,10 +3,11 @@ controller (reliability review F15). Ray itself is faked: the group's calls go t
 from __future__ import annotations
 
 import pytest
-from fake_ray import Actor, Ref, group_of, task_error
+from fake_ray import Actor, Ref, group_of, spec_of, task_error
 from ray.exceptions import ActorDiedError, GetTimeoutError
 
-from elastic._controller.worker_group import DEAD, READY, RayWorkerGroup, _Slot
+from elastic._controller.slot_table import DEAD, READY, Slot
+from elastic._controller.worker_group import RayWorkerGroup
 from elastic._protocol import WorkerReport
 from elastic.config import FailureConfig, ScalingConfig
 from elastic.errors import WorkerLostError
@@ -62,9 +63,9 @@ def test_a_placement_that_never_comes_is_said_once(fake_ray, monkeypatch, caplog
     fake_ray.wait = lambda refs, num_returns=1, timeout=None: ([], list(refs))     # the cluster is full
     fake_ray.available_resources = lambda: {"CPU": 0.5, "node:10.0.0.1": 1.0}
     now = [100.0]
-    group = RayWorkerGroup(None, ScalingConfig(min_workers=1, max_workers=1, spare_workers=1),
-                           FailureConfig(heartbeat_timeout_s=5.0), clock=lambda: now[0])
-    group._slots[1] = _Slot(wid=1, pg=None, pg_ready=Ref(None), created_at=90.0)      # the spare's placement
+    group = RayWorkerGroup(spec_of(ScalingConfig(min_workers=1, max_workers=1, spare_workers=1),
+                                   FailureConfig(heartbeat_timeout_s=5.0)), clock=lambda: now[0])
+    group._slots.add(Slot(wid=1, pg=None, pg_ready=Ref(None), created_at=90.0))      # the spare's placement
     with caplog.at_level("WARNING", logger="elastic.group"):
         group.tick()                      # 10 s: not yet
         assert not caplog.records

@@ -1,0 +1,118 @@
+"""Worker slots' placements: one placement group per slot, and the TrainWorker actor started in it.
+
+`Placements` asks Ray for the placement groups of new slots, launches each slot's actor once its
+placement is granted, and takes each actor's first answer (its WorkerInfo): the slot is ready
+then. It never waits: a placement that cannot be granted yet stays pending (a replacement starts
+by itself when capacity returns), and one pending long is said to be stuck, once. What failed to
+start is returned to the worker group (worker_group.RayWorkerGroup), which kills or buries it.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import ray
+from ray import ObjectRef
+from ray.exceptions import RayError, RayTaskError
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from elastic._controller.ray_calls import answered, first_line
+from elastic._controller.slot_table import PENDING, STARTING, Slot, SlotTable
+from elastic._protocol import RunSpec
+from elastic._worker.worker import TrainWorker
+
+log = logging.getLogger("elastic.group")
+
+PLACEMENT_WARN_S = 30.0   # a placement pending this long (at least startup_wait_s) is said to be stuck
+
+
+class StartFailure(NamedTuple):
+    """A slot whose actor did not start."""
+
+    slot: Slot
+    reason: str
+    alive: bool     # its actor may still run (kill it), or it is gone already (only record its death)
+
+
+class Placements:
+    """The placements and starts of the run's worker slots (filed in the slot table)."""
+
+    def __init__(self, spec: RunSpec, slots: SlotTable, clock: Callable[[], float]):
+        self._spec, self._slots, self._clock = spec, slots, clock
+        self._scaling, self._start_timeout_s = spec.scaling, spec.failure.rendezvous_timeout_s
+        resources = dict(spec.scaling.resources_per_worker)
+        if spec.scaling.use_gpu:
+            resources.setdefault("GPU", 1.0)
+        self.bundle = resources
+
+    def scale_to(self, n: int) -> None:
+        """Keep `n` worker slots alive or pending; start placements for the missing ones."""
+        for _ in range(n - self._slots.live()):
+            pg = placement_group([dict(self.bundle)], strategy="PACK")
+            self._slots.open(pg, pg.ready())
+
+    def refs(self) -> list[ObjectRef]:
+        """What a placement or a start answers on (WorkerGroup.wait waits on it)."""
+        refs = [s.pg_ready for s in self._slots.in_status(PENDING)]
+        return refs + [s.info_ref for s in self._slots.in_status(STARTING) if s.info_ref is not None]
+
+    def advance(self, now: float) -> list[StartFailure]:
+        """Launch the actors of the granted placements, and take the started actors' first
+        answers; returns the slots whose actor failed to start (or did not within
+        FailureConfig.rendezvous_timeout_s)."""
+        failed: list[StartFailure] = []
+        placed, pending = answered(self._slots.in_status(PENDING), lambda s: s.pg_ready)
+        for slot, _ in placed:
+            self._launch(slot)
+        for slot in pending:
+            self._warn_if_stuck(slot, now)
+        started, starting = answered(self._slots.in_status(STARTING), lambda s: s.info_ref)
+        for slot, ref in started:
+            try:
+                self._slots.started(slot, ray.get(ref), now)
+                # Where a replacement's start goes (a recovery may wait on it): the placement,
+                # then the process and the worker's imports.
+                log.debug("worker %d ready %.2fs after its slot was made (placed in %.2fs)", slot.wid,
+                          now - slot.created_at, slot.placed_at - slot.created_at)
+            except RayTaskError as error:
+                failed.append(StartFailure(slot, f"failed while starting: {first_line(error)}", alive=True))
+            except RayError as error:
+                failed.append(StartFailure(slot, f"died while starting: {error}", alive=False))
+        for slot in starting:
+            if now - slot.created_at > self._start_timeout_s:
+                failed.append(StartFailure(slot, "did not start within FailureConfig.rendezvous_timeout_s",
+                                           alive=True))
+        return failed
+
+    def _launch(self, slot: Slot) -> None:
+        placed_at = self._clock()
+        resources = dict(self.bundle)
+        cpus = resources.pop("CPU", 0.0)
+        gpus = resources.pop("GPU", 0.0)
+        actor_cls = ray.remote(TrainWorker).options(
+            num_cpus=cpus, num_gpus=gpus, resources=resources or None, max_concurrency=8,
+            max_restarts=0, name=None,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(slot.pg, placement_group_bundle_index=0))
+        actor: Any = actor_cls.remote(self._spec)      # Ray resolves its methods by name
+        self._slots.launched(slot, actor, actor.info.remote(), placed_at)
+
+    def _warn_if_stuck(self, slot: Slot, now: float) -> None:
+        scaling = self._scaling
+        if (not slot.warned and scaling.max_workers is not None     # unlimited: a probe waits
+                and now - slot.created_at > max(PLACEMENT_WARN_S, scaling.startup_wait_s)):
+            # Nothing else says it: a configured spare (or a worker up to max_workers) that never
+            # gets resources leaves the run without the replacement it counts on.
+            slot.warned = True
+            log.warning("worker slot %d has waited %.0fs for resources %s (Ray has %s available): the "
+                        "cluster cannot place max_workers + spare_workers = %s workers; add resources or "
+                        "lower them", slot.wid, now - slot.created_at, self.bundle,
+                        _available_resources(), scaling.max_workers + scaling.spare_workers)
+
+
+def _available_resources() -> dict[str, float] | str:
+    try:
+        return {k: v for k, v in ray.available_resources().items() if not k.startswith("node:")}
+    except Exception:   # noqa: BLE001 - only for the warning's words
+        return "unknown"
