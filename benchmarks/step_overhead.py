@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dataset", type=int, default=1_000_000, help="samples in the (index-only) dataset")
     p.add_argument("--out")
     args = p.parse_args(argv)
-    ctx = SimpleNamespace(seed=0, world_size=1, rank=0, total_steps=1)
+    ctx = SimpleNamespace(seed=0, dp_size=1, dp_rank=0, total_steps=1)
     loader = ElasticLoader(ctx, range(args.dataset), batch_size=1)
     result: dict = {"benchmark": "O2", "machine": f"{os.uname().machine} {os.cpu_count()} cores",
                     "dataset": args.dataset, "reps": args.reps, "per_global_batch": {}}

@@ -111,11 +111,13 @@ class TrainContext(RankPlace):
 
     def __init__(self, *, plan: GenerationPlan, spec: RunSpec, worker: WorkerState, loop_config: Any,
                  stop_requested: threading.Event, preempted: threading.Event, device: torch.device,
-                 commit_requested: threading.Event | None = None):
+                 commit_requested: threading.Event | None = None, mesh: GenerationMesh | None = None):
         self._plan, self._spec, self._worker, self._loop_config = plan, spec, worker, loop_config
         self.device = device
         self._preempted = preempted
-        self._mesh = GenerationMesh(rank=plan.rank, world_size=plan.world_size, scaling=spec.scaling, device=device)
+        # The worker's, formed with the group (elastic._worker.worker); a context made alone makes its own.
+        self._mesh = mesh or GenerationMesh(rank=plan.rank, world_size=plan.world_size, scaling=spec.scaling,
+                                            device=device)
         self._boundary = StepBoundary(plan=plan, spec=spec, worker=worker, device=device, layout=self._mesh.layout,
                                       stop_requested=stop_requested, preempted=preempted,
                                       commit_requested=commit_requested)

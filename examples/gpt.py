@@ -286,8 +286,7 @@ def train_loop(ctx) -> None:
     cfg = dict(ctx.config or {})
     model_cfg = GPTConfig.named(cfg.get("model_size", "small"))
     model = GPT(model_cfg, activation_checkpointing=bool(cfg.get("activation_checkpointing")))
-    # A context without tp_size (one from before tensor parallelism) runs replicas of one rank.
-    if getattr(ctx, "tp_size", 1) > 1:
+    if ctx.tp_size > 1:
         plan = functools.partial(parallelize_gpt, sequence_parallel=bool(cfg.get("sequence_parallel")))
         model = ctx.prepare_model(model, parallelize=plan)
     else:

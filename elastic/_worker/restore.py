@@ -112,7 +112,9 @@ class Restorer:
             source = self._worker.warm
             if not source.available or source.state is None:
                 raise ElasticError(f"rank {rank} was chosen as warm source but holds no state")
-            held = send_slices(source.state.state_dict(), sources, self._comm_device, group=group).state
+            # Under TP its own shards come back as DTensors of this generation's mesh (`into`).
+            into = state.state_dict() if mesh.tensor_parallel else None
+            held = send_slices(source.state.state_dict(), sources, self._comm_device, into=into, group=group).state
             state.load_state_dict(held, source=f"this rank's in-memory state (rank {rank})")
             return
         payload = send_slices(None, sources, self._comm_device, into=state.state_dict(), group=group).state

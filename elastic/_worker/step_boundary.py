@@ -98,6 +98,10 @@ class StepBoundary:
         self._stop_requested, self._preempted = stop_requested, preempted
         self._commit_requested = commit_requested if commit_requested is not None else threading.Event()
         self.layout = layout
+        # The generation's fixed values the loader reads (LoaderSide), as plain attributes.
+        self.rank, self.world_size = plan.rank, plan.world_size
+        self.dp_rank, self.dp_size = layout.dp_rank(plan.rank), layout.dp
+        self.total_steps, self.seed = spec.total_steps, spec.seed
         self.accumulation: Accumulation | None = new_accumulation(spec.lr, self.layout.dp)
         self.timer = StepTimer()
         self.sync_model: nn.Module | None = None    # first prepared model: accumulation toggles its gradient sync
@@ -115,30 +119,6 @@ class StepBoundary:
         self.checkpoint_stall_s = 0.0
 
     # ---- what the loader reads (elastic._worker.loader.LoaderSide) ---------------------------
-    @property
-    def rank(self) -> int:
-        return self._plan.rank
-
-    @property
-    def world_size(self) -> int:
-        return self._plan.world_size
-
-    @property
-    def dp_rank(self) -> int:
-        return self.layout.dp_rank(self._plan.rank)
-
-    @property
-    def dp_size(self) -> int:
-        return self.layout.dp
-
-    @property
-    def total_steps(self) -> int:
-        return self._spec.total_steps
-
-    @property
-    def seed(self) -> int:
-        return self._spec.seed
-
     @property
     def step(self) -> int:
         return self._worker.progress.step

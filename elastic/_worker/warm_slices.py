@@ -91,18 +91,20 @@ def send_slices(held: Any | None, sources: tuple[int, ...], device: torch.device
     structure whose tensors receive the bytes in place where shape, dtype and device allow.
     Sources get their own state back; the others get the first source's skeleton filled with the
     received tensors. DTensors travel as their local shards (`localized`) and arrive as DTensors
-    again, on the mesh and placements of `into`'s."""
+    again, on the mesh and placements of `into`'s: a source that passes `into` (its new
+    generation's state) gets its own shards back on the new mesh too."""
     rank = dist.get_rank()
     members = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
     holding = set(sources)
     receivers = [r for r in members if r not in holding]
     if rank in holding and held is None:
         raise StateError(f"rank {rank} was named a warm source but passed no state")
+    own = held if into is None or rank not in holding else delocalized(localized(held), into)
     if not receivers:
-        return Transfer(held)       # every rank holds the state: nothing to move
+        return Transfer(own)       # every rank holds the state: nothing to move
     transfer = _send_local(localized(held), sources, receivers, device, localized(into), group)
     if rank in holding:
-        return Transfer(held, transfer.extra_bytes)
+        return Transfer(own, transfer.extra_bytes)
     return Transfer(delocalized(transfer.state, into), transfer.extra_bytes)
 
 

@@ -21,6 +21,7 @@ import traceback
 from elastic._credentials import MaskingFormatter, mask_text
 from elastic._protocol import GenerationPlan, RunSpec, WorkerInfo, WorkerPhase, WorkerReport
 from elastic._worker.membership import GroupMembership
+from elastic._worker.mesh import GenerationMesh
 
 log = logging.getLogger("elastic.worker")
 
@@ -336,15 +337,21 @@ class TrainWorker:
         try:
             self._position.enter(plan.generation)   # this thread's place, for the hang judge
             _set_torchrun_environment(plan)
-            self._membership.join(plan, backend="nccl" if self._spec.scaling.use_gpu else "gloo",
-                                  # The checkpoint side group is formed with the main group, before
-                                  # the capture: a peer lost during the first save then breaks its
-                                  # connections too, instead of leaving the survivors waiting on the
-                                  # store for the side group's creation.
-                                  formed=lambda: self._state.checkpoints.open(self._spec).bind_group())
+            mesh = GenerationMesh(rank=plan.rank, world_size=plan.world_size, scaling=self._spec.scaling,
+                                  device=self._device)
+
+            def formed() -> None:
+                # The checkpoint side group, and under TP the mesh's groups, are formed with the main
+                # group, before the capture: a lost peer then breaks their connections too (a TP
+                # rank waiting in its data-parallel group on a survivor that left would otherwise
+                # wait out the timeout), and none waits on the store for a group's creation.
+                self._state.checkpoints.open(self._spec).bind_group()
+                if mesh.tensor_parallel:
+                    mesh.mesh()
+            self._membership.join(plan, backend="nccl" if self._spec.scaling.use_gpu else "gloo", formed=formed)
             ctx = TrainContext(plan=plan, spec=self._spec, worker=self._state, loop_config=self._loop_config,
                                stop_requested=self._stop_requested, preempted=self._preempted,
-                               commit_requested=self._commit_requested, device=self._device)
+                               commit_requested=self._commit_requested, device=self._device, mesh=mesh)
             # Identical initial weights on every rank and in every run with the same seed.
             torch.manual_seed(mix_seed(self._spec.seed, "init"))
             loop = self._loop

@@ -44,7 +44,7 @@ def expected_data_order(samples: int, seed: int = 0, n_samples: int = 100_000) -
 
     from elastic._determinism import DataOrder
     from elastic._worker.loader import ElasticLoader
-    loader = ElasticLoader(SimpleNamespace(seed=seed, world_size=1, total_steps=1), range(n_samples), batch_size=1)
+    loader = ElasticLoader(SimpleNamespace(seed=seed, dp_size=1, total_steps=1), range(n_samples), batch_size=1)
     return DataOrder.of(loader._dataset_indices(0, samples)).hexdigest()
 
 
