@@ -10,7 +10,7 @@ import signal
 import pytest
 
 import gpt
-from elastic import CheckpointConfig, ElasticTrainer, FailureConfig, ScalingConfig
+from elastic import CheckpointConfig, ElasticTrainer, FailureConfig, LRScalingConfig, ScalingConfig
 from run_file_schemas import validate_run
 from support import SignalAtStep, read_json
 from test_runtime import _steps_at, expected_data_order, metrics_steps
@@ -73,3 +73,42 @@ def test_a_killed_tp_rank_takes_its_replica_out_then_the_replica_heals_from_peer
     assert status["layout"] == {"dp": 3, "tp": 2, "pp": 1}
     assert [(w["replica"], w["tp_rank"]) for w in status["workers"]] == [(d, t) for d in range(3) for t in range(2)]
     assert validate_run(run_dir) == {"status.json": 1, "summary.json": 1, "metrics.jsonl": 150}
+
+
+def _tp_run(run_dir: str, fault: SignalAtStep | None = None, spare_workers: int = 0):
+    from ray import cloudpickle
+    cloudpickle.register_pickle_by_value(gpt)
+    config = {"model_size": "tiny", "batch_size": 4, "optimizer": "sgd", "lr": 0.05}
+    if fault is not None:
+        config.update(fault.hold_config())
+        fault.start()
+    result = ElasticTrainer(
+        gpt.train_loop, train_loop_config=config, total_steps=60, seed=0,
+        scaling=ScalingConfig(min_workers=4, max_workers=4, tensor_parallel_size=2, startup_wait_s=120,
+                              spare_workers=spare_workers),
+        checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=1000),
+        failure=FailureConfig(heartbeat_timeout_s=10.0, collective_timeout_s=30.0, rendezvous_timeout_s=60.0),
+        lr=LRScalingConfig(base_world_size=2, warmup_steps=5, mode="constant_global_batch")).fit()
+    if fault is not None:
+        fault.join(timeout=5)
+        assert fault.fired(), f"the fault never fired (run ended at step {result.final_step})"
+    assert result.ok, result.error_traceback
+    return result.summary
+
+
+@pytest.mark.timeout(420)
+def test_constant_batch_kill_and_regrow_of_a_tp_replica_ends_bitwise_on_the_fault_free_model(ray_session, tmp_path):
+    """TP 2 x DP 2 with a spare replica's worth of workers: a killed rank's replica is rebuilt at
+    once from the lost rank's peer and a spare, warm from the other replica, and the run ends on
+    the fault-free run's model bit for bit, with the same samples in the same order."""
+    clean = _tp_run(str(tmp_path / "clean"))
+    faulty_dir = str(tmp_path / "faulty")
+    fault = SignalAtStep(faulty_dir, at_step=25, sig=signal.SIGKILL, rank=2,
+                         when=lambda status: len(status["spares"]) == 2)
+    faulty = _tp_run(faulty_dir, fault, spare_workers=2)
+    (recovery,) = faulty["recoveries"]
+    assert recovery["cause"] == "worker_died" and recovery["rung"] == "warm" and recovery["lost_steps"] == 0
+    assert [w for _, w in faulty["world_size_history"]] == [4, 4]
+    assert faulty["model_sha256"] == clean["model_sha256"] and len(clean["model_sha256"]) == 64
+    assert faulty["samples_consumed"] == clean["samples_consumed"] == 60 * 2 * 4
+    assert faulty["data_order_sha256"] == clean["data_order_sha256"] == expected_data_order(60 * 2 * 4)
