@@ -11,6 +11,9 @@ says it cost (`lost_s`: detection + redone + re-form + restore), then prints one
         [--storage s3]     # FSDP from memory; --in-memory-every none: from the checkpoint
     python benchmarks/recovery.py --workers 3 --min-workers 3 --spare-workers 1 --trials 5
                            # a hot spare takes the lost rank's place (the mixed campaign's shape)
+    python benchmarks/recovery.py --tp 2 --workers 6 --min-workers 4 --trials 5 [--whole-group]
+                           # R1-TP: TP 2 x DP 3; --whole-group: every rank killed, the group
+                           # restarted from the newest checkpoint (the peers' way)
 
 `--storage s3` runs against moto's S3 server on loopback (started here), `file` (the default) on
 a local temporary folder.
@@ -56,15 +59,18 @@ def read_status(url: str) -> dict:
         return {}
 
 
-def inject(run_dir: str, at_step: int, sig: int, rank: int, out: dict) -> None:
-    """From outside, like an operator: the pid from status.json, then os.kill."""
+def inject(run_dir: str, at_step: int, sig: int, rank: int | None, out: dict) -> None:
+    """From outside, like an operator: the pid from status.json, then os.kill (rank None: every
+    rank, the whole group lost at once)."""
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         status = read_status(run_dir)
         if status.get("state") == "running" and status.get("step", 0) >= at_step:
-            pid = next(w["pid"] for w in status["workers"] if w["rank"] == rank)
+            pids = [w["pid"] for w in status["workers"] if rank is None or w["rank"] == rank]
             out["signal_time"] = time.time()
-            os.kill(pid, sig)
+            for pid in pids:
+                os.kill(pid, sig)
+            pid = pids[0]
             out["pid"] = pid
             if sig == signal.SIGSTOP:
                 out["stopped_pid"] = pid
@@ -72,15 +78,17 @@ def inject(run_dir: str, at_step: int, sig: int, rank: int, out: dict) -> None:
         time.sleep(0.01)
 
 
-def trial(args: argparse.Namespace, run_dir: str) -> dict:
+def trial(args: argparse.Namespace, run_dir: str, whole_group: bool = False) -> dict:
     sig = getattr(signal, f"SIG{args.signal}")
     fault: dict = {}
-    injector = threading.Thread(target=inject, args=(run_dir, args.kill_step, sig, args.rank, fault), daemon=True)
+    rank = None if whole_group else args.rank
+    injector = threading.Thread(target=inject, args=(run_dir, args.kill_step, sig, rank, fault), daemon=True)
     injector.start()
     result = ElasticTrainer(
         gpt.train_loop, train_loop_config={"model_size": args.model_size, "batch_size": args.batch_size},
         scaling=ScalingConfig(min_workers=args.min_workers or max(1, args.workers // 2), max_workers=args.workers,
-                              spare_workers=args.spare_workers, strategy=args.strategy),
+                              spare_workers=args.spare_workers, strategy=args.strategy,
+                              tensor_parallel_size=args.tp),
         checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=args.checkpoint_every,
                                     in_memory_every_n_steps=args.in_memory_every),
         failure=FailureConfig(heartbeat_timeout_s=args.heartbeat_timeout),
@@ -141,6 +149,10 @@ def main() -> int:
     p.add_argument("--in-memory-every", type=lambda v: None if v == "none" else int(v), default=10,
                    help="FSDP: CheckpointConfig.in_memory_every_n_steps ('none': recover from the checkpoint)")
     p.add_argument("--storage", choices=("file", "s3"), default="file")
+    p.add_argument("--tp", type=int, default=1, help="ScalingConfig.tensor_parallel_size (workers count ranks)")
+    p.add_argument("--whole-group", action="store_true",
+                   help="alternate each trial with one whose signal goes to every rank: the group restarts from "
+                        "the newest checkpoint (the peers' way of recovering a TP replica group), in the same run")
     p.add_argument("--verbose", action="store_true", help="show the workers' and controller's logs")
     args = p.parse_args()
 
@@ -148,21 +160,33 @@ def main() -> int:
     # address="local": a new instance even when another Ray runs on this (shared) machine.
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, args.workers + args.spare_workers + 2),
              include_dashboard=False, logging_level="WARNING", log_to_driver=args.verbose)
-    trials = []
+    trials: list[dict] = []
+    restarts: list[dict] = []       # --whole-group: the peers' way, alternating with ours
     try:
         with storage(args.storage) as base:
             for i in range(args.trials):
-                with tempfile.TemporaryDirectory(prefix="r1-") as run_dir:
-                    url = os.path.join(run_dir, "run") if base is None else f"{base}/trial{i}"
-                    trials.append(trial(args, url))
-                    print(f"trial {i}: {trials[-1]}", file=sys.stderr, flush=True)
+                for whole in (False, True) if args.whole_group else (False,):
+                    with tempfile.TemporaryDirectory(prefix="r1-") as run_dir:
+                        url = os.path.join(run_dir, "run") if base is None else f"{base}/trial{i}{'g' * whole}"
+                        (restarts if whole else trials).append(trial(args, url, whole))
+                        print(f"trial {i}{' (whole group)' * whole}: {(restarts if whole else trials)[-1]}",
+                              file=sys.stderr, flush=True)
     finally:
         ray.shutdown()
     recovery = [t["recovery_s"] for t in trials]
+    peers_way = {}
+    if restarts:
+        again = [t["recovery_s"] for t in restarts]
+        peers_way = {"whole_group_recovery_s_median": statistics.median(again),
+                     "whole_group_lost_steps_max": max(t["lost_steps"] for t in restarts),
+                     "whole_group_rungs": sorted({t["rung"] for t in restarts}),
+                     "ratio_whole_group_to_ours": round(statistics.median(again) / statistics.median(recovery), 2),
+                     "whole_group_per_trial": restarts}
     print(json.dumps({
         "benchmark": {"KILL": "R1", "STOP": "R2", "TERM": "R3"}[args.signal], "system": "elastic",
         "signal": f"SIG{args.signal}",
         "workers": args.workers, "spare_workers": args.spare_workers, "model_size": args.model_size,
+        "tp": args.tp,
         "trials": len(trials),
         "strategy": args.strategy, "in_memory_every": args.in_memory_every, "storage": args.storage,
         "recover_s_median": statistics.median(t["recover_s"] for t in trials),
@@ -171,7 +195,7 @@ def main() -> int:
         "lost_steps_max": max(t["lost_steps"] for t in trials),
         "heartbeat_timeout_s": args.heartbeat_timeout, "step_s_median": statistics.median(t["step_s"] for t in trials),
         "rungs": sorted({t["rung"] for t in trials}), "machine": f"{platform.machine()} {os.cpu_count()} cores",
-        "per_trial": trials}))
+        "per_trial": trials, **peers_way}))
     return 0
 
 

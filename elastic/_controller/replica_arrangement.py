@@ -7,7 +7,8 @@ consecutive ranks (elastic.layout), and a survivor's memory holds the shard of o
   members until a replacement completes a replica again;
 - a survivor is placed at the TP rank of the shard it holds wherever it can be, so that every
   TP rank of the new group has a warm source among the ranks of that TP rank (the warm rung moves
-  each shard within its data-parallel group, elastic._worker.warm_slices);
+  each shard within its data-parallel group, elastic._worker.warm_slices), and every holder of
+  FSDP copies at the TP rank of its copies (the memory rung rebuilds within that group too);
 - within a TP rank, members are ordered by node, so that a replica's ranks share a node where
   the workers allow it (a TP group's traffic is the heaviest of the step).
 With T = 1 every worker holds the whole state and the order is the candidates' own.
@@ -56,10 +57,17 @@ def arrange(candidates: list[int], settled: Mapping[int, WorkerReport], tp: int,
 
 
 def _shard(report: WorkerReport | None, tp: int) -> int | None:
-    """The TP rank whose shard a worker holds in memory (None: none, or of another TP degree)."""
-    if report is None or not report.has_state or report.shard[1] != tp:
+    """The TP rank whose state a worker holds in memory (None: none, or of another TP degree):
+    its warm state's (DDP), or its FSDP copies' (they ring within a TP rank: its own and its
+    left neighbour's old ranks are of one TP rank)."""
+    if report is None:
         return None
-    return report.shard[0]
+    if report.has_state and report.shard[1] == tp:
+        return report.shard[0]
+    held = report.replicas
+    if not report.has_state and held is not None and held.world_size % tp == 0:
+        return held.ranks[0] % tp
+    return None
 
 
 def _whole_replicas_first(candidates: list[int], settled: Mapping[int, WorkerReport], tp: int) -> list[int]:

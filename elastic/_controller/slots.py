@@ -27,13 +27,21 @@ class Slots:
         then (at least min_workers), and the spares start once the group steps again. A worker's
         start is seconds of CPU on its host (Python, torch, the checkpoint code) that a
         re-forming group sharing the host needs: in the mixed chaos campaign (one-CPU nodes on
-        2 cores) the spare replacing the one the group took started during every re-form."""
+        2 cores) the spare replacing the one the group took started during every re-form.
+
+        Under tensor parallelism not even the lost members are replaced during the recovery
+        (unless the group needs them to reach min_workers): the re-form never waits on them, as
+        the lost rank's replica leaves the group whole, so their start would only compete with it
+        (R1-TP in BENCHMARKS.md); they start when the group steps again and regrow the replica."""
         scaling = self._scaling
         if scaling.max_workers is not None:
             wanted = scaling.max_workers + scaling.spare_workers
         else:
             placed = sum(1 for v in views.values() if v.status in (READY, STARTING))
             wanted = max(scaling.min_workers, placed + 1)
+        if broken_world is not None and scaling.tensor_parallel_size > 1:
+            alive = sum(1 for v in views.values() if v.status != DEAD)
+            return min(wanted, max(scaling.min_workers, alive))
         if broken_world is not None:
             return min(wanted, max(scaling.min_workers, broken_world))
         return wanted

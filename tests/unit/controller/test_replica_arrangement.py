@@ -10,7 +10,7 @@ import pytest
 from elastic._controller.forming import GenerationFormer
 from elastic._controller.replica_arrangement import arrange, warm_sources, whole_replicas
 from elastic._controller.slots import Slots
-from elastic._protocol import RestoreKind, WorkerPhase, WorkerReport
+from elastic._protocol import ReplicaHeld, RestoreKind, WorkerPhase, WorkerReport
 from elastic.config import FailureConfig, ScalingConfig
 from elastic.errors import ConfigError
 from elastic.layout import Layout
@@ -92,3 +92,27 @@ class _NoCheckpoints:
 
     def latest_step(self) -> int | None:
         return None
+
+
+def test_holders_of_fsdp_copies_are_placed_at_the_tp_rank_of_their_copies():
+    """FSDP x TP, TP 2 x DP 3, old rank 3 lost: each survivor holds its own copy and its left DP
+    neighbour's (r - 2); whole replicas stay, and the lost rank's peer (2) waits outside."""
+    def copies(rank: int) -> WorkerReport:
+        return WorkerReport(phase=WorkerPhase.INTERRUPTED, generation=1, rank=rank, step=20, has_state=False,
+                            records=[], replicas=ReplicaHeld(generation=1, world_size=6, step=20,
+                                                             ranks=(rank, (rank - 2) % 6)))
+    settled = {w: copies(w) for w in (0, 1, 2, 4, 5)}
+    members = arrange([2, 0, 1, 4, 5], settled, 2, limit=4)
+    assert members == [0, 1, 4, 5]
+    assert all(settled[w].replicas.ranks[0] % 2 == rank % 2 for rank, w in enumerate(members))  # type: ignore[union-attr]
+
+
+def test_a_tp_recovery_replaces_its_lost_rank_after_the_re_form_unless_min_workers_needs_it():
+    from elastic._controller.slot_table import DEAD, READY, WorkerView
+    views = {w: WorkerView(wid=w, status=DEAD if w == 3 else READY) for w in range(6)}
+    tp = Slots(ScalingConfig(min_workers=4, max_workers=6, tensor_parallel_size=2))
+    assert tp.target(views, broken_world=6) == 5          # the five alive: no replacement yet
+    assert tp.target(views) == 6                          # once the group steps again: max_workers
+    assert Slots(ScalingConfig(min_workers=4, max_workers=6)).target(views, broken_world=6) == 6   # DDP: at once
+    short = {w: WorkerView(wid=w, status=DEAD if w >= 1 else READY) for w in range(6)}
+    assert tp.target(short, broken_world=6) == 4          # below min_workers: replaced at once
