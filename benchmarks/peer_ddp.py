@@ -24,6 +24,7 @@ all-gather with its host copy per step): the difference to the bare loop is that
 (`extra_step_ms_median`, `extra_worker_cpu_ms_per_rank_per_step_median`).
 
     python benchmarks/peer_ddp.py --workers 2 --steps 150 --reps 6 [--breakdown] [--plot o1.png] [--profile DIR]
+    python benchmarks/peer_ddp.py --workers 4 --tp 2 [--strategy fsdp] --steps 150 --reps 6    # O1-TP
 
 With --profile, py-spy samples rank 0 of each system for a few seconds of the steady state and
 writes collapsed stacks (DIR/<system>-rep<i>.txt, `py-spy record --format raw`).
@@ -79,9 +80,14 @@ class PlainWorker:
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if gpu else "gloo", init_method=f"tcp://{addr}:{port}", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=120))
-        model = DistributedDataParallel(pc.build_model(cfg["model_size"]).to(device),
-                                        device_ids=[device.index] if gpu else None,
-                                        find_unused_parameters="find_unused" in extras)
+        tp = int(cfg.get("tp", 1))
+        if tp > 1:
+            model = _tensor_parallel(pc.build_model(cfg["model_size"]).to(device), device, world, tp,
+                                     cfg.get("strategy", "ddp"))
+        else:
+            model = DistributedDataParallel(pc.build_model(cfg["model_size"]).to(device),
+                                            device_ids=[device.index] if gpu else None,
+                                            find_unused_parameters="find_unused" in extras)
         stamps: list[float] = []
         if "py_hook" in extras:
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -95,7 +101,7 @@ class PlainWorker:
         times = []
         before: torch.cuda.Event | None = None
         for step in range(cfg["steps"]):
-            batch = batches.batch(step, rank, world)
+            batch = batches.batch(step, rank // tp, world // tp)     # by data-parallel rank
             if gpu:
                 batch = batch.pin_memory().to(device, non_blocking=True)
             loss = pc.train_step(model, optimizer, batch)
@@ -124,6 +130,26 @@ class PlainWorker:
             torch.cuda.synchronize()
         dist.destroy_process_group()
         return times
+
+
+def _tensor_parallel(model, device, world: int, tp: int, strategy: str):
+    """What a user writes for TP x DP without a framework (torchtitan's way): a 2-D mesh, the
+    example GPT's Megatron plan on "tp", then FSDP2's replicate (ddp) or fully_shard (fsdp) on the
+    data-parallel dimension."""
+    from torch.distributed.device_mesh import init_device_mesh
+    dp_dim = "dp_replicate" if strategy == "ddp" else "dp_shard"
+    mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=(dp_dim, "tp"))
+    pc.gpt.parallelize_gpt(model, mesh["tp"])
+    if strategy == "ddp":
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+        replicate(model, mesh=mesh[dp_dim])
+    else:
+        from torch import nn
+        from torch.distributed.fsdp import fully_shard
+        for block in [c for m in model.modules() if isinstance(m, nn.ModuleList) for c in m]:
+            fully_shard(block, mesh=mesh[dp_dim])
+        fully_shard(model, mesh=mesh[dp_dim])
+    return model
 
 
 def _thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
@@ -227,7 +253,7 @@ def run_plain(args: argparse.Namespace, profile_to: str | None,
         pids = ray.get([a.pid.remote() for a in actors])
         prof = _profile(lambda: pids[0], profile_to, args.profile_after_s, args.profile_s) if profile_to else None
         cfg = {"model_size": args.model_size, "batch_size": args.batch_size, "lr": 3e-3, "steps": args.steps,
-               "extras": list(extras), "gpu": args.gpu}
+               "extras": list(extras), "gpu": args.gpu, "tp": args.tp, "strategy": args.strategy}
 
         def categorise() -> dict[int, str]:
             return {pid: "workers" if pid in pids else _system(title, args)
@@ -264,7 +290,8 @@ def run_elastic(args: argparse.Namespace, profile_to: str | None) -> tuple[list[
         with pc.CpuSampler(categorise) as cpu:
             result = ElasticTrainer(
                 pc.gpt.train_loop, train_loop_config={"model_size": args.model_size, "batch_size": args.batch_size},
-                scaling=ScalingConfig(min_workers=args.workers, max_workers=args.workers, use_gpu=args.gpu),
+                scaling=ScalingConfig(min_workers=args.workers, max_workers=args.workers, use_gpu=args.gpu,
+                                      tensor_parallel_size=args.tp, strategy=args.strategy),
                 checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=None),
                 total_steps=args.steps, seed=0).fit()
         if prof:
@@ -319,6 +346,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="also write the JSON line to this file")
     p.add_argument("--profile", metavar="DIR", help="py-spy rank 0 of each system into DIR")
     p.add_argument("--gpu", action="store_true", help="one GPU per rank, NCCL (see the docstring)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel degree: both systems run the example GPT's TP plan (O1-TP)")
+    p.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp",
+                   help="with --tp: FSDP2 replicate (ddp) or fully_shard (fsdp, 2-D) over the data-parallel dimension")
     p.add_argument("--cpu-by-process", action="store_true",
                    help="split the Ray instance's own CPU per step by process (raylet, GCS, each actor class)")
     p.add_argument("--profile-after-s", type=float, default=8.0)
@@ -365,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpu:
         import torch
         start["gpu"] = torch.cuda.get_device_name(0)
-    result = {"benchmark": "O1", "workers": args.workers, "model_size": args.model_size, "batch_size": args.batch_size,
+    result = {"benchmark": "O1-TP" if args.tp > 1 else "O1", "workers": args.workers, "tp": args.tp,
+              "strategy": args.strategy, "model_size": args.model_size, "batch_size": args.batch_size,
               "steps": args.steps, "warmup": args.warmup, "reps": args.reps,
               "backend": "nccl" if args.gpu else "gloo", "torch_threads": 1,
               "systems": systems, **start, "loadavg_1m_at_end": round(os.getloadavg()[0], 2)}

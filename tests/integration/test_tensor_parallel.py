@@ -73,6 +73,47 @@ def test_a_killed_tp_rank_takes_its_replica_out_then_the_replica_heals_from_peer
     assert status["layout"] == {"dp": 3, "tp": 2, "pp": 1}
     assert [(w["replica"], w["tp_rank"]) for w in status["workers"]] == [(d, t) for d in range(3) for t in range(2)]
     assert validate_run(run_dir) == {"status.json": 1, "summary.json": 1, "metrics.jsonl": 150}
+    _resume_across_tensor_parallel_degrees(run_dir, loads_file)
+
+
+def _resume(run_dir: str, tp: int, steps: int, loads_file: str) -> tuple[dict, list[dict]]:
+    """The run on `run_dir` resumed to `steps` at TP `tp` x DP 2."""
+    result = ElasticTrainer(
+        counting_loads, train_loop_config={"model_size": "tiny", "batch_size": 8, "loads_file": loads_file},
+        total_steps=steps, seed=0,
+        scaling=ScalingConfig(min_workers=2 * tp, tensor_parallel_size=tp, startup_wait_s=120),
+        checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=5),
+        failure=FailureConfig(collective_timeout_s=30.0, rendezvous_timeout_s=60.0)).fit()
+    assert result.ok, result.error_traceback
+    return result.summary, [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+
+
+def _resume_across_tensor_parallel_degrees(run_dir: str, loads_file: str) -> None:
+    """From the TP 2 run's last checkpoint (step 150): one copy resumes at TP 1 (2 -> 1) and then
+    at TP 2 again (1 -> 2); the other keeps TP 2, then goes to TP 1. The same data-parallel degree
+    (2) throughout: the same samples, LR and, up to the sums' order, the same losses."""
+    import shutil
+    base = run_dir.rstrip("/")
+    switched, kept = base + "-switched", base + "-kept"
+    shutil.copytree(run_dir, switched)
+    shutil.copytree(run_dir, kept)
+    first_switched, lines_switched = _resume(switched, 1, 155, loads_file)
+    first_kept, lines_kept = _resume(kept, 2, 155, loads_file)
+    for first in (first_switched, first_kept):
+        assert first["resumed_from"] == 150 and first["layout_history"][0][0] == 150
+    assert first_switched["layout_history"][0][1] == {"dp": 2, "tp": 1, "pp": 1}
+    assert [m["step"] for m in lines_switched] == list(range(1, 156)) == [m["step"] for m in lines_kept]
+    assert first_switched["data_order_sha256"] == first_kept["data_order_sha256"] == expected_data_order(
+        first_kept["samples_consumed"])
+    then_switched, lines_switched = _resume(switched, 2, 160, loads_file)    # 1 -> 2
+    then_kept, lines_kept = _resume(kept, 1, 160, loads_file)                # 2 -> 1
+    assert [m["step"] for m in lines_switched] == list(range(1, 161)) == [m["step"] for m in lines_kept]
+    assert then_switched["data_order_sha256"] == then_kept["data_order_sha256"]
+    for a, b in zip(lines_switched[150:], lines_kept[150:], strict=True):
+        assert a["lr"] == b["lr"] and a["global_batch"] == b["global_batch"] == 16
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-5), (a["step"], a["loss"], b["loss"])
+    # Each resume read the checkpoint once per rank (2 + 4 ranks, twice), and nothing else did.
+    assert len(open(loads_file).read().split()) == 12
 
 
 def _tp_run(run_dir: str, fault: SignalAtStep | None = None, spare_workers: int = 0):
