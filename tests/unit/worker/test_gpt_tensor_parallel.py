@@ -203,7 +203,6 @@ class _LoopContext:
 
 
 @pytest.mark.parametrize(("attributes", "expected"), [
-    ({}, {}),                                # a context from before tensor parallelism
     ({"tp_size": 1}, {}),
     ({"tp_size": 2}, {"sequence_parallel": False}),
     ({"tp_size": 2, "sp": True}, {"sequence_parallel": True}),
