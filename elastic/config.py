@@ -123,7 +123,8 @@ _ARGUMENT_HINTS: dict[str, dict[str, str]] = {
     "ScalingConfig": {
         "num_workers": "elastic sizes the group between min_workers and max_workers: a fixed size N is "
                        "min_workers=N, max_workers=N (a smaller min_workers lets the run go on after losses)",
-        "placement_strategy": "each worker has a placement group of its own; set resources_per_worker",
+        "placement_strategy": "each worker (each replica, on one node, under tensor parallelism) has a placement "
+                              "group of its own; set resources_per_worker",
         "trainer_resources": "the controller reserves no resources; set resources_per_worker for the workers",
         "accelerator_type": "reserve a custom resource in resources_per_worker",
     },

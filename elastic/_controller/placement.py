@@ -1,4 +1,13 @@
-"""Worker slots' placements: one placement group per slot, and the TrainWorker actor started in it.
+"""Worker slots' placements: one placement group per slot (per replica under tensor parallelism),
+and the TrainWorker actor started in it.
+
+Under tensor parallelism (ScalingConfig.tensor_parallel_size = T > 1) a replica's T ranks carry
+the step's heaviest traffic, so they get one placement group of T bundles with strategy
+STRICT_PACK: Ray reserves all of them on one node or none. A slot is then one bundle of it, and
+a slot that dies while its peers live is replaced in the same bundle (Ray gives a dead actor's
+resources back to the bundle it used, not to the node): the replacement joins its peers on their
+node, and replica_arrangement puts it in their replica. Once no live slot holds a bundle of it,
+the worker group removes the placement group, as it removes a slot's own at T = 1.
 
 `Placements` asks Ray for the placement groups of new slots, launches each slot's actor once its
 placement is granted, and takes each actor's first answer (its WorkerInfo): the slot is ready
@@ -49,9 +58,25 @@ class Placements:
 
     def scale_to(self, n: int) -> None:
         """Keep `n` worker slots alive or pending; start placements for the missing ones."""
-        for _ in range(n - self._slots.live()):
-            pg = placement_group([dict(self.bundle)], strategy="PACK")
-            self._slots.open(pg, pg.ready())
+        missing = n - self._slots.live()
+        tp = self._scaling.tensor_parallel_size
+        if tp == 1:
+            for _ in range(missing):
+                pg = placement_group([dict(self.bundle)], strategy="PACK")
+                self._slots.open(pg, pg.ready())
+            return
+        # Replacements first go where their peers wait: the free bundles of live replicas' groups.
+        refills = self._slots.free_bundles(tp)[:max(0, missing)]
+        for pg, bundle in refills:
+            self._slots.open(pg, pg.ready(), bundle)     # one ready reference each: ray.wait takes no duplicates
+        # The rest in whole replicas. Counts of ranks are multiples of T (ScalingConfig), but a
+        # recovery's target (the workers alive) and an unlimited run's probe (one more than placed)
+        # need not be: a part of a replica could never join a group, so the count is rounded up
+        # (an unlimited run probes for one more replica).
+        for _ in range(-(-(missing - len(refills)) // tp)):
+            pg = placement_group([dict(self.bundle) for _ in range(tp)], strategy="STRICT_PACK")
+            for bundle in range(tp):
+                self._slots.open(pg, pg.ready(), bundle)
 
     def refs(self) -> list[ObjectRef]:
         """What a placement or a start answers on (WorkerGroup.wait waits on it)."""
@@ -94,7 +119,7 @@ class Placements:
         actor_cls = ray.remote(TrainWorker).options(
             num_cpus=cpus, num_gpus=gpus, resources=resources or None, max_concurrency=8,
             max_restarts=0, name=None,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(slot.pg, placement_group_bundle_index=0))
+            scheduling_strategy=PlacementGroupSchedulingStrategy(slot.pg, placement_group_bundle_index=slot.bundle))
         actor: Any = actor_cls.remote(self._spec)      # Ray resolves its methods by name
         self._slots.launched(slot, actor, actor.info.remote(), placed_at)
 
@@ -105,10 +130,12 @@ class Placements:
             # Nothing else says it: a configured spare (or a worker up to max_workers) that never
             # gets resources leaves the run without the replacement it counts on.
             slot.warned = True
+            tp = scaling.tensor_parallel_size
             log.warning("worker slot %d has waited %.0fs for resources %s (Ray has %s available): the "
-                        "cluster cannot place max_workers + spare_workers = %s workers; add resources or "
+                        "cluster cannot place max_workers + spare_workers = %s workers%s; add resources or "
                         "lower them", slot.wid, now - slot.created_at, self.bundle,
-                        _available_resources(), scaling.max_workers + scaling.spare_workers)
+                        _available_resources(), scaling.max_workers + scaling.spare_workers,
+                        f" ({tp} of them on one node for each replica)" if tp > 1 else "")
 
 
 def _available_resources() -> dict[str, float] | str:

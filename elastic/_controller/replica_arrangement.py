@@ -9,8 +9,10 @@ consecutive ranks (elastic.layout), and a survivor's memory holds the shard of o
   TP rank of the new group has a warm source among the ranks of that TP rank (the warm rung moves
   each shard within its data-parallel group, elastic._worker.warm_slices), and every holder of
   FSDP copies at the TP rank of its copies (the memory rung rebuilds within that group too);
-- within a TP rank, members are ordered by node, so that a replica's ranks share a node where
-  the workers allow it (a TP group's traffic is the heaviest of the step).
+- members are grouped by node, so that a replica's ranks share a node where the workers allow it
+  (a TP group's traffic is the heaviest of the step): a holder joins a replica begun on its node,
+  and a replacement placed beside its lost rank's peers (placement: the replica's placement group)
+  completes their replica.
 With T = 1 every worker holds the whole state and the order is the candidates' own.
 """
 from __future__ import annotations
@@ -31,29 +33,73 @@ def arrange(candidates: list[int], settled: Mapping[int, WorkerReport], tp: int,
     preferred: survivors furthest ahead first, then spares), as whole replicas of `tp` ranks.
 
     The replicas that survived whole come first and stay together; then each other holder of a
-    TP shard takes a place at its TP rank where one is free; the rest fill the free places in
-    rank order, grouped by node. A lost rank's peers thus wait outside the group while whole
-    replicas can fill it, and join it again to complete a replica with a replacement."""
+    TP shard takes a place at its TP rank where one is free, in a replica begun on its node if
+    there is one, else in an empty one; the rest fill the free places, first those of the
+    replicas begun on their node, then the others in rank order, grouped by node. A lost rank's
+    peers thus wait outside the group while whole replicas can fill it, and join it again to
+    complete a replica with a replacement: one placed beside them (placement: into their
+    replica's placement group) completes theirs, not another node's."""
     size = whole_replicas(min(limit, len(candidates)), tp)
     if tp == 1:
         return candidates[:size]
-    dp = size // tp
-    grid: list[list[int | None]] = [[None] * tp for _ in range(dp)]
+    nodes = node_of or {}
+    grid: list[list[int | None]] = [[None] * tp for _ in range(size // tp)]
     placed: set[int] = set()
-    for wid in _whole_replicas_first(candidates, settled, tp):
+    whole, holders = _whole_replicas(candidates, settled, tp)
+    for replica, row in zip(whole, grid, strict=False):    # as many whole replicas as there are places
+        row[:] = replica          # one member of each TP rank, in TP rank order
+        placed.update(replica)
+    for wid in holders:
         shard = _shard(settled.get(wid), tp)
-        if shard is None:
+        if shard is None or wid in placed:
             continue
-        row = next((r for r in grid if r[shard] is None), None)
-        if row is not None:
-            row[shard] = wid
+        joined = _row_for(grid, shard, nodes.get(wid, ""), nodes)
+        if joined is not None:
+            joined[shard] = wid
             placed.add(wid)
     rest = [w for w in candidates if w not in placed]
     if node_of is not None:
         first_seen = {node: i for i, node in enumerate(dict.fromkeys(node_of.get(w, "") for w in candidates))}
         rest.sort(key=lambda w: first_seen[node_of.get(w, "")])
-    fill = iter(rest)
-    return [cell if cell is not None else next(fill) for row in grid for cell in row]
+    _fill(grid, rest, nodes)
+    return [cell for row in grid for cell in row if cell is not None]
+
+
+def _node_of_row(row: list[int | None], nodes: Mapping[int, str]) -> str | None:
+    """The node of a replica's first placed member (None: nobody placed in it yet)."""
+    return next((nodes.get(w, "") for w in row if w is not None), None)
+
+
+def _row_for(grid: list[list[int | None]], col: int, node: str, nodes: Mapping[int, str]) -> list[int | None] | None:
+    """The replica a holder of TP rank `col`'s shard on `node` joins: the first begun on its node
+    with that place free, else the first empty one, else the first with that place free."""
+    free = [row for row in grid if row[col] is None]
+    return (next((row for row in free if _node_of_row(row, nodes) == node), None)
+            or next((row for row in free if _node_of_row(row, nodes) is None), None)
+            or next(iter(free), None))
+
+
+def _fill(grid: list[list[int | None]], rest: list[int], nodes: Mapping[int, str]) -> None:
+    """Fill the free places of `grid` from `rest` (in its order): the replicas begun first, each
+    from its own node's workers (a replacement joins its waiting peers), then every free place in
+    rank order, a node's workers where the replica's first member is on it."""
+    pool = list(rest)
+
+    def take(node: str | None) -> int | None:
+        i = next((i for i, w in enumerate(pool) if nodes.get(w, "") == node), None)
+        return pool.pop(i) if i is not None else None
+
+    for row in grid:
+        node = _node_of_row(row, nodes)
+        for col in range(len(row)):
+            if node is not None and row[col] is None:
+                row[col] = take(node)
+    for row in grid:
+        for col in range(len(row)):
+            if row[col] is None:
+                node = _node_of_row(row, nodes)
+                wid = take(node) if node is not None else None
+                row[col] = wid if wid is not None else pool.pop(0)
 
 
 def _shard(report: WorkerReport | None, tp: int) -> int | None:
@@ -70,18 +116,20 @@ def _shard(report: WorkerReport | None, tp: int) -> int | None:
     return None
 
 
-def _whole_replicas_first(candidates: list[int], settled: Mapping[int, WorkerReport], tp: int) -> list[int]:
-    """`candidates` with the members of replicas that are whole among them (every TP rank of one
-    replica of the same generation) first, in their replica's order; the others after, in order."""
+def _whole_replicas(candidates: list[int], settled: Mapping[int, WorkerReport], tp: int
+                    ) -> tuple[list[list[int]], list[int]]:
+    """The replicas that are whole among `candidates` (every TP rank of one replica of the same
+    generation), in their replica's order, each in TP rank order; and the other candidates, in
+    order."""
     replicas: dict[tuple[int, int], list[int]] = {}
     for wid in candidates:
         report = settled.get(wid)
         if report is not None and report.rank is not None and _shard(report, tp) is not None:
             replicas.setdefault((report.generation, report.rank // tp), []).append(wid)
-    whole = [w for key in sorted(replicas) if len(replicas[key]) == tp
-             for w in sorted(replicas[key], key=lambda w: settled[w].shard[0])]
-    taken = set(whole)
-    return whole + [w for w in candidates if w not in taken]
+    whole = [sorted(replicas[key], key=lambda w: _shard(settled[w], tp) or 0) for key in sorted(replicas)
+             if {_shard(settled[w], tp) for w in replicas[key]} == set(range(tp))]
+    taken = {w for replica in whole for w in replica}
+    return whole, [w for w in candidates if w not in taken]
 
 
 def warm_sources(members: list[int], settled: Mapping[int, WorkerReport], tp: int

@@ -1,11 +1,13 @@
 """The worker group's slot table: one record per worker slot, and what the controller sees of it.
 
-`SlotTable` alone changes where a slot is (pending, starting, ready, dead), files its poll
-answers (the step records the controller has not viewed yet are kept across answers), records
-its death and the silence that led to it, drops a dead slot once no recovery can ask about it,
-and builds each tick's views (a slot's silence: how long it has not answered). It makes no Ray
-call: the worker group (worker_group.RayWorkerGroup) polls and kills, its placements
-(placement.Placements) place and start the actors, and both tell the table what came of it.
+`SlotTable` alone changes where a slot is (pending, starting, ready, dead), knows which slots
+share a placement group (one per slot; one per replica under tensor parallelism, a slot in each of
+its bundles) and which of its bundles a live slot holds, files its poll answers (the step records
+the controller has not viewed yet are kept across answers), records its death and the silence
+that led to it, drops a dead slot once no recovery can ask about it, and builds each tick's views
+(a slot's silence: how long it has not answered). It makes no Ray call: the worker group
+(worker_group.RayWorkerGroup) polls and kills, its placements (placement.Placements) place and
+start the actors, and both tell the table what came of it.
 """
 from __future__ import annotations
 
@@ -56,6 +58,7 @@ class Slot:
     pg: PlacementGroup
     pg_ready: ObjectRef
     created_at: float
+    bundle: int = 0                    # its bundle in `pg` (a replica's placement group has one per TP rank)
     status: str = PENDING
     actor: Any = None                  # the TrainWorker actor's handle: Ray resolves its methods by name
     info_ref: ObjectRef | None = None
@@ -88,9 +91,10 @@ class SlotTable:
                                  + failure.rendezvous_timeout_s)
 
     # ---- the records -------------------------------------------------------------------
-    def open(self, pg: PlacementGroup, pg_ready: ObjectRef) -> Slot:
-        """A new slot, numbered next, for a placement just asked for."""
-        slot = Slot(wid=self._next_wid, pg=pg, pg_ready=pg_ready, created_at=self._clock())
+    def open(self, pg: PlacementGroup, pg_ready: ObjectRef, bundle: int = 0) -> Slot:
+        """A new slot, numbered next, in bundle `bundle` of a placement group just asked for (or
+        of a replica's whose other bundles still hold live slots)."""
+        slot = Slot(wid=self._next_wid, pg=pg, pg_ready=pg_ready, created_at=self._clock(), bundle=bundle)
         self.add(slot)
         return slot
 
@@ -115,6 +119,20 @@ class SlotTable:
     def live(self) -> int:
         """Slots alive or pending."""
         return sum(1 for s in self._slots.values() if s.status != DEAD)
+
+    def free_bundles(self, bundles: int) -> list[tuple[PlacementGroup, int]]:
+        """The bundles no live slot holds in the placement groups (of `bundles` bundles each)
+        where some live slot still holds one: a dead slot's bundle, its peers alive on its node.
+        Oldest group first, each group's bundles in order."""
+        held: dict[int, tuple[PlacementGroup, set[int]]] = {}
+        for slot in sorted(self._slots.values(), key=lambda s: s.wid):
+            if slot.status != DEAD:
+                held.setdefault(id(slot.pg), (slot.pg, set()))[1].add(slot.bundle)
+        return [(pg, b) for pg, taken in held.values() for b in range(bundles) if b not in taken]
+
+    def placement_unused(self, slot: Slot) -> bool:
+        """No live slot holds a bundle of `slot`'s placement group any more (it can be removed)."""
+        return all(s.status == DEAD for s in self._slots.values() if s.pg is slot.pg)
 
     def ready_nodes(self) -> set[str]:
         """The nodes that have a ready worker."""

@@ -1,4 +1,5 @@
-"""The worker group on Ray: one placement group and one TrainWorker actor per worker slot.
+"""The worker group on Ray: one TrainWorker actor per worker slot, in a placement group of its own
+(one per replica under tensor parallelism: placement).
 
 Only this module and its parts talk to Ray about workers: placement (the slots' placements and
 their actors' starts) and agent_pool (the node agents that may carry their polls); the slot table
@@ -171,6 +172,8 @@ class RayWorkerGroup:
         if agent is not None and self._agents is not None:
             self._agents.forget(agent, slot.wid)
         (log.info if reason == "run ended" else log.warning)("worker %d is dead: %s", slot.wid, reason)
+        if not self._slots.placement_unused(slot):
+            return       # its replica's peers live: a replacement goes into its bundle, beside them
         try:
             remove_placement_group(slot.pg)
         except Exception:   # the placement group may be gone with its node

@@ -28,6 +28,33 @@ def ray_session(_ray_shutdown_at_end):
 
 
 @pytest.fixture
+def ray_cluster():
+    """Starts a multi-node `ray.cluster_utils.Cluster` on this machine: `ray_cluster(*cpus)` adds
+    a node of each CPU count beside a head without CPUs (the controller needs none), connects the
+    driver, and returns (cluster, nodes). The shared local instance (ray_session) is shut down
+    first; its next user restarts it. The cluster is always shut down."""
+    import ray
+    from ray.cluster_utils import Cluster
+    started: list = []
+
+    def start(*node_cpus: int):
+        ray.shutdown()                  # one Ray per driver: leave the shared local instance
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+        started.append(cluster)
+        nodes = [cluster.add_node(num_cpus=cpus) for cpus in node_cpus]
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, logging_level="WARNING")
+        return cluster, nodes
+
+    try:
+        yield start
+    finally:
+        ray.shutdown()
+        for cluster in started:
+            cluster.shutdown()
+
+
+@pytest.fixture
 def run_dir(tmp_path):
     path = tmp_path / "run"
     return str(path)

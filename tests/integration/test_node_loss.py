@@ -14,19 +14,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.exclusive]
 
 
 @pytest.fixture
-def cluster():
-    import ray
-    from ray.cluster_utils import Cluster
-    ray.shutdown()                      # one Ray per driver: leave the shared local instance
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    nodes = [cluster.add_node(num_cpus=2) for _ in range(2)]
-    try:
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, logging_level="WARNING")
-        yield cluster, nodes
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+def cluster(ray_cluster):
+    return ray_cluster(2, 2)
 
 
 @pytest.mark.timeout(300)

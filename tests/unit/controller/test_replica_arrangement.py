@@ -116,3 +116,30 @@ def test_a_tp_recovery_replaces_its_lost_rank_after_the_re_form_unless_min_worke
     assert Slots(ScalingConfig(min_workers=4, max_workers=6)).target(views, broken_world=6) == 6   # DDP: at once
     short = {w: WorkerView(wid=w, status=DEAD if w >= 1 else READY) for w in range(6)}
     assert tp.target(short, broken_world=6) == 4          # below min_workers: replaced at once
+
+
+def test_replacements_complete_the_replicas_of_the_peers_they_were_placed_beside():
+    """TP 2 x DP 3, a replica per node: replica 1 (node b) lost its TP rank 1 and replica 2 (node
+    c) its TP rank 0; each replacement was placed in its lost rank's bundle, on its peer's node
+    (placement). The peers keep their TP ranks, and each completes a replica with the replacement
+    beside it, not with the other node's peer."""
+    settled = {0: _held(40, 0, rank=0), 1: _held(40, 1, rank=1), 2: _held(40, 0, rank=2), 5: _held(40, 1, rank=5),
+               6: _held(0, None), 7: _held(0, None)}
+    node_of = {0: "a", 1: "a", 2: "b", 5: "c", 6: "c", 7: "b"}
+    members = arrange([0, 1, 2, 5, 6, 7], settled, 2, limit=6, node_of=node_of)
+    assert members[:2] == [0, 1]
+    assert sorted(members[2:4]) == [2, 7] and sorted(members[4:]) == [5, 6]
+    assert members.index(2) % 2 == 0 and members.index(5) % 2 == 1        # at the TP rank of their shard
+    assert all(len({node_of[w] for w in members[r:r + 2]}) == 1 for r in (0, 2, 4))
+
+
+def test_a_replacement_joins_its_waiting_peer_before_a_spare_elsewhere():
+    """The peer holds no state (nothing to place it by) and a spare on another node was ready
+    first: the replacement on the peer's node still completes the peer's replica."""
+    settled = {0: _held(40, 0, rank=0), 1: _held(40, 1, rank=1), 2: _held(0, None), 4: _held(0, None),
+               9: _held(0, None)}
+    node_of = {0: "a", 1: "a", 2: "b", 4: "c", 9: "b"}
+    assert arrange([0, 1, 2, 4, 9], settled, 2, limit=4, node_of=node_of) == [0, 1, 2, 9]
+    # A replica begun by a holder claims its node's worker even where another node's comes first.
+    settled[2] = _held(30, 1, rank=3)
+    assert arrange([0, 1, 2, 4, 9], settled, 2, limit=4, node_of=node_of) == [0, 1, 9, 2]
