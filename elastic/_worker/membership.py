@@ -78,6 +78,14 @@ class GroupMembership:
         so that peers blocked on this rank fail now."""
         import torch.distributed as dist
         if not dist.is_initialized():
+            # torch names each group from a process-wide counter (the default group "0", the
+            # mesh's and the side groups after it) and puts the name in every rendezvous key; only
+            # destroying the default group resets it. A join that failed (a peer never came) has
+            # counted its group without making one: unreset, this rank's next group would carry
+            # another name than a fresh worker's, and every later generation that mixes them
+            # would wait on different keys until the collective timeout (found by the mixed-tp
+            # chaos campaign, seed 1: four generations in a row). So the count starts again here.
+            dist.distributed_c10d._world.group_count = 0
             return
         if abort:
             self.cut(self._sockets)

@@ -31,7 +31,11 @@ TIMEOUT_S, DEADLINE_S = %d, %d
 
 
 def loop(ctx):
-    pass
+    # The name torch gave this generation's default group (a fresh worker's first is "0"): the
+    # name is in every rendezvous key, so a worker whose join failed must name its next the same.
+    import torch.distributed as dist
+    with open(sys.argv[3] + "/group_name", "w") as out:
+        out.write(dist.distributed_c10d._get_default_group().group_name)
 
 
 def wait_for(condition, what):
@@ -116,3 +120,6 @@ def test_a_cut_releases_a_rank_joining_a_generation_whose_peer_never_comes(tmp_p
     assert left.split()[1:3] == ["interrupted", "comm"], out
     next_generation = next(line for line in lines if line.startswith("next "))
     assert next_generation.split()[1:3] == ["finished", "2"], out
+    # ... under the name a fresh worker gives its first group, as its peers of that generation
+    # would (before the fix, "1" after a join that failed inside init_process_group).
+    assert (tmp_path / "group_name").read_text() == "0"
