@@ -80,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "list":
         for sc in SCENARIOS.values():
             print(f"{sc.name:<12} {sc.description}  (steps {sc.steps}, workers {sc.workers}"
+                  f"{f', tp {sc.tensor_parallel}' if sc.tensor_parallel > 1 else ''}"
+                  f"{f', spares {sc.spare_workers}' if sc.spare_workers else ''}"
                   f"{f', nodes {sc.nodes}' if sc.nodes else ''})")
         return 0
     if args.command == "schedule":

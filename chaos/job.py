@@ -22,6 +22,9 @@ class JobSpec:
     seed: int = 0
     model_size: str | None = "tiny"
     strategy: str = "ddp"                      # the job's --strategy
+    tp: int = 1                                # the job's --tp: tensor parallelism over replicas of T ranks
+    spare_workers: int = 0                     # the job's --spare-workers
+    cpus_per_worker: float | None = None       # the job's --cpus-per-worker (None: its default)
     heartbeat_timeout_s: float | None = 10.0
     script: str = DEFAULT_SCRIPT
     extra_args: tuple[str, ...] = ()
@@ -35,6 +38,12 @@ class JobSpec:
             argv += ["--model-size", self.model_size]
         if self.strategy != "ddp":
             argv += ["--strategy", self.strategy]
+        if self.tp != 1:
+            argv += ["--tp", str(self.tp)]
+        if self.spare_workers:
+            argv += ["--spare-workers", str(self.spare_workers)]
+        if self.cpus_per_worker is not None:
+            argv += ["--cpus-per-worker", str(self.cpus_per_worker)]
         if self.heartbeat_timeout_s is not None:
             argv += ["--heartbeat-timeout", str(self.heartbeat_timeout_s)]
         if self.fail_at is not None:

@@ -121,7 +121,8 @@ def _attempt(a: dict) -> dict[str, Any]:
     return {"exit_code": a.get("exit_code"), "timed_out": a.get("timed_out"), "status": s.get("status"),
             "error": (s.get("error") or {}).get("type"), "error_ranks": (s.get("error") or {}).get("ranks"),
             "final_step": s.get("final_step"), "resumed_from": s.get("resumed_from"),
-            "world_size_history": s.get("world_size_history"), "wall_s": s.get("wall_s"),
+            "world_size_history": s.get("world_size_history"), "layout_history": s.get("layout_history"),
+            "wall_s": s.get("wall_s"),
             "goodput": s.get("goodput"), "fail_at": a.get("fail_at"), "steps": a.get("steps")}
 
 

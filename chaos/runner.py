@@ -23,7 +23,7 @@ from chaos.job import DEFAULT_SCRIPT, JobSpec
 from chaos.observe import RunView, fence_facts
 from chaos.reference import check_reference_storage, reference_run, start_reference
 from chaos.report import write_report
-from chaos.scenarios import Scenario
+from chaos.scenarios import Scenario, check_workers
 from chaos.schedule import Schedule
 from chaos.services import MOTO_CREDENTIALS, MotoServer, ensure_bucket, is_s3
 from checkpointing.errors import CheckpointError
@@ -60,9 +60,26 @@ class Outcome:
         return not any(v.failed for v in self.verdicts)
 
 
+def job_spec(opts: RunOptions) -> JobSpec:
+    """The job the scenario runs (its reference is the same, on another storage): the layout
+    (workers, TP degree, spares) is the scenario's, `--workers` aside. SystemExit (a usage error)
+    for a `--workers` override that is not whole replicas of the scenario's TP degree."""
+    sc = opts.scenario
+    workers = opts.workers or sc.workers
+    try:
+        check_workers(workers, sc.tensor_parallel, sc.spare_workers, what=f"--workers {workers}")
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    return JobSpec(storage=opts.storage, workers=workers, steps=opts.steps or sc.steps,
+                   checkpoint_every=sc.checkpoint_every, heartbeat_timeout_s=sc.heartbeat_timeout_s,
+                   model_size=sc.model_size, strategy=sc.strategy, tp=sc.tensor_parallel,
+                   spare_workers=sc.spare_workers, cpus_per_worker=sc.cpus_per_worker,
+                   extra_args=tuple(opts.extra_args), script=opts.script or DEFAULT_SCRIPT)
+
+
 def run(opts: RunOptions) -> Outcome:
     sc = opts.scenario
-    steps = opts.steps or sc.steps
+    spec = job_spec(opts)
     schedule = opts.schedule or sc.schedule(opts.seed)
     if opts.max_faults is not None:
         schedule = dataclasses.replace(schedule, entries=schedule.entries[:opts.max_faults])
@@ -70,10 +87,6 @@ def run(opts: RunOptions) -> Outcome:
     for name in ("history.jsonl", "chaos_report.json", "chaos_report.png"):
         if os.path.exists(os.path.join(opts.out_dir, name)):
             os.remove(os.path.join(opts.out_dir, name))
-    spec = JobSpec(storage=opts.storage, workers=opts.workers or sc.workers, steps=steps,
-                   checkpoint_every=sc.checkpoint_every, heartbeat_timeout_s=sc.heartbeat_timeout_s,
-                   model_size=sc.model_size, strategy=sc.strategy, extra_args=tuple(opts.extra_args),
-                   script=opts.script or DEFAULT_SCRIPT)
     history = History(os.path.join(opts.out_dir, "history.jsonl"))
     history.record("schedule", scenario=sc.name, seed=opts.seed, schedule=schedule.to_dict(), job=spec.argv())
     try:

@@ -3,8 +3,13 @@
 Every scenario is a function of the seed: `SCENARIOS[name].schedule(seed)` always gives the same
 faults at the same times. Default shapes keep min == max workers, so recoveries restore the
 same world size and the final model can be compared with a fault-free reference run (the
-runtime guarantees equal model_sha256 for an equal world-size history); `--workers` overrides
-that, and the comparison is then skipped whenever the world sizes differ.
+runtime guarantees equal model_sha256 for an equal layout history: world size and TP degree at
+every step); `--workers` overrides that, and the comparison is then skipped whenever the
+layouts differ.
+
+A scenario with `tensor_parallel` T > 1 runs the job with `--tp T`: its workers (and spares)
+count ranks and come in whole replicas of T, so MIN, MAX and `spare_workers` are multiples of T
+(checked here, and for a `--workers` override by the runner).
 """
 from __future__ import annotations
 
@@ -41,13 +46,41 @@ class Scenario:
     heartbeat_timeout_s: float = 10.0
     model_size: str = "tiny"
     strategy: str = "ddp"                     # the job's --strategy
+    tensor_parallel: int = 1                  # the job's --tp T: replicas of T ranks
+    spare_workers: int = 0                    # the job's --spare-workers (hot spares, in ranks)
+    cpus_per_worker: float | None = None      # the job's --cpus-per-worker (None: the job's default, 1)
     nodes: int | None = None                  # runner-owned Ray cluster of this many 1-CPU nodes
     namespaced: bool = False                  # ... each node in its own network namespace
     restarts: int = 0                         # job restarts allowed after a typed failure
     job_timeout_s: float = 900.0
 
+    def __post_init__(self) -> None:
+        check_workers(self.workers, self.tensor_parallel, self.spare_workers, what=f"scenario {self.name}")
+
+    @property
+    def min_workers(self) -> int:
+        return parse_workers(self.workers)[0]
+
     def schedule(self, seed: int) -> Schedule:
         return self.build(self, seed)
+
+
+def parse_workers(workers: str) -> tuple[int, int]:
+    """MIN:MAX (or N, for N:N) as the job's --workers takes it."""
+    low, _, high = workers.partition(":")
+    return int(low), int(high or low)
+
+
+def check_workers(workers: str, tp: int, spares: int = 0, *, what: str) -> None:
+    """ValueError unless MIN, MAX and the spares are whole replicas of `tp` ranks (the runtime's
+    ScalingConfig refuses anything else with a ConfigError, once the job has started)."""
+    if tp < 1:
+        raise ValueError(f"{what}: tensor_parallel must be at least 1, not {tp}")
+    low, high = parse_workers(workers)
+    bad = {name: n for name, n in (("min", low), ("max", high), ("spare", spares)) if n % tp}
+    if bad:
+        raise ValueError(f"{what}: with --tp {tp} the workers come in replicas of {tp} ranks; "
+                         + ", ".join(f"{name} {n}" for name, n in bad.items()) + f" is not a multiple of {tp}")
 
 
 def _spread(rng: random.Random, faults: list, gap_s: float, start_s: float = 3.0) -> list:
@@ -145,8 +178,9 @@ def _mixed(sc: Scenario, seed: int, count: int = 50) -> Schedule:
     # The user error comes first, alone (it is armed in the run's first generation): that
     # attempt fails fast with it, the runner restarts the job, which resumes from its last
     # checkpoint, and the campaign runs on the restarted job.
+    # Its rank is any of the group's (seed % 3 on mixed's three workers).
     return randomized(seed, MIXED_MENU, count=count, mean_interval_s=25.0, jitter=0.2, start_s=10.0, cover_menu=True,
-                      launch_faults=(UserError(rank=seed % 3, step=3 * sc.checkpoint_every),))
+                      launch_faults=(UserError(rank=seed % sc.min_workers, step=3 * sc.checkpoint_every),))
 
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
@@ -185,4 +219,14 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario(name="mixed-fsdp", description="mixed's faults on an FSDP job (shards restored from peers' memory)",
              build=_mixed, steps=2000, model_size="small", checkpoint_every=20, nodes=4, namespaced=True,
              restarts=4, job_timeout_s=3600, strategy="fsdp"),
+    # The same faults on tensor parallelism: two replicas of two ranks (min == max, so the layout
+    # stays DP 2 x TP 2 and the model is compared with the reference's) and a spare replica. A
+    # lost rank takes its replica out; a spare completes it at once, warm from the surviving
+    # replica's same TP rank. Half a CPU per worker: the four one-CPU nodes of mixed host the six
+    # workers two to a node with one node's room free for replacements (as mixed's three workers
+    # on four nodes), and a node lost (a kill_node, a partition) is a machine lost with its two
+    # ranks, a whole replica or one TP rank of each (then the checkpoint restores that TP rank).
+    Scenario(name="mixed-tp", description="mixed's faults on a TP 2 job: 2 replicas of 2 ranks and a spare replica",
+             build=_mixed, steps=2000, model_size="small", checkpoint_every=20, nodes=4, namespaced=True,
+             restarts=4, job_timeout_s=3600, workers="4:4", tensor_parallel=2, spare_workers=2, cpus_per_worker=0.5),
 )}

@@ -182,3 +182,11 @@ def test_every_relative_link_points_to_something_that_exists(doc):
         elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved):
             broken.append(f"{target} (no heading #{anchor} in {resolved.name})")
     assert not broken, f"{doc.name}: broken links"
+
+
+def test_every_chaos_scenario_is_documented():
+    """chaos/README.md's Scenarios section names every scenario of chaos/scenarios.py."""
+    from chaos.scenarios import SCENARIOS
+    section = _sections((ROOT / "chaos" / "README.md").read_text())["Scenarios (chaos/scenarios.py)"]
+    named = set(INLINE_CODE.findall(section))
+    assert set(SCENARIOS) <= named, f"undocumented scenarios: {sorted(set(SCENARIOS) - named)}"
