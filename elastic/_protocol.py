@@ -232,11 +232,10 @@ class RunSpec:
 
     @property
     def in_memory_every(self) -> int | None:
-        """Steps between FSDP's copies in host memory (elastic._worker.replicas); None: no copies
-        (DDP's survivors hold full replicas; HSDP and the rest do not take them)."""
-        if self.scaling.strategy != "fsdp" or self.scaling.tensor_parallel_size > 1:
-            # FSDP x TP shards on a 2-D mesh, which the copies (1-D Shard(0) pieces) do not cut
-            # yet: such a run restores a lost rank's shards from the checkpoint.
+        """Steps between FSDP's copies in host memory (elastic._worker.replicas), with or without
+        tensor parallelism (FSDP x TP: the ring runs within each TP rank's data-parallel group);
+        None: no copies (DDP's survivors hold full replicas; HSDP and the rest do not take them)."""
+        if self.scaling.strategy != "fsdp":
             return None
         return self.checkpoint.in_memory_every_n_steps
 

@@ -123,7 +123,8 @@ class TrainContext(RankPlace):
                                       commit_requested=commit_requested)
         self._restorer = Restorer(plan=plan, spec=spec, worker=worker, mesh=self._mesh,
                                   comm_device=device if spec.scaling.use_gpu else torch.device("cpu"))
-        self._keeper = StateKeeper(plan=plan, spec=spec, worker=worker, boundary=self._boundary, device=device)
+        self._keeper = StateKeeper(plan=plan, spec=spec, worker=worker, boundary=self._boundary, mesh=self._mesh,
+                                   device=device)
         self._models: list[tuple[nn.Module, nn.Module]] = []   # (as returned to the user, unwrapped)
         self._optimizers: list[torch.optim.Optimizer] = []
         self._scaling = spec.scaling

@@ -70,8 +70,10 @@ def _slots(skeleton: Any) -> list[_TensorSlot]:
     return []
 
 
-def broadcast_state(state: Any | None, src: int, device: torch.device) -> Any:
-    """Collective: rank `src` passes its state, every other rank passes None; all return it.
+def broadcast_state(state: Any | None, src: int, device: torch.device, group: dist.ProcessGroup | None = None
+                    ) -> Any:
+    """Collective over `group` (default: the world): rank `src` (a global rank) passes its
+    state, every other rank passes None; all return it.
 
     The source gets its own objects back (no copy); receivers get fresh tensors on `device`.
     """
@@ -79,41 +81,43 @@ def broadcast_state(state: Any | None, src: int, device: torch.device) -> Any:
     tensors: list[torch.Tensor] = []
     skeleton = _split_tree(state, tensors) if is_src else None
     box = [skeleton]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=group)
     skeleton = box[0]
     slots = _slots(skeleton)
     groups = _dtype_groups(slots)
     flats = _flatten(groups, tensors, device) if is_src else _empty_flats(groups, device)
     for flat in flats:
-        dist.broadcast(flat, src=src)
+        dist.broadcast(flat, src=src, group=group)
     if is_src:
         return state
     # Copies, not views of the flat buffers: each tensor is loaded into an object of its own.
     return _fill_tree(skeleton, _unflatten(slots, groups, flats, device, copy=True))
 
 
-def swap_ring(state: Any, device: torch.device) -> Any:
-    """Collective: every rank sends `state` to the next rank (rank + 1, around the ring) and
-    returns what the previous one sent it; tensors arrive on `device`.
+def swap_ring(state: Any, device: torch.device, group: dist.ProcessGroup | None = None) -> Any:
+    """Collective over `group` (default: the world): every rank sends `state` to the next rank
+    of the group (around the ring, in group rank order) and returns what the previous one sent
+    it; tensors arrive on `device`.
 
     Point to point, so the bytes each rank moves do not grow with the world size: a skeleton's
     length, the skeleton, then one flat buffer per dtype, each a send and a receive posted
     together (no rank waits for its receiver before it can receive)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    right, left = (rank + 1) % world, (rank - 1) % world
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    right, left = _global_rank(group, (rank + 1) % world), _global_rank(group, (rank - 1) % world)
     tensors: list[torch.Tensor] = []
     mine = _split_tree(state, tensors)
     blob = pickle.dumps(mine)
     length = torch.tensor([len(blob)], dtype=torch.int64, device=device)
     their_length = torch.empty(1, dtype=torch.int64, device=device)
-    _send_and_receive([length], [their_length], right, left)
+    _send_and_receive([length], [their_length], right, left, group)
     theirs = torch.empty(int(their_length.item()), dtype=torch.uint8, device=device)
-    _send_and_receive([torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device)], [theirs], right, left)
+    _send_and_receive([torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device)], [theirs], right, left,
+                      group)
     skeleton = pickle.loads(theirs.cpu().numpy().tobytes())   # a peer rank of this same run sent it
     slots = _slots(skeleton)
     groups = _dtype_groups(slots)
     incoming = _empty_flats(groups, device)
-    _send_and_receive(_flatten(_dtype_groups(_slots(mine)), tensors, device), incoming, right, left)
+    _send_and_receive(_flatten(_dtype_groups(_slots(mine)), tensors, device), incoming, right, left, group)
     # Views: the received buffers are the copy kept (no second copy of a neighbour's state).
     return _fill_tree(skeleton, _unflatten(slots, groups, incoming, device, copy=False))
 
@@ -157,8 +161,15 @@ def _unflatten(slots: list[_TensorSlot], groups: list[tuple[torch.dtype, list[_T
     return tensors
 
 
-def _send_and_receive(outgoing: list[torch.Tensor], incoming: list[torch.Tensor], to: int, source: int) -> None:
-    ops = [dist.P2POp(dist.isend, t, to) for t in outgoing] + [dist.P2POp(dist.irecv, t, source) for t in incoming]
+def _global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def _send_and_receive(outgoing: list[torch.Tensor], incoming: list[torch.Tensor], to: int, source: int,
+                      group: dist.ProcessGroup | None = None) -> None:
+    """`to` and `source` are global ranks (P2POp's peers), members of `group`."""
+    ops = [dist.P2POp(dist.isend, t, to, group) for t in outgoing]
+    ops += [dist.P2POp(dist.irecv, t, source, group) for t in incoming]
     for work in dist.batch_isend_irecv(ops):
         work.wait()
 

@@ -19,6 +19,7 @@ from elastic._protocol import GenerationPlan, RunSpec
 from elastic._worker import checkpoint_io as _checkpoint_io
 from elastic._worker import thread_position as _thread_position
 from elastic._worker import wrap as _wrap
+from elastic._worker.mesh import GenerationMesh
 from elastic._worker.state import WorkerState
 from elastic._worker.step_boundary import StepBoundary, StepOutcome
 from elastic._worker.train_state import TrainState
@@ -28,8 +29,9 @@ class StateKeeper:
     """One generation's saves and copies of the state `restore` loaded (`state`)."""
 
     def __init__(self, *, plan: GenerationPlan, spec: RunSpec, worker: WorkerState, boundary: StepBoundary,
-                 device: torch.device):
+                 mesh: GenerationMesh, device: torch.device):
         self._plan, self._spec, self._worker, self._boundary = plan, spec, worker, boundary
+        self._mesh = mesh
         self._copy_device = device if spec.scaling.use_gpu else torch.device("cpu")
         self.state: TrainState | None = None     # set when the generation restored (ctx.restore)
         self.compression: Any = None              # the PowerSGD state checkpoints carry (the first compressed model's)
@@ -113,11 +115,15 @@ class StateKeeper:
         session.check_committed(step)
 
     def _copy_to_memory(self) -> None:
-        """Collective: this rank's state into host memory, and a copy to its ring neighbour."""
+        """Collective: this rank's state into host memory, and a copy to its ring neighbour (under
+        tensor parallelism, the same TP rank in the next replica)."""
         assert self.state is not None
+        mesh = self._mesh
+        # At T = 1 the ring is the world: no mesh is built for it (its process groups cost a collective).
+        group = mesh.dp_group() if mesh.tensor_parallel else None
         self._worker.replicas.refresh(self.state, generation=self._plan.generation, rank=self._plan.rank,
                                       world_size=self._plan.world_size, step=self._boundary.step,
-                                      device=self._copy_device)
+                                      device=self._copy_device, tp_size=mesh.layout.tp, group=group)
 
     def finish(self) -> str | None:
         """After the loop: commit the final state and hash the full models (collective); the

@@ -122,12 +122,28 @@ class Restorer:
 
     def _memory(self, state: TrainState, source: ReplicaSource, step: int) -> None:
         """Rebuild this rank's shards from the old generation's copies: each holder broadcasts
-        the copy of one old rank in turn; every rank keeps the rows of its new pieces."""
+        the copy of one old rank in turn; every rank keeps the blocks of its new shards.
+
+        Under tensor parallelism (T unchanged: the controller rebuilds from copies only then)
+        each TP rank's shards come from the old ranks of that TP rank, broadcast within its
+        data-parallel group: every holder sits at the TP rank of the copies it holds."""
+        replicas, mesh = self._worker.replicas, self._mesh
+        old_ranks, group = range(source.world_size), None
+        if mesh.tensor_parallel:
+            tp = mesh.layout.tp
+            misplaced = [(j, h) for j, h in enumerate(source.holders) if h % tp != j % tp]
+            if source.world_size % tp or misplaced:
+                # Checked on every rank before any broadcast: all raise alike, none waits for a peer.
+                raise StateError(f"a memory restore at tensor_parallel_size={tp} needs the copies of "
+                                 f"generation {source.generation}'s {source.world_size} ranks each held at its own "
+                                 f"TP rank; (old rank, holder) {misplaced} are not: the controller must place "
+                                 f"every holder at the TP rank of the copies it holds")
+            old_ranks, group = range(mesh.tp_rank, source.world_size, tp), mesh.dp_group()
         rebuild = Rebuild(state.state_dict())
-        replicas = self._worker.replicas
-        for old_rank, holder in enumerate(source.holders):
+        for old_rank in old_ranks:
+            holder = source.holders[old_rank]
             payload = replicas.copy_of(source.generation, old_rank) if self._plan.rank == holder else None
-            rebuild.take(broadcast_state(payload, holder, self._comm_device))
+            rebuild.take(broadcast_state(payload, holder, self._comm_device, group=group))
         state.load_state_dict(rebuild.result(), source=f"the in-memory copies of generation {source.generation}'s "
                                                        f"{source.world_size} ranks at step {step}")
         if self._worker.progress.step != step:
