@@ -286,8 +286,7 @@ def train_loop(ctx) -> None:
     cfg = dict(ctx.config or {})
     model_cfg = GPTConfig.named(cfg.get("model_size", "small"))
     model = GPT(model_cfg, activation_checkpointing=bool(cfg.get("activation_checkpointing")))
-    # A context from before tensor parallelism has no tp_size: the loop runs there unchanged.
-    if getattr(ctx, "tp_size", 1) > 1:
+    if ctx.tp_size > 1:
         plan = functools.partial(parallelize_gpt, sequence_parallel=bool(cfg.get("sequence_parallel")))
         model = ctx.prepare_model(model, parallelize=plan)
     else:
