@@ -153,3 +153,34 @@ def test_constant_batch_kill_and_regrow_of_a_tp_replica_ends_bitwise_on_the_faul
     assert faulty["model_sha256"] == clean["model_sha256"] and len(clean["model_sha256"]) == 64
     assert faulty["samples_consumed"] == clean["samples_consumed"] == 60 * 2 * 4
     assert faulty["data_order_sha256"] == clean["data_order_sha256"] == expected_data_order(60 * 2 * 4)
+
+
+@pytest.mark.timeout(420)
+def test_fsdp_x_tp_heals_a_killed_rank_from_the_copies_in_memory(ray_session, run_dir):
+    """FSDP x TP (2-D), TP 2 x DP 2: the killed rank's replica leaves, the other goes on at DP 1
+    from the copies in host memory (each rank's ring runs within its TP rank), then the group
+    grows back to DP 2, again from memory: no checkpoint is read."""
+    from ray import cloudpickle
+    cloudpickle.register_pickle_by_value(gpt)
+    loads_file = run_dir.rstrip("/") + ".loads"
+    fault = SignalAtStep(run_dir, at_step=20, sig=signal.SIGKILL, rank=1)
+    config = {"model_size": "tiny", "batch_size": 8, "loads_file": loads_file, **fault.hold_config()}
+    fault.start()
+    result = ElasticTrainer(
+        counting_loads, train_loop_config=config, total_steps=120, seed=0,
+        scaling=ScalingConfig(min_workers=2, max_workers=4, tensor_parallel_size=2, strategy="fsdp",
+                              startup_wait_s=120),
+        checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=60, in_memory_every_n_steps=5),
+        failure=FailureConfig(heartbeat_timeout_s=10.0, collective_timeout_s=30.0, rendezvous_timeout_s=60.0),
+    ).fit()
+    fault.join(timeout=5)
+    assert fault.fired() and result.ok, result.error_traceback
+    s = result.summary
+    assert [w for _, w in s["world_size_history"]] == [4, 2, 4], s["world_size_history"]
+    died, grew = s["recoveries"]
+    assert died["cause"] == "worker_died" and died["rung"] == "memory" and died["lost_steps"] == 0, died
+    assert grew["cause"] == "scale_up" and grew["rung"] == "memory", grew
+    assert not os.path.exists(loads_file), open(loads_file).read()
+    assert metrics_steps(run_dir) == list(range(1, 121))
+    assert s["samples_consumed"] == 8 * (2 * _steps_at(s, 4) + _steps_at(s, 2))
+    assert s["data_order_sha256"] == expected_data_order(s["samples_consumed"])
