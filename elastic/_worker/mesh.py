@@ -15,12 +15,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-
 from elastic.config import ScalingConfig
 from elastic.layout import Layout
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:     # torch only for annotations: the controller's process imports the worker's module
+    import torch
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 

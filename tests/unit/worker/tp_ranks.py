@@ -1,4 +1,4 @@
-"""Rank programs of tests/unit/worker/test_tensor_parallel.py, run by `ckpt_ranks.run_ranks` (a gloo
+"""Rank programs of tests/unit/worker/test_worker_tensor_parallel.py, run by `ckpt_ranks.run_ranks` (a gloo
 group of local processes, no Ray): real TrainContexts of a TP 2 x DP 2 layout, checked against one
 process training the unsharded model on the global batch, and a generation whose second replica
 is new and restores warm from the first replica's ranks, each TP rank from its own."""
