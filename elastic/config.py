@@ -23,7 +23,7 @@ from elastic.errors import ConfigError, StorageConfigError
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
-STRATEGIES = ("ddp", "fsdp")
+STRATEGIES = ("ddp", "fsdp", "hsdp")
 PRECISIONS = ("fp32", "bf16", "fp16")
 GRAD_COMPRESSIONS = (None, "bf16", "powersgd")
 STORAGE_SCHEMES = ("file", "memory", "s3", "")
@@ -268,12 +268,19 @@ class ScalingConfig:
     """"ddp" (replicated; warm recovery from any survivor) or "fsdp" (FSDP2 fully_shard). With
     tensor_parallel_size > 1 it names what is done over the data-parallel dimension, TP inside:
     "ddp" replicates each TP shard over the replicas (FSDP2's replicate), "fsdp" shards it over
-    them (FSDP2 on the dp_shard dimension of a 2-D mesh, as torchtitan's FSDP x TP)."""
+    them (FSDP2 on the dp_shard dimension of a 2-D mesh, as torchtitan's FSDP x TP). "hsdp":
+    FSDP2 shards the state over `hsdp_shard_size` replicas (a shard group) and replicates it
+    across the shard groups (torchtitan's HSDP, TP inside); a lost rank's shard group leaves
+    whole and the others restore it warm."""
     tensor_parallel_size: int = 1
     """Ranks per replica for tensor parallelism (T): the model is split over T ranks by the user's
     TP plan (`ctx.prepare_model(model, parallelize=fn)`). min_workers, max_workers and
     spare_workers count ranks and must be multiples of T; the data-parallel degree (world size
     / T) grows and shrinks one replica at a time."""
+    hsdp_shard_size: int | None = None
+    """Under strategy "hsdp" (required there, refused elsewhere): replicas per shard group (S).
+    FSDP2 shards the state over these S replicas and replicates it across the groups; the run
+    grows and shrinks one shard group (S x tensor_parallel_size ranks, `unit_size`) at a time."""
     precision: str = "fp32"
     """"fp32"; "bf16": autocast to bfloat16 around `ctx.autocast()` (CPU and GPU; FSDP casts
     parameters with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) instead); "fp16":
@@ -322,17 +329,38 @@ class ScalingConfig:
         self._check_precision_and_memory()
 
     def _check_replicas(self) -> None:
-        """Counts of ranks come in whole replicas of tensor_parallel_size ranks."""
+        """Counts of ranks come in whole units: replicas of tensor_parallel_size ranks, or under
+        hsdp shard groups of hsdp_shard_size replicas."""
         tp = self.tensor_parallel_size
         _count("ScalingConfig.tensor_parallel_size", tp, 1)
+        if self.strategy == "hsdp":
+            _require(self.hsdp_shard_size is not None,
+                     "ScalingConfig.strategy='hsdp' needs hsdp_shard_size: the replicas per shard group "
+                     "(FSDP2 shards over them and replicates across the groups)")
+            _count("ScalingConfig.hsdp_shard_size", self.hsdp_shard_size, 1)
+        else:
+            _require(self.hsdp_shard_size is None,
+                     f"ScalingConfig.hsdp_shard_size={self.hsdp_shard_size!r} applies to strategy='hsdp' only; "
+                     f"set strategy='hsdp' or leave hsdp_shard_size at None")
+        unit = self.unit_size
+        what = (f"shard groups of hsdp_shard_size x tensor_parallel_size = {self.hsdp_shard_size} x {tp} = {unit} "
+                f"ranks" if self.strategy == "hsdp" else f"replicas of {tp} ranks")
         for name in ("min_workers", "max_workers", "spare_workers"):
             value = getattr(self, name)
-            _require(value is None or value % tp == 0,
-                     f"ScalingConfig.{name}={value} is not a multiple of tensor_parallel_size={tp}: the run grows "
-                     f"and shrinks by whole replicas of {tp} ranks; set {name} to a multiple of {tp}")
+            _require(value is None or value % unit == 0,
+                     f"ScalingConfig.{name}={value} is not a multiple of "
+                     f"{'the unit size' if self.strategy == 'hsdp' else 'tensor_parallel_size'}={unit}: the run "
+                     f"grows and shrinks by whole {what}; set {name} to a multiple of {unit}")
         _require(tp == 1 or self.grad_compression is None,
                  f"ScalingConfig.grad_compression={self.grad_compression!r} works through DDP communication hooks, "
                  f"which a tensor-parallel model (tensor_parallel_size={tp}) does not use; set grad_compression=None")
+
+    @property
+    def unit_size(self) -> int:
+        """Ranks that join and leave the group together: a replica (tensor_parallel_size), or
+        under hsdp a shard group (hsdp_shard_size x tensor_parallel_size)."""
+        shard = self.hsdp_shard_size if self.strategy == "hsdp" and self.hsdp_shard_size else 1
+        return self.tensor_parallel_size * shard
 
     def _check_resources(self) -> None:
         resources = self.resources_per_worker
@@ -364,15 +392,15 @@ class ScalingConfig:
                  f"ScalingConfig.grad_compression must be one of {GRAD_COMPRESSIONS}, got {self.grad_compression!r}")
         _require(self.grad_compression is None or self.strategy == "ddp",
                  f"ScalingConfig.grad_compression={self.grad_compression!r} works through DDP communication "
-                 f"hooks; with strategy='fsdp' set grad_compression=None (FSDP reduces in reduce_dtype)")
+                 f"hooks; with strategy={self.strategy!r} set grad_compression=None (FSDP reduces in reduce_dtype)")
         _count("ScalingConfig.powersgd_rank", self.powersgd_rank, 1)
         _count("ScalingConfig.powersgd_warmup_steps (DDP rebuilds buckets after its first step)",
                self.powersgd_warmup_steps, 2)
         _flag("ScalingConfig.fsdp_reshard_after_forward", self.fsdp_reshard_after_forward)
         _flag("ScalingConfig.fsdp_cpu_offload", self.fsdp_cpu_offload)
-        _require(self.strategy == "fsdp" or (self.fsdp_reshard_after_forward and not self.fsdp_cpu_offload),
-                 "ScalingConfig.fsdp_reshard_after_forward / fsdp_cpu_offload apply to strategy='fsdp' only; "
-                 "set strategy='fsdp' or leave them at their defaults")
+        _require(self.strategy in ("fsdp", "hsdp") or (self.fsdp_reshard_after_forward and not self.fsdp_cpu_offload),
+                 "ScalingConfig.fsdp_reshard_after_forward / fsdp_cpu_offload apply to strategy='fsdp' or 'hsdp' "
+                 "only; set strategy='fsdp' or leave them at their defaults")
 
     @property
     def cpus_per_worker(self) -> float:
@@ -646,13 +674,15 @@ def allowed_world_sizes(min_workers: int, max_workers: int) -> list[int]:
     return list(range(min_workers, max_workers + 1))
 
 
-def check_divisible(base_world_size: int, min_workers: int, max_workers: int | None, tp: int = 1) -> None:
+def check_divisible(base_world_size: int, min_workers: int, max_workers: int | None, tp: int = 1,
+                    shard: int = 1) -> None:
     """Configuration check: base_world_size must split into whole micro-batches at every allowed
-    data-parallel degree (world sizes in replicas of `tp` ranks)."""
+    data-parallel degree (world sizes in replicas of `tp` ranks; under hsdp, multiples of its
+    `shard` replicas per shard group)."""
     if max_workers is None:
         raise ConfigError("LRScalingConfig(mode='constant_global_batch') needs a bounded world size: set "
                           "ScalingConfig.max_workers (the global batch must divide by every allowed world size)")
-    sizes = allowed_world_sizes(min_workers // tp, max_workers // tp)
+    sizes = [w for w in allowed_world_sizes(min_workers // tp, max_workers // tp) if w % shard == 0]
     bad = [w for w in sizes if base_world_size % w]
     if bad:
         fits = math.lcm(*sizes)

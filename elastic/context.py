@@ -85,9 +85,9 @@ class RankPlace:
 
     @property
     def mesh(self) -> DeviceMesh:
-        """The generation's DeviceMesh, (dp_replicate, tp) under strategy "ddp" or (dp_shard, tp)
-        under "fsdp", named as torchtitan names them. Built at its first use, a collective: use
-        it on every rank (prepare_model with a TP plan builds it)."""
+        """The generation's DeviceMesh: (dp_replicate, tp) under "ddp", (dp_shard, tp) under "fsdp",
+        (dp_replicate, dp_shard, tp) under "hsdp", as torchtitan names them. Built at its first
+        use, a collective: use it on every rank (prepare_model builds it)."""
         return self._mesh.mesh()
 
     @property
@@ -188,13 +188,14 @@ class TrainContext(RankPlace):
         With ScalingConfig.tensor_parallel_size T > 1, `parallelize(model, tp_mesh)` applies the
         user's TP plan (torch's `parallelize_module` with Colwise/Rowwise/SequenceParallel styles)
         on the replica's T ranks; then the data-parallel dimension is wrapped (strategy "ddp":
-        FSDP2's replicate; "fsdp": fully_shard on dp_shard). At T = 1 `parallelize` is not called
+        FSDP2's replicate; "fsdp": fully_shard on dp_shard; "hsdp": fully_shard on (dp_replicate,
+        dp_shard), at T = 1 too). At T = 1 `parallelize` is not called
         (there is nothing to split), so one script serves both and a checkpoint moves between them.
         """
         model = model.to(self.device)
         compression = None
-        if self.tp_size > 1:
-            if parallelize is None:
+        if self._mesh.meshed:          # T > 1, or HSDP (its 2-D data-parallel mesh) at any T
+            if parallelize is None and self.tp_size > 1:
                 raise ConfigError(f"ScalingConfig.tensor_parallel_size={self.tp_size} needs the model's TP plan: "
                                   f"ctx.prepare_model(model, parallelize=fn), fn(model, tp_mesh) applying "
                                   f"parallelize_module to it")

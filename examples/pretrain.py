@@ -115,8 +115,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "of workers and more: ScalingConfig.node_agents)")
     p.add_argument("--steps", type=int, default=200, help="total optimizer steps of the run")
     p.add_argument("--checkpoint-every", type=int, default=50, help="commit a checkpoint every K steps")
-    p.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp",
-                   help="over the data-parallel dimension (the replicas, with --tp)")
+    p.add_argument("--strategy", choices=("ddp", "fsdp", "hsdp"), default="ddp",
+                   help="over the data-parallel dimension (the replicas, with --tp); hsdp needs --hsdp-shard-size")
+    p.add_argument("--hsdp-shard-size", type=positive_int, default=None, metavar="S",
+                   help="--strategy hsdp: FSDP2 shards over S replicas and replicates across the shard groups "
+                        "(ScalingConfig.hsdp_shard_size); --workers in multiples of S x --tp")
     p.add_argument("--tp", type=positive_int, default=1, metavar="T",
                    help="tensor parallelism: split the model over replicas of T ranks (ScalingConfig."
                         "tensor_parallel_size; the model's n_heads must divide by T); default 1: none")
@@ -199,7 +202,7 @@ def scaling_config(args: argparse.Namespace) -> ScalingConfig:
                          grad_compression=None if args.grad_compression == "none" else args.grad_compression,
                          fsdp_reshard_after_forward=args.fsdp_reshard_after_forward,
                          fsdp_cpu_offload=args.fsdp_cpu_offload, node_agents=args.node_agents,
-                         tensor_parallel_size=args.tp)
+                         tensor_parallel_size=args.tp, hsdp_shard_size=args.hsdp_shard_size)
 
 
 def model_config(args: argparse.Namespace) -> gpt.GPTConfig:

@@ -97,7 +97,7 @@ class Controller:
                                    tp=scaling.tensor_parallel_size)
         self.slots = Slots(scaling)
         self.former = GenerationFormer(group, checkpoints, self._storage, failure=failure, clock=clock,
-                                       tp=scaling.tensor_parallel_size)
+                                       tp=scaling.unit_size)
         self.recovery = RecoveryCourse(group, self.recoveries, self.former, self.slots, self.budget, scaling=scaling,
                                        failure=failure, total_steps=total_steps, clock=clock, kill=self._kill,
                                        place=self._place_slots)

@@ -75,7 +75,7 @@ class GenerationFormer:
         if not isinstance(warm, str):
             # Every member holding the newest step sends a slice; one holding an older step receives.
             newest, sources = warm
-            held = "full state" if self._tp == 1 else f"TP shards (all {self._tp} TP ranks)"
+            held = "full state" if self._tp == 1 else f"TP shards (all {self._tp} positions of a unit)"
             return True, RestorePlan(RestoreKind.BROADCAST, source_rank=sources[0], sources=sources, step=newest,
                                      reason=f"{len(sources)} survivor(s) hold the {held} of step {newest}")
         memory = memory_source(members, settled)

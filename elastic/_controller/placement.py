@@ -9,6 +9,11 @@ resources back to the bundle it used, not to the node): the replacement joins it
 node, and replica_arrangement puts it in their replica. Once no live slot holds a bundle of it,
 the worker group removes the placement group, as it removes a slot's own at T = 1.
 
+Under HSDP the run grows and shrinks by shard groups of S replicas, but placement stays per
+replica of T: a shard group's FSDP traffic (all-gathers and reduce-scatters, overlapped with
+compute) crosses nodes as torchtitan's HSDP does, a TP group's (blocking, every layer) must not,
+and a shard group of S x T ranks may not fit one node. A shard group is S placement groups.
+
 `Placements` asks Ray for the placement groups of new slots, launches each slot's actor once its
 placement is granted, and takes each actor's first answer (its WorkerInfo): the slot is ready
 then. It never waits: a placement that cannot be granted yet stays pending (a replacement starts

@@ -14,6 +14,12 @@ consecutive ranks (elastic.layout), and a survivor's memory holds the shard of o
   and a replacement placed beside its lost rank's peers (placement: the replica's placement group)
   completes their replica.
 With T = 1 every worker holds the whole state and the order is the candidates' own.
+
+Under HSDP (strategy "hsdp") the unit that joins and leaves together is a shard group of
+S x T ranks (ScalingConfig.unit_size), not a replica: FSDP2 shards the state over the group's
+ranks and every shard group holds all of it. The functions here take that unit: a worker's
+report names its shard as (position in its unit, unit), and "TP rank" below reads "position in
+its unit" (they are the same where the unit is one replica).
 """
 from __future__ import annotations
 
@@ -22,15 +28,16 @@ from collections.abc import Mapping
 from elastic._protocol import WorkerReport
 
 
-def whole_replicas(count: int, tp: int) -> int:
-    """The most members of `count` candidates that form whole replicas of `tp` ranks."""
-    return count - count % tp
+def whole_replicas(count: int, unit: int) -> int:
+    """The most members of `count` candidates that form whole units of `unit` ranks (replicas, or
+    under hsdp shard groups)."""
+    return count - count % unit
 
 
-def arrange(candidates: list[int], settled: Mapping[int, WorkerReport], tp: int, *, limit: int,
+def arrange(candidates: list[int], settled: Mapping[int, WorkerReport], unit: int, *, limit: int,
             node_of: Mapping[int, str] | None = None) -> list[int]:
     """The new group in rank order: at most `limit` of `candidates` (in the order they are
-    preferred: survivors furthest ahead first, then spares), as whole replicas of `tp` ranks.
+    preferred: survivors furthest ahead first, then spares), as whole replicas of `unit` ranks.
 
     The replicas that survived whole come first and stay together; then each other holder of a
     TP shard takes a place at its TP rank where one is free, in a replica begun on its node if
@@ -39,18 +46,18 @@ def arrange(candidates: list[int], settled: Mapping[int, WorkerReport], tp: int,
     peers thus wait outside the group while whole replicas can fill it, and join it again to
     complete a replica with a replacement: one placed beside them (placement: into their
     replica's placement group) completes theirs, not another node's."""
-    size = whole_replicas(min(limit, len(candidates)), tp)
-    if tp == 1:
+    size = whole_replicas(min(limit, len(candidates)), unit)
+    if unit == 1:
         return candidates[:size]
     nodes = node_of or {}
-    grid: list[list[int | None]] = [[None] * tp for _ in range(size // tp)]
+    grid: list[list[int | None]] = [[None] * unit for _ in range(size // unit)]
     placed: set[int] = set()
-    whole, holders = _whole_replicas(candidates, settled, tp)
+    whole, holders = _whole_replicas(candidates, settled, unit)
     for replica, row in zip(whole, grid, strict=False):    # as many whole replicas as there are places
         row[:] = replica          # one member of each TP rank, in TP rank order
         placed.update(replica)
     for wid in holders:
-        shard = _shard(settled.get(wid), tp)
+        shard = _shard(settled.get(wid), unit)
         if shard is None or wid in placed:
             continue
         joined = _row_for(grid, shard, nodes.get(wid, ""), nodes)
@@ -102,21 +109,21 @@ def _fill(grid: list[list[int | None]], rest: list[int], nodes: Mapping[int, str
                 row[col] = wid if wid is not None else pool.pop(0)
 
 
-def _shard(report: WorkerReport | None, tp: int) -> int | None:
+def _shard(report: WorkerReport | None, unit: int) -> int | None:
     """The TP rank whose state a worker holds in memory (None: none, or of another TP degree):
     its warm state's (DDP), or its FSDP copies' (they ring within a TP rank: its own and its
     left neighbour's old ranks are of one TP rank)."""
     if report is None:
         return None
-    if report.has_state and report.shard[1] == tp:
+    if report.has_state and report.shard[1] == unit:
         return report.shard[0]
     held = report.replicas
-    if not report.has_state and held is not None and held.world_size % tp == 0:
-        return held.ranks[0] % tp
+    if not report.has_state and held is not None and held.world_size % unit == 0:
+        return held.ranks[0] % unit
     return None
 
 
-def _whole_replicas(candidates: list[int], settled: Mapping[int, WorkerReport], tp: int
+def _whole_replicas(candidates: list[int], settled: Mapping[int, WorkerReport], unit: int
                     ) -> tuple[list[list[int]], list[int]]:
     """The replicas that are whole among `candidates` (every TP rank of one replica of the same
     generation), in their replica's order, each in TP rank order; and the other candidates, in
@@ -124,15 +131,15 @@ def _whole_replicas(candidates: list[int], settled: Mapping[int, WorkerReport], 
     replicas: dict[tuple[int, int], list[int]] = {}
     for wid in candidates:
         report = settled.get(wid)
-        if report is not None and report.rank is not None and _shard(report, tp) is not None:
-            replicas.setdefault((report.generation, report.rank // tp), []).append(wid)
-    whole = [sorted(replicas[key], key=lambda w: _shard(settled[w], tp) or 0) for key in sorted(replicas)
-             if {_shard(settled[w], tp) for w in replicas[key]} == set(range(tp))]
+        if report is not None and report.rank is not None and _shard(report, unit) is not None:
+            replicas.setdefault((report.generation, report.rank // unit), []).append(wid)
+    whole = [sorted(replicas[key], key=lambda w: _shard(settled[w], unit) or 0) for key in sorted(replicas)
+             if {_shard(settled[w], unit) for w in replicas[key]} == set(range(unit))]
     taken = {w for replica in whole for w in replica}
     return whole, [w for w in candidates if w not in taken]
 
 
-def warm_sources(members: list[int], settled: Mapping[int, WorkerReport], tp: int
+def warm_sources(members: list[int], settled: Mapping[int, WorkerReport], unit: int
                  ) -> tuple[int, tuple[int, ...]] | str:
     """(step, source ranks) of a warm restore: the members holding the newest step any member
     holds, each at the TP rank of its shard; or why there is none (a TP rank with no source)."""
@@ -142,9 +149,9 @@ def warm_sources(members: list[int], settled: Mapping[int, WorkerReport], tp: in
     newest = max(settled[w].step for w in holders)
     sources = tuple(rank for rank, w in enumerate(members)
                     if w in settled and settled[w].has_state and settled[w].step == newest
-                    and settled[w].shard == (rank % tp, tp))
-    missing = sorted(set(range(tp)) - {rank % tp for rank in sources})
+                    and settled[w].shard == (rank % unit, unit))
+    missing = sorted(set(range(unit)) - {rank % unit for rank in sources})
     if missing:
-        return (f"no member holds the shard of TP rank(s) {missing} at step {newest} (a replica lost every "
-                f"holder of it)")
+        return (f"no member holds the shard of TP rank(s) {missing} (positions in a unit of {unit} ranks) at step "
+                f"{newest} (a unit lost every holder of it)")
     return newest, sources

@@ -181,7 +181,7 @@ class RunningWatch:
                scaling: ScalingConfig, window: int) -> Resize | None:
         """Ask the scaling policy about the slowest flagged straggler (again after `window`
         steps), else about growing onto the ready `spares`."""
-        world, tp = len(st.members), scaling.tensor_parallel_size
+        world, tp = len(st.members), scaling.unit_size   # ranks that leave and join together
         flagged = stragglers.flagged()
         if flagged:
             flag = flagged[0]

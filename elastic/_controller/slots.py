@@ -39,7 +39,7 @@ class Slots:
         else:
             placed = sum(1 for v in views.values() if v.status in (READY, STARTING))
             wanted = max(scaling.min_workers, placed + 1)
-        if broken_world is not None and scaling.tensor_parallel_size > 1:
+        if broken_world is not None and scaling.unit_size > 1:
             alive = sum(1 for v in views.values() if v.status != DEAD)
             return min(wanted, max(scaling.min_workers, alive))
         if broken_world is not None:
@@ -49,11 +49,12 @@ class Slots:
     def cap(self, wids: list[int], *, settled: Mapping[int, WorkerReport] | None = None,
             views: Mapping[int, WorkerView] | None = None, limit: int | None = None) -> list[int]:
         """The group from the candidates `wids`, preferred first: at most max_workers (and
-        `limit`), in whole replicas of tensor_parallel_size ranks, in rank order (survivors at
-        the TP rank of the shard they hold: elastic._controller.replica_arrangement)."""
+        `limit`), in whole units of ScalingConfig.unit_size ranks (replicas; under hsdp shard
+        groups), in rank order (survivors at the position of the shard they hold:
+        elastic._controller.replica_arrangement)."""
         most = min(n for n in (self._scaling.max_workers, limit, len(wids)) if n is not None)
         node_of = {w: v.info.node_id for w, v in views.items() if v.info is not None} if views else None
-        return arrange(wids, settled or {}, self._scaling.tensor_parallel_size, limit=most, node_of=node_of)
+        return arrange(wids, settled or {}, self._scaling.unit_size, limit=most, node_of=node_of)
 
     @staticmethod
     def ready(views: dict[int, WorkerView]) -> list[int]:

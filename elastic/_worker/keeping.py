@@ -142,7 +142,7 @@ class StateKeeper:
         if not modules:
             return None
         # Sharded modules (FSDP, TP) are gathered: a collective, and the hash is of the whole model.
-        sharded = self._spec.scaling.strategy == "fsdp" or self._spec.scaling.tensor_parallel_size > 1
+        sharded = self._spec.scaling.strategy in ("fsdp", "hsdp") or self._spec.scaling.tensor_parallel_size > 1
         full = {name: _checkpoint_io.full_model_state(m) if sharded else m.state_dict() for name, m in modules.items()}
         if self._plan.rank != 0:
             return None

@@ -2,9 +2,12 @@
 
 The mesh's dimensions are named as torchtitan names them, data-parallel outermost and TP
 innermost: ("dp_replicate", "tp") when the replicas hold copies (strategy "ddp"), ("dp_shard",
-"tp") when FSDP2 shards over them (strategy "fsdp"). A user's TP plan gets `mesh["tp"]`; the
-framework wraps the data-parallel dimension; the warm rung moves a TP shard within its
-data-parallel group (the ranks of the same TP rank in every replica).
+"tp") when FSDP2 shards over them (strategy "fsdp"), ("dp_replicate", "dp_shard", "tp") under
+HSDP (strategy "hsdp": FSDP2 shards over the S replicas of a shard group and replicates across
+the groups). A user's TP plan gets `mesh["tp"]`; the framework wraps the data-parallel
+dimension(s); the warm rung moves a shard within its warm group: the ranks at the same position
+of every unit (a replica of T ranks, under hsdp a shard group of S x T ranks), which hold the
+same shard. Ranks are in torchtitan's order: rank = (r_replicate * S + r_shard) * T + t.
 
 The mesh is built at its first use, not when a generation starts: building it creates a process
 group per row and column of the mesh (a collective of every rank), which a run without tensor
@@ -23,8 +26,9 @@ if TYPE_CHECKING:     # torch only for annotations: the controller's process imp
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
-DP_DIMS = {"ddp": "dp_replicate", "fsdp": "dp_shard"}
+DP_DIMS = {"ddp": "dp_replicate", "fsdp": "dp_shard", "hsdp": "dp_replicate"}
 TP_DIM = "tp"
+HSDP_DIMS = ("dp_replicate", "dp_shard")
 
 
 class GenerationMesh:
@@ -33,6 +37,14 @@ class GenerationMesh:
     def __init__(self, *, rank: int, world_size: int, scaling: ScalingConfig, device: torch.device):
         self.layout = Layout.of(world_size, scaling.tensor_parallel_size)
         self.rank = rank
+        self.hsdp = scaling.strategy == "hsdp"
+        # Ranks that join and leave together; a warm source holds the shard of its position in one.
+        self.unit = scaling.unit_size
+        if world_size % self.unit:
+            from elastic.errors import ConfigError
+            raise ConfigError(f"a group of {world_size} ranks does not split into shard groups of {self.unit} ranks "
+                              f"(hsdp_shard_size x tensor_parallel_size)")
+        # The dimension whose ranks hold the same shard (FSDP: the one it shards over).
         self.dp_dim = DP_DIMS[scaling.strategy]
         self._device_type = device.type
         self._mesh: DeviceMesh | None = None
@@ -46,21 +58,43 @@ class GenerationMesh:
         return self.layout.tp_rank(self.rank)
 
     @property
+    def position(self) -> int:
+        """This rank's place in its unit (its TP rank, under hsdp its place in its shard group)."""
+        return self.rank % self.unit
+
+    @property
     def tensor_parallel(self) -> bool:
         return self.layout.tp > 1
 
+    @property
+    def meshed(self) -> bool:
+        """Whether the generation uses the device mesh: under tensor parallelism, or HSDP."""
+        return self.tensor_parallel or self.hsdp
+
     def mesh(self) -> DeviceMesh:
-        """The 2-D mesh (data-parallel x tp); a collective the first time."""
+        """The mesh (data-parallel x tp; under hsdp dp_replicate x dp_shard x tp); a collective
+        the first time."""
         if self._mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
-            self._mesh = init_device_mesh(self._device_type, (self.layout.dp, self.layout.tp),
-                                          mesh_dim_names=(self.dp_dim, TP_DIM))
+            if self.hsdp:
+                shard = self.unit // self.layout.tp
+                shape: tuple[int, ...] = (self.layout.dp // shard, shard, self.layout.tp)
+                names: tuple[str, ...] = (*HSDP_DIMS, TP_DIM)
+            else:
+                shape, names = (self.layout.dp, self.layout.tp), (self.dp_dim, TP_DIM)
+            self._mesh = init_device_mesh(self._device_type, shape, mesh_dim_names=names)
         return self._mesh
 
+    def dp_mesh(self) -> DeviceMesh:
+        """What FSDP2 wraps: the data-parallel dimension (under hsdp, dp_replicate x dp_shard)."""
+        return self.mesh()[HSDP_DIMS] if self.hsdp else self.mesh()[self.dp_dim]
+
     def dp_group(self) -> ProcessGroup:
-        """The ranks holding the same TP shard as this one, one per replica."""
+        """The ranks holding the same shard as this one: one per replica (under hsdp, one per
+        shard group)."""
         return self.mesh()[self.dp_dim].get_group()
 
-    def dp_peers(self, tp_rank: int) -> list[int]:
-        """The global ranks of TP rank `tp_rank` in every replica, in replica order."""
-        return [self.layout.replica_size * d + tp_rank for d in range(self.layout.dp)]
+    def dp_peers(self, position: int) -> list[int]:
+        """The global ranks at `position` in every unit (TP rank `position` in every replica;
+        under hsdp that place in every shard group), in unit order."""
+        return [self.unit * d + position for d in range(self.layout.world_size // self.unit)]

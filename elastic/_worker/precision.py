@@ -36,7 +36,7 @@ class Precision:
         return torch.amp.GradScaler(device.type) if precision == "fp16" else None
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        if self.dtype is None or self.strategy == "fsdp":
+        if self.dtype is None or self.strategy in ("fsdp", "hsdp"):   # FSDP2 casts (MixedPrecisionPolicy)
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
 

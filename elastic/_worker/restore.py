@@ -83,8 +83,9 @@ class Restorer:
             worker.checkpoints.last_saved_step = None
         step = worker.progress.step
         worker.warm.state = state
-        worker.warm.capable = self._spec.scaling.strategy == "ddp" and bool(state.modules())
-        worker.warm.shard = (self._mesh.tp_rank, self._mesh.layout.tp)
+        # DDP and HSDP hold each shard in more than one rank (replicas, shard groups); FSDP does not.
+        worker.warm.capable = self._spec.scaling.strategy in ("ddp", "hsdp") and bool(state.modules())
+        worker.warm.shard = (self._mesh.position, self._mesh.unit)
         worker.warm.restored = (self._plan.generation, step)
         worker.outbox.drop_after(step)
         log.info("rank %d generation %d restored %s (%s) at step %d",
@@ -98,22 +99,24 @@ class Restorer:
         Under tensor parallelism a replica's ranks hold different shards: each TP rank's shard
         moves within its data-parallel group, from the sources of the same TP rank (the
         controller places every survivor at the TP rank of the shard it holds), as the local
-        tensors of the DTensors, rewrapped on arrival (elastic._worker.warm_slices.localized)."""
+        tensors of the DTensors, rewrapped on arrival (elastic._worker.warm_slices.localized).
+        Under HSDP the same holds per position in a shard group: the ranks at one position of
+        every shard group (mesh["dp_replicate"]) hold the same shard."""
         rank, mesh = self._plan.rank, self._mesh
         group = None
-        if mesh.tensor_parallel:
-            peers = set(mesh.dp_peers(mesh.tp_rank))
+        if mesh.meshed:
+            peers = set(mesh.dp_peers(mesh.position))
             sources = tuple(r for r in sources if r in peers)
             if not sources:
-                raise StateError(f"the warm restore names no source of TP rank {mesh.tp_rank}; the controller "
-                                 f"should have planned another rung")
+                raise StateError(f"the warm restore names no source of position {mesh.position} in a unit of "
+                                 f"{mesh.unit} ranks; the controller should have planned another rung")
             group = mesh.dp_group()
         if rank in sources:
             source = self._worker.warm
             if not source.available or source.state is None:
                 raise ElasticError(f"rank {rank} was chosen as warm source but holds no state")
             # Under TP its own shards come back as DTensors of this generation's mesh (`into`).
-            into = state.state_dict() if mesh.tensor_parallel else None
+            into = state.state_dict() if mesh.meshed else None
             held = send_slices(source.state.state_dict(), sources, self._comm_device, into=into, group=group).state
             state.load_state_dict(held, source=f"this rank's in-memory state (rank {rank})")
             return

@@ -346,7 +346,7 @@ class TrainWorker:
                 # rank waiting in its data-parallel group on a survivor that left would otherwise
                 # wait out the timeout), and none waits on the store for a group's creation.
                 self._state.checkpoints.open(self._spec).bind_group()
-                if mesh.tensor_parallel:
+                if mesh.meshed:
                     mesh.mesh()
             self._membership.join(plan, backend="nccl" if self._spec.scaling.use_gpu else "gloo", formed=formed)
             ctx = TrainContext(plan=plan, spec=self._spec, worker=self._state, loop_config=self._loop_config,

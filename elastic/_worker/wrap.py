@@ -163,22 +163,25 @@ def _fix_bucket_layout(ddp: nn.Module) -> None:
 
 
 def wrap_tensor_parallel(model: nn.Module, *, generation_mesh: GenerationMesh, scaling: ScalingConfig,
-                         parallelize: Callable[[nn.Module, Any], Any],
+                         parallelize: Callable[[nn.Module, Any], Any] | None,
                          shard_modules: list[nn.Module] | None = None) -> nn.Module:
     """The user's TP plan on the replica's ranks (`parallelize(model, mesh["tp"])`), then the
     data-parallel dimension: FSDP2's `replicate` (strategy "ddp": every replica holds the TP
     shards whole, so any survivor of the same TP rank is a warm source) or `fully_shard` on
-    "dp_shard" (strategy "fsdp": torchtitan's FSDP x TP). Both keep the parameters DTensors of
-    the 2-D mesh, which checkpoints save and reshard to another layout.
+    "dp_shard" (strategy "fsdp": torchtitan's FSDP x TP) or on ("dp_replicate", "dp_shard")
+    (strategy "hsdp": torchtitan's HSDP, called at T = 1 too). All keep the parameters DTensors
+    of the mesh, which checkpoints save and reshard to another layout.
 
     torch DDP is not used: it takes plain tensors, so a TP model would reach its state dict as
     each rank's local shards (torch's own DDP x TP path, `_pre_dp_module_transform`, does that),
     and a checkpoint could not be resharded to another TP degree.
     """
     mesh = generation_mesh.mesh()
-    parallelize(model, mesh[TP_DIM])
-    dp_mesh = mesh[generation_mesh.dp_dim]
-    if scaling.strategy == "fsdp":
+    if generation_mesh.tensor_parallel:          # HSDP at T = 1 wraps on the mesh with no TP plan
+        assert parallelize is not None, "prepare_model refuses T > 1 without a plan"
+        parallelize(model, mesh[TP_DIM])
+    dp_mesh = generation_mesh.dp_mesh()
+    if scaling.strategy in ("fsdp", "hsdp"):     # hsdp: the 2-D (dp_replicate, dp_shard) mesh
         return _fully_shard(model, mesh=dp_mesh, scaling=scaling, shard_modules=shard_modules)
     from torch.distributed._composable.replicate_with_fsdp import replicate
     replicate(model, mesh=dp_mesh)

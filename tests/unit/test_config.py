@@ -132,3 +132,34 @@ def test_logging_config_takes_a_level_name_in_any_case():
     with pytest.raises(ConfigError, match="logging_config must be an elastic.LoggingConfig"):
         ElasticTrainer(loop, scaling=ScalingConfig(), total_steps=5, checkpoint=CheckpointConfig(storage="/tmp/x"),
                        logging_config="DEBUG")
+
+
+def test_hsdp_needs_its_shard_size_and_counts_in_shard_groups():
+    from elastic.config import ScalingConfig
+    scaling = ScalingConfig(strategy="hsdp", hsdp_shard_size=2, tensor_parallel_size=2, min_workers=4,
+                            max_workers=8, spare_workers=4)
+    assert scaling.unit_size == 4
+    assert ScalingConfig(min_workers=4, tensor_parallel_size=2).unit_size == 2
+    assert ScalingConfig(strategy="fsdp", min_workers=3).unit_size == 1
+    with pytest.raises(ConfigError, match="strategy='hsdp' needs hsdp_shard_size"):
+        ScalingConfig(strategy="hsdp", min_workers=2)
+    with pytest.raises(ConfigError, match="hsdp_shard_size=2 applies to strategy='hsdp' only"):
+        ScalingConfig(strategy="fsdp", hsdp_shard_size=2, min_workers=2)
+    with pytest.raises(ConfigError, match="hsdp_shard_size must be an int >= 1"):
+        ScalingConfig(strategy="hsdp", hsdp_shard_size=0, min_workers=2)
+    with pytest.raises(ConfigError, match=r"max_workers=6 is not a multiple of the unit size=4.*shard groups"):
+        ScalingConfig(strategy="hsdp", hsdp_shard_size=2, tensor_parallel_size=2, min_workers=4, max_workers=6)
+    with pytest.raises(ConfigError, match="spare_workers=2 is not a multiple"):
+        ScalingConfig(strategy="hsdp", hsdp_shard_size=2, tensor_parallel_size=2, min_workers=4, spare_workers=2)
+    with pytest.raises(ConfigError, match="grad_compression"):
+        ScalingConfig(strategy="hsdp", hsdp_shard_size=2, min_workers=2, grad_compression="bf16")
+    fsdp_options = ScalingConfig(strategy="hsdp", hsdp_shard_size=2, min_workers=2, fsdp_cpu_offload=True,
+                                 fsdp_reshard_after_forward=False)
+    assert fsdp_options.fsdp_cpu_offload
+
+
+def test_a_constant_global_batch_under_hsdp_divides_by_whole_shard_groups_only():
+    from elastic.config import check_divisible
+    check_divisible(12, 4, 12, 2, 2)          # data-parallel degrees 2, 4, 6 (not 3 or 5)
+    with pytest.raises(ConfigError, match=r"\[4\]"):
+        check_divisible(6, 4, 12, 2, 2)

@@ -130,3 +130,11 @@ def test_main_hands_tp_and_sequence_parallel_to_the_trainer(tmp_path, monkeypatc
                           "--model-size", "tiny", "--quiet"])
     assert code == 2
     assert seen["scaling"].tensor_parallel_size == 2 and seen["train_loop_config"]["sequence_parallel"] is True
+
+
+def test_hsdp_flags_set_the_strategy_and_the_shard_size():
+    scaling = pretrain.scaling_config(args("--strategy", "hsdp", "--hsdp-shard-size", "2"))
+    assert (scaling.strategy, scaling.hsdp_shard_size, scaling.unit_size) == ("hsdp", 2, 2)
+    assert pretrain.scaling_config(args()).hsdp_shard_size is None
+    with pytest.raises(ConfigError, match="hsdp_shard_size"):
+        pretrain.scaling_config(args("--strategy", "hsdp"))

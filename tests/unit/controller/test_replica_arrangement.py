@@ -143,3 +143,36 @@ def test_a_replacement_joins_its_waiting_peer_before_a_spare_elsewhere():
     # A replica begun by a holder claims its node's worker even where another node's comes first.
     settled[2] = _held(30, 1, rank=3)
     assert arrange([0, 1, 2, 4, 9], settled, 2, limit=4, node_of=node_of) == [0, 1, 9, 2]
+
+
+def test_hsdp_groups_are_whole_shard_groups_and_each_position_needs_a_source():
+    """HSDP, S = 2 x T = 2 (unit 4), three shard groups, old rank 5 (group 1, position 1) lost: the
+    whole groups 0 and 2 form the group; group 1's survivors wait outside. A plan whose unit
+    position has no survivor holding it is refused with the position named."""
+    scaling = ScalingConfig(strategy="hsdp", hsdp_shard_size=2, tensor_parallel_size=2, min_workers=4,
+                            max_workers=12)
+    unit = scaling.unit_size
+    assert unit == 4
+    settled = {w: _held(30, w % unit, tp=unit, rank=w) for w in range(12) if w != 5}
+    members = Slots(scaling).cap([w for w in range(12) if w != 5], settled=settled)
+    assert members == [0, 1, 2, 3, 8, 9, 10, 11]
+    warm = warm_sources(members, settled, unit)
+    assert warm == (30, tuple(range(8)))
+    # Survivors of group 1 rejoin at their own positions beside a replacement (worker 20).
+    settled[20] = _held(0, None)
+    members = arrange([4, 6, 7, 20], settled, unit, limit=4)
+    assert [members.index(w) for w in (4, 6, 7)] == [0, 2, 3] and members[1] == 20
+    # Position 1 has no holder: no warm restore, and the reason names it.
+    reason = warm_sources(members, settled, unit)
+    assert isinstance(reason, str) and "[1]" in reason and "unit of 4" in reason
+    assert whole_replicas(11, unit) == 8
+
+
+def test_hsdp_resizes_by_shard_groups():
+    from elastic._controller.slot_table import DEAD, READY, WorkerView
+    scaling = ScalingConfig(strategy="hsdp", hsdp_shard_size=2, min_workers=2, max_workers=6)
+    slots = Slots(scaling)
+    assert slots.cap(list(range(7))) == list(range(6))
+    assert slots.cap(list(range(5))) == list(range(4))
+    views = {w: WorkerView(wid=w, status=DEAD if w == 3 else READY) for w in range(6)}
+    assert slots.target(views, broken_world=6) == 5       # as under TP: the lost unit regrows after the re-form

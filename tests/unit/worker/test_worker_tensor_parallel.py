@@ -1,7 +1,7 @@
 """Tensor parallelism inside data-parallel replicas, on real TrainContexts of 4 gloo processes
-(no Ray): the layout a rank sees, data by DP rank, DDP x TP and FSDP x TP against one process
-training the unsharded model on the global batch, and the warm rung moving each TP shard from a
-survivor of the same TP rank."""
+(no Ray): the layout a rank sees, data by DP rank, DDP x TP, FSDP x TP and HSDP against one
+process training the unsharded model on the global batch, and the warm rung moving each shard
+from a survivor of the same position (TP rank; under HSDP, place in a shard group)."""
 from __future__ import annotations
 
 import sys
@@ -19,21 +19,22 @@ def _close(a: list[float], b: list[float], tol: float = 1e-5) -> bool:
     return len(a) == len(b) and all(abs(x - y) <= tol * max(1.0, abs(y)) for x, y in zip(a, b, strict=True))
 
 
-def _check_against_reference(results: list[dict]) -> None:
-    ref = tp_ranks.reference(tp_ranks.STEPS, dp=2)
+def _check_against_reference(results: list[dict], dp: int = 2, tp: int = 2) -> None:
+    ref = tp_ranks.reference(tp_ranks.STEPS, dp=dp)
     for rank, result in enumerate(results):
-        assert result["place"]["dp_rank"] == rank // 2 and result["place"]["tp_rank"] == rank % 2
-        assert result["place"]["dp_size"] == 2 and result["place"]["tp_size"] == 2
+        assert result["place"]["dp_rank"] == rank // tp and result["place"]["tp_rank"] == rank % tp
+        assert result["place"]["dp_size"] == dp and result["place"]["tp_size"] == tp
         for name, values in ref["params"].items():
             assert _close(result["params"][name], values), f"rank {rank}: {name} differs from the unsharded run"
-        # A replica's ranks read the same batches; the two replicas read different ones.
-        assert result["seen"] == results[rank - rank % 2]["seen"]
-        # The LR rule scales with the data-parallel degree (2 replicas / base 1), not the world (4).
-        assert result["lr"] == pytest.approx(2e-2)
-        assert result["samples"] == tp_ranks.STEPS * tp_ranks.BATCH * 2
-    assert results[0]["seen"] != results[2]["seen"]
+        # A replica's ranks read the same batches; the replicas read different ones.
+        assert result["seen"] == results[rank - rank % tp]["seen"]
+        # The LR rule scales with the data-parallel degree (dp replicas / base 1), not the world.
+        assert result["lr"] == pytest.approx(1e-2 * dp)
+        assert result["samples"] == tp_ranks.STEPS * tp_ranks.BATCH * dp
+    assert results[0]["seen"] != results[tp]["seen"]
     # The step's loss is the mean over the replicas, as the unsharded loss of the global batch.
-    replica_means = [(a + b) / 2 for a, b in zip(results[0]["losses"], results[2]["losses"], strict=True)]
+    per_replica = [results[d * tp]["losses"] for d in range(dp)]
+    replica_means = [sum(step) / dp for step in zip(*per_replica, strict=True)]
     assert _close(replica_means, ref["losses"])
     # metrics.jsonl's loss: the mean over the replicas (each replica once, whatever its TP degree).
     assert results[0]["records"], "no step record was kept"
@@ -63,3 +64,19 @@ def test_fsdp_x_tp_trains_as_the_unsharded_model():
     results = run_ranks("tp_ranks:layouts", 4, timeout=240, strategy="fsdp")
     assert results[0]["place"]["mesh"] == ["dp_shard", "tp"]
     _check_against_reference(results)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_hsdp_trains_as_the_unsharded_model_and_a_new_shard_group_restores_warm_per_position():
+    # T = 1, two shard groups of 2 ranks: FSDP2 shards within a group, replicates across them.
+    results = run_ranks("tp_ranks:layouts", 4, timeout=240, strategy="hsdp", tp=1, shard=2)
+    assert results[0]["place"]["mesh"] == ["dp_replicate", "dp_shard", "tp"]
+    _check_against_reference(results, dp=4, tp=1)
+    for rank, result in enumerate(results):
+        assert result["restored"] == tp_ranks.STEPS
+        # Each rank of the new shard group holds the shard its position's survivor held.
+        assert result["after"] == results[rank % 2]["before"], f"rank {rank} got another shard"
+        assert result["next_params"] == results[0]["next_params"]
+    assert results[0]["before"] != results[1]["before"]      # a group's ranks hold different shards
+    assert results[0]["before"] == results[2]["before"]      # the shard groups hold the same shards

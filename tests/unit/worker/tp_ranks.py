@@ -1,7 +1,8 @@
 """Rank programs of tests/unit/worker/test_worker_tensor_parallel.py, run by `ckpt_ranks.run_ranks` (a gloo
-group of local processes, no Ray): real TrainContexts of a TP 2 x DP 2 layout, checked against one
-process training the unsharded model on the global batch, and a generation whose second replica
-is new and restores warm from the first replica's ranks, each TP rank from its own."""
+group of local processes, no Ray): real TrainContexts of a TP 2 x DP 2 layout (and HSDP: two shard
+groups of 2), checked against one process training the unsharded model on the global batch, and
+a generation whose second unit (replica, shard group) is new and restores warm from the first
+unit's ranks, each position from its own."""
 from __future__ import annotations
 
 import hashlib
@@ -44,9 +45,10 @@ class Points(torch.utils.data.Dataset):
 
 
 def _context(rank: int, world: int, generation: int, restore: RestorePlan, worker: WorkerState, *,
-             strategy: str, tp: int) -> TrainContext:
+             strategy: str, tp: int, shard: int | None = None) -> TrainContext:
     spec = RunSpec(user_code=b"", total_steps=100, seed=0,
-                   scaling=ScalingConfig(strategy=strategy, min_workers=world, tensor_parallel_size=tp),
+                   scaling=ScalingConfig(strategy=strategy, min_workers=world, tensor_parallel_size=tp,
+                                         hsdp_shard_size=shard),
                    checkpoint=CheckpointConfig(storage="memory://unused", keep=None, async_save=False),
                    failure=FailureConfig(collective_timeout_s=60.0),
                    lr=LRScalingConfig(base_world_size=1, warmup_steps=0, schedule="constant"))
@@ -132,11 +134,13 @@ def _epoch_seed() -> int:
     return mix_seed(0, "epoch", 0)
 
 
-def layouts(rank: int, world: int, strategy: str) -> dict:
-    """TP 2 x DP 2 under `strategy`: STEPS steps, then (ddp) generation 2 on the same ranks in which
-    replica 1 is new (fresh workers, other initial weights) and restores warm from replica 0."""
+def layouts(rank: int, world: int, strategy: str, tp: int = 2, shard: int | None = None) -> dict:
+    """DP x TP `tp` under `strategy` (hsdp: shard groups of `shard` replicas): STEPS steps, then
+    (ddp, hsdp) generation 2 on the same ranks in which the second unit (replica 1; under hsdp
+    shard group 1) is new (fresh workers, other initial weights) and restores warm from the first
+    unit's ranks, each position in the unit from its own."""
     worker = WorkerState()
-    ctx = _context(rank, world, 1, RestorePlan("fresh"), worker, strategy=strategy, tp=2)
+    ctx = _context(rank, world, 1, RestorePlan("fresh"), worker, strategy=strategy, tp=tp, shard=shard)
     model, optimizer = _objects(ctx, seed=1)
     ctx.restore(model=model, optimizer=optimizer)
     place = {"dp_rank": ctx.dp_rank, "dp_size": ctx.dp_size, "tp_rank": ctx.tp_rank, "tp_size": ctx.tp_size,
@@ -146,14 +150,15 @@ def layouts(rank: int, world: int, strategy: str) -> dict:
     out = {"place": place, "seen": seen, "losses": losses, "params": _full(model),
            "lr": optimizer.param_groups[0]["lr"], "samples": ctx.samples_seen,
            "records": [[r.step, r.loss] for r in ctx._worker.outbox.records if r.kind == "step"]}
-    if strategy != "ddp":
+    if strategy == "fsdp":
         return out
     out["before"] = _local_digest(ctx)
-    if ctx.dp_rank == 1:
-        worker = WorkerState()                   # replica 1 is replaced: nothing in memory
-    sources = (0, 1)
+    unit = tp * (shard or 1)
+    if rank // unit == 1:
+        worker = WorkerState()                   # the second unit is replaced: nothing in memory
+    sources = tuple(range(unit))
     plan = RestorePlan("broadcast", source_rank=0, sources=sources, step=STEPS)
-    ctx = _context(rank, world, 2, plan, worker, strategy=strategy, tp=2)
+    ctx = _context(rank, world, 2, plan, worker, strategy=strategy, tp=tp, shard=shard)
     model, optimizer = _objects(ctx, seed=2 + rank)
     out["restored"] = ctx.restore(model=model, optimizer=optimizer)
     out["after"] = _local_digest(ctx)
