@@ -113,7 +113,7 @@ def trial(args: argparse.Namespace, run_dir: str, whole_group: bool = False) -> 
             "cause": recovery["cause"], "from_world": recovery["from_world"], "to_world": recovery["to_world"],
             "step_s": round(step_s, 4), "restored_step": recovery["step"], "signal_time": fault["signal_time"],
             "time_ledger": recovery.get("time_ledger"),
-            "why": "; ".join(f["why"] for f in recovery.get("failures", [])),   # a hang's: the bound and the wait
+            "why": "; ".join(f.get("why") or str(f["cause"]) for f in recovery.get("failures", [])),
             "lost_s": round(sum((recovery.get("time_ledger") or {}).values()), 3)}
 
 
