@@ -292,7 +292,8 @@ def run_elastic(args: argparse.Namespace, profile_to: str | None) -> tuple[list[
                 pc.gpt.train_loop, train_loop_config={"model_size": args.model_size, "batch_size": args.batch_size},
                 scaling=ScalingConfig(min_workers=args.workers, max_workers=args.workers, use_gpu=args.gpu,
                                       tensor_parallel_size=args.tp, strategy=args.strategy),
-                checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=None),
+                checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=None,
+                                            in_memory_every_n_steps=args.in_memory_every),
                 total_steps=args.steps, seed=0).fit()
         if prof:
             prof.join(timeout=args.profile_s + 60)
@@ -348,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu", action="store_true", help="one GPU per rank, NCCL (see the docstring)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel degree: both systems run the example GPT's TP plan (O1-TP)")
+    p.add_argument("--in-memory-every", type=lambda v: None if v == "none" else int(v), default=10,
+                   help="fsdp: CheckpointConfig.in_memory_every_n_steps of ours ('none': no copies, as the "
+                        "plain loop keeps none)")
     p.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp",
                    help="with --tp: FSDP2 replicate (ddp) or fully_shard (fsdp, 2-D) over the data-parallel dimension")
     p.add_argument("--cpu-by-process", action="store_true",
@@ -397,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
         import torch
         start["gpu"] = torch.cuda.get_device_name(0)
     result = {"benchmark": "O1-TP" if args.tp > 1 else "O1", "workers": args.workers, "tp": args.tp,
-              "strategy": args.strategy, "model_size": args.model_size, "batch_size": args.batch_size,
+              "strategy": args.strategy, "in_memory_every": args.in_memory_every, "model_size": args.model_size,
+              "batch_size": args.batch_size,
               "steps": args.steps, "warmup": args.warmup, "reps": args.reps,
               "backend": "nccl" if args.gpu else "gloo", "torch_threads": 1,
               "systems": systems, **start, "loadavg_1m_at_end": round(os.getloadavg()[0], 2)}
