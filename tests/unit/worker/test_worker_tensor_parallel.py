@@ -42,41 +42,39 @@ def _check_against_reference(results: list[dict], dp: int = 2, tp: int = 2) -> N
         assert loss == pytest.approx(replica_means[step - 1], rel=1e-6), f"step {step}"
 
 
+# The three layouts run in turn on one start of 4 gloo processes (a start is most of each run's
+# time on 2 cores): DDP x TP, FSDP x TP (2-D), and HSDP at T = 1 (two shard groups of 2).
+LAYOUTS = {"ddp": {"strategy": "ddp"}, "fsdp": {"strategy": "fsdp"},
+           "hsdp": {"strategy": "hsdp", "tp": 1, "shard": 2}}
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_ddp_x_tp_trains_as_the_unsharded_model_and_a_new_replica_restores_warm_per_tp_rank():
-    results = run_ranks("tp_ranks:layouts", 4, timeout=240, strategy="ddp")
-    assert results[0]["place"]["mesh"] == ["dp_replicate", "tp"]
-    _check_against_reference(results)
-    for rank, result in enumerate(results):
+def test_each_layout_trains_as_the_unsharded_model_and_a_new_unit_restores_warm_per_position():
+    per_rank = run_ranks("tp_ranks:each_layout", 4, timeout=280, cases=list(LAYOUTS.values()))
+    ddp, fsdp, hsdp = ([per_rank[rank][i] for rank in range(4)] for i in range(len(LAYOUTS)))
+
+    assert ddp[0]["place"]["mesh"] == ["dp_replicate", "tp"]
+    _check_against_reference(ddp)
+    for rank, result in enumerate(ddp):
         assert result["restored"] == tp_ranks.STEPS
         # Each rank holds, after the restore, exactly the shard its TP rank's survivor held.
-        assert result["after"] == results[rank % 2]["before"], f"rank {rank} got another shard"
+        assert result["after"] == ddp[rank % 2]["before"], f"ddp: rank {rank} got another shard"
         # ... and the group trains on as one model.
-        assert result["next_params"] == results[0]["next_params"]
-        assert result["next_losses"] == results[rank - rank % 2]["next_losses"]
-    assert results[0]["before"] != results[1]["before"]      # the TP ranks hold different shards
+        assert result["next_params"] == ddp[0]["next_params"]
+        assert result["next_losses"] == ddp[rank - rank % 2]["next_losses"]
+    assert ddp[0]["before"] != ddp[1]["before"]      # the TP ranks hold different shards
 
+    assert fsdp[0]["place"]["mesh"] == ["dp_shard", "tp"]
+    _check_against_reference(fsdp)
 
-@pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-def test_fsdp_x_tp_trains_as_the_unsharded_model():
-    results = run_ranks("tp_ranks:layouts", 4, timeout=240, strategy="fsdp")
-    assert results[0]["place"]["mesh"] == ["dp_shard", "tp"]
-    _check_against_reference(results)
-
-
-@pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-def test_hsdp_trains_as_the_unsharded_model_and_a_new_shard_group_restores_warm_per_position():
-    # T = 1, two shard groups of 2 ranks: FSDP2 shards within a group, replicates across them.
-    results = run_ranks("tp_ranks:layouts", 4, timeout=240, strategy="hsdp", tp=1, shard=2)
-    assert results[0]["place"]["mesh"] == ["dp_replicate", "dp_shard", "tp"]
-    _check_against_reference(results, dp=4, tp=1)
-    for rank, result in enumerate(results):
+    # HSDP: FSDP2 shards within a shard group, replicates across them.
+    assert hsdp[0]["place"]["mesh"] == ["dp_replicate", "dp_shard", "tp"]
+    _check_against_reference(hsdp, dp=4, tp=1)
+    for rank, result in enumerate(hsdp):
         assert result["restored"] == tp_ranks.STEPS
         # Each rank of the new shard group holds the shard its position's survivor held.
-        assert result["after"] == results[rank % 2]["before"], f"rank {rank} got another shard"
-        assert result["next_params"] == results[0]["next_params"]
-    assert results[0]["before"] != results[1]["before"]      # a group's ranks hold different shards
-    assert results[0]["before"] == results[2]["before"]      # the shard groups hold the same shards
+        assert result["after"] == hsdp[rank % 2]["before"], f"hsdp: rank {rank} got another shard"
+        assert result["next_params"] == hsdp[0]["next_params"]
+    assert hsdp[0]["before"] != hsdp[1]["before"]      # a group's ranks hold different shards
+    assert hsdp[0]["before"] == hsdp[2]["before"]      # the shard groups hold the same shards

@@ -166,3 +166,8 @@ def layouts(rank: int, world: int, strategy: str, tp: int = 2, shard: int | None
     out["next_losses"] = _train(ctx, model, optimizer, 1, more)
     out["next_params"] = _full(model)
     return out
+
+
+def each_layout(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    """`layouts` for each case in turn, on the same group (one start of the processes for all)."""
+    return [layouts(rank, world, **case) for case in cases]
