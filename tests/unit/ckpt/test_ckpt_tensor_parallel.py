@@ -24,14 +24,16 @@ writes its traceback and the others are killed at once; none is left running.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import time
 import traceback
 
 import pytest
 import torch
 from torch import nn
+
+from support import wait_for
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 
@@ -253,11 +255,10 @@ def _run_ranks(world: int, ops: list, out_dir, timeout_s: float = 75.0) -> None:
     try:
         for p in procs:
             p.start()
-        deadline = time.monotonic() + timeout_s
-        while any(p.is_alive() for p in procs):
-            if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
+        # Until every rank ended or one failed; past the deadline the ranks left are killed below.
+        with contextlib.suppress(TimeoutError):
+            wait_for(lambda: not any(p.is_alive() for p in procs)
+                     or any(p.exitcode not in (None, 0) for p in procs), timeout_s, "the ranks to end")
     finally:
         for p in procs:
             if p.is_alive():
