@@ -277,6 +277,12 @@ class ScalingConfig:
     TP plan (`ctx.prepare_model(model, parallelize=fn)`). min_workers, max_workers and
     spare_workers count ranks and must be multiples of T; the data-parallel degree (world size
     / T) grows and shrinks one replica at a time."""
+    pipeline_parallel_size: int = 1
+    """Pipeline stages per replica (P): the model is split into P stages (or P x V under an
+    interleaved schedule) by `ctx.prepare_pipeline(model, split_points=...)`, each stage on T
+    ranks. A replica is a whole pipeline of T x P ranks: min_workers, max_workers and
+    spare_workers must be multiples of T x P, and a lost rank takes its pipeline out while the
+    others go on (strategies "ddp" and "fsdp"; not "hsdp", not with grad_compression or fp16)."""
     hsdp_shard_size: int | None = None
     """Under strategy "hsdp" (required there, refused elsewhere): replicas per shard group (S).
     FSDP2 shards the state over these S replicas and replicates it across the groups; the run
@@ -331,8 +337,15 @@ class ScalingConfig:
     def _check_replicas(self) -> None:
         """Counts of ranks come in whole units: replicas of tensor_parallel_size ranks, or under
         hsdp shard groups of hsdp_shard_size replicas."""
-        tp = self.tensor_parallel_size
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
         _count("ScalingConfig.tensor_parallel_size", tp, 1)
+        _count("ScalingConfig.pipeline_parallel_size", pp, 1)
+        _require(pp == 1 or self.strategy != "hsdp",
+                 f"ScalingConfig.pipeline_parallel_size={pp} does not combine with strategy='hsdp' yet; use "
+                 f"strategy='ddp' (replicas hold each stage whole) or 'fsdp' (stages sharded over the replicas)")
+        _require(pp == 1 or self.precision != "fp16",
+                 f"ScalingConfig.pipeline_parallel_size={pp} does not combine with precision='fp16': the pipeline "
+                 f"schedule runs the backward, so there is no ctx.backward to scale the loss; use 'bf16'")
         if self.strategy == "hsdp":
             _require(self.hsdp_shard_size is not None,
                      "ScalingConfig.strategy='hsdp' needs hsdp_shard_size: the replicas per shard group "
@@ -343,24 +356,34 @@ class ScalingConfig:
                      f"ScalingConfig.hsdp_shard_size={self.hsdp_shard_size!r} applies to strategy='hsdp' only; "
                      f"set strategy='hsdp' or leave hsdp_shard_size at None")
         unit = self.unit_size
-        what = (f"shard groups of hsdp_shard_size x tensor_parallel_size = {self.hsdp_shard_size} x {tp} = {unit} "
-                f"ranks" if self.strategy == "hsdp" else f"replicas of {tp} ranks")
+        if self.strategy == "hsdp":
+            size, what = "the unit size", (f"shard groups of hsdp_shard_size x tensor_parallel_size = "
+                                           f"{self.hsdp_shard_size} x {tp} = {unit} ranks")
+        elif pp > 1:
+            size, what = "tensor_parallel_size x pipeline_parallel_size", f"pipelines of {tp} x {pp} ranks"
+        else:
+            size, what = "tensor_parallel_size", f"replicas of {tp} ranks"
         for name in ("min_workers", "max_workers", "spare_workers"):
             value = getattr(self, name)
             _require(value is None or value % unit == 0,
-                     f"ScalingConfig.{name}={value} is not a multiple of "
-                     f"{'the unit size' if self.strategy == 'hsdp' else 'tensor_parallel_size'}={unit}: the run "
+                     f"ScalingConfig.{name}={value} is not a multiple of {size}={unit}: the run "
                      f"grows and shrinks by whole {what}; set {name} to a multiple of {unit}")
-        _require(tp == 1 or self.grad_compression is None,
+        _require(self.replica_size == 1 or self.grad_compression is None,
                  f"ScalingConfig.grad_compression={self.grad_compression!r} works through DDP communication hooks, "
-                 f"which a tensor-parallel model (tensor_parallel_size={tp}) does not use; set grad_compression=None")
+                 f"which a model split by tensor or pipeline parallelism (tensor_parallel_size={tp}, "
+                 f"pipeline_parallel_size={pp}) does not use; set grad_compression=None")
+
+    @property
+    def replica_size(self) -> int:
+        """Ranks that hold one copy of the model: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def unit_size(self) -> int:
-        """Ranks that join and leave the group together: a replica (tensor_parallel_size), or
-        under hsdp a shard group (hsdp_shard_size x tensor_parallel_size)."""
+        """Ranks that join and leave the group together: a replica (replica_size), or under hsdp
+        a shard group (hsdp_shard_size x tensor_parallel_size)."""
         shard = self.hsdp_shard_size if self.strategy == "hsdp" and self.hsdp_shard_size else 1
-        return self.tensor_parallel_size * shard
+        return self.replica_size * shard
 
     def _check_resources(self) -> None:
         resources = self.resources_per_worker
@@ -600,8 +623,9 @@ class LRScalingConfig:
 
     base_world_size: int
     """Data-parallel degree at which `base_lr` is right (base global batch = base_world_size x
-    per-rank batch): ranks, or replicas of tensor_parallel_size ranks when that is above 1 (the
-    ranks of a replica read the same batch, so the batch and the rule count replicas). In
+    per-rank batch): ranks, or replicas (tensor_parallel_size x pipeline_parallel_size ranks) when
+    that is above 1 (the ranks of a replica read the same batch, so the batch and the rule count
+    replicas). In
     constant_global_batch mode the global batch is always this many per-rank batches, so it must
     be divisible by every data-parallel degree the run allows."""
     base_lr: float | None = None

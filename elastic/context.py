@@ -31,6 +31,7 @@ from elastic._worker.accumulation import wrap_optimizer
 from elastic._worker.keeping import StateKeeper
 from elastic._worker.loader import ElasticLoader
 from elastic._worker.mesh import GenerationMesh
+from elastic._worker.pipeline import Pipeline, build_pipeline, unpipelined
 from elastic._worker.precision import Precision
 from elastic._worker.restore import Restorer, named_objects
 from elastic._worker.state import WorkerState
@@ -84,10 +85,21 @@ class RankPlace:
         return self._mesh.layout.tp
 
     @property
+    def pp_rank(self) -> int:
+        """The pipeline stage this rank runs (its first, under an interleaved schedule)."""
+        return self._mesh.pp_rank
+
+    @property
+    def pp_size(self) -> int:
+        """ScalingConfig.pipeline_parallel_size: stages per replica."""
+        return self._mesh.layout.pp
+
+    @property
     def mesh(self) -> DeviceMesh:
         """The generation's DeviceMesh: (dp_replicate, tp) under "ddp", (dp_shard, tp) under "fsdp",
-        (dp_replicate, dp_shard, tp) under "hsdp", as torchtitan names them. Built at its first
-        use, a collective: use it on every rank (prepare_model builds it)."""
+        (dp_replicate, dp_shard, tp) under "hsdp", as torchtitan names them; with pipeline
+        parallelism (data-parallel, pp, tp). Built at its first use, a collective: use it on every
+        rank (prepare_model and prepare_pipeline build it)."""
         return self._mesh.mesh()
 
     @property
@@ -192,13 +204,65 @@ class TrainContext(RankPlace):
         dp_shard), at T = 1 too). At T = 1 `parallelize` is not called
         (there is nothing to split), so one script serves both and a checkpoint moves between them.
         """
-        model = model.to(self.device)
+        if self._mesh.pipelined:
+            raise ConfigError(f"ScalingConfig.pipeline_parallel_size={self.pp_size} splits the model into stages: "
+                              f"prepare it with ctx.prepare_pipeline(model, split_points=..., loss_fn=..., "
+                              f"microbatches=...) instead of ctx.prepare_model")
+        self._require_plan(parallelize, "prepare_model(model, parallelize=fn)")
+        wrapped = self._wrap(model.to(self.device), parallelize, shard_modules)
+        self._models.append((wrapped, model))
+        return wrapped
+
+    def prepare_pipeline(self, model: nn.Module, *, split_points: list[str],
+                         loss_fn: Callable[[Any, Any], torch.Tensor], microbatches: int, schedule: str = "1f1b",
+                         stages_per_rank: int | None = None,
+                         parallelize: Callable[[nn.Module, DeviceMesh], Any] | None = None,
+                         shard_modules: list[nn.Module] | None = None) -> Pipeline:
+        """Split the whole `model` into pipeline stages (ScalingConfig.pipeline_parallel_size P),
+        keep this rank's, wrap each like prepare_model and build the schedule. Returns the
+        `Pipeline`: hand it to the optimizer and to `restore` as the model, and train with
+        `loss = pipeline.step(inputs, targets)`, which runs forward and backward over
+        `microbatches` micro-batches of the batch (every rank of a replica passes the same batch;
+        the loss is the batch's mean on the last stage, a zero elsewhere: metrics come from each
+        pipeline's last stage).
+
+        `split_points`: the unit each stage after the first begins with. Units are the root's
+        children in forward order, ModuleLists opened ("blocks.4"); P - 1 of them (P x V - 1
+        under an interleaved schedule of V `stages_per_rank`, default 2). A stage is the model
+        with the other units set to None, so its forward must skip a None child; parameters keep
+        their whole-model names, so checkpoints move between values of P.
+        `loss_fn(output, target)`: the mean loss of a micro-batch. `schedule`: "gpipe", "1f1b" or
+        "interleaved1f1b" (torch.distributed.pipelining's). `parallelize`, `shard_modules`: as
+        for prepare_model, applied to each stage. At P = 1 nothing is split: the whole model is
+        prepared and `step` is its forward and backward, so one loop serves every P.
+        """
+        self._require_plan(parallelize, "prepare_pipeline(model, ..., parallelize=fn)")
+        if not self._mesh.pipelined:
+            wrapped = self._wrap(model.to(self.device), parallelize, shard_modules)
+            pipeline = unpipelined(model, wrapped, loss_fn=loss_fn, microbatches=microbatches, device=self.device,
+                                   autocast=self.autocast, backward=self.backward)
+        else:
+            def wrap_stage(stage: nn.Module) -> nn.Module:
+                mine = None if shard_modules is None else [m for m in shard_modules
+                                                           if any(m is x for x in stage.modules())]
+                return _wrap.wrap_tensor_parallel(stage, generation_mesh=self._mesh, scaling=self._scaling,
+                                                  parallelize=parallelize, shard_modules=mine)
+            pipeline = build_pipeline(model, mesh=self._mesh, device=self.device, split_points=split_points,
+                                      loss_fn=loss_fn, microbatches=microbatches, schedule=schedule,
+                                      stages_per_rank=stages_per_rank, wrap=wrap_stage, autocast=self.autocast)
+            self._boundary.sync_model = self._boundary.sync_model or pipeline
+        self._models.append((pipeline, pipeline))
+        return pipeline
+
+    def _require_plan(self, parallelize: Any, call: str) -> None:
+        if parallelize is None and self.tp_size > 1:
+            raise ConfigError(f"ScalingConfig.tensor_parallel_size={self.tp_size} needs the model's TP plan: "
+                              f"ctx.{call}, fn(model, tp_mesh) applying parallelize_module to it")
+
+    def _wrap(self, model: nn.Module, parallelize: Any, shard_modules: list[nn.Module] | None) -> nn.Module:
+        """The prepared model on this rank's device, for ScalingConfig."""
         compression = None
         if self._mesh.meshed:          # T > 1, or HSDP (its 2-D data-parallel mesh) at any T
-            if parallelize is None and self.tp_size > 1:
-                raise ConfigError(f"ScalingConfig.tensor_parallel_size={self.tp_size} needs the model's TP plan: "
-                                  f"ctx.prepare_model(model, parallelize=fn), fn(model, tp_mesh) applying "
-                                  f"parallelize_module to it")
             wrapped = _wrap.wrap_tensor_parallel(model, generation_mesh=self._mesh, scaling=self._scaling,
                                                  parallelize=parallelize, shard_modules=shard_modules)
         else:
@@ -207,7 +271,6 @@ class TrainContext(RankPlace):
                 model, device=self.device, world_size=self.world_size, scaling=self._scaling,
                 timer=self._boundary.timer, seed=mix_seed(self.seed, "powersgd", len(self._models)),
                 shard_modules=shard_modules)
-        self._models.append((wrapped, model))
         self._boundary.sync_model = self._boundary.sync_model or wrapped
         # Checkpoints carry one PowerSGD state per rank: the first compressed model's.
         self._keeper.compression = self._keeper.compression or compression

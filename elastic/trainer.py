@@ -162,7 +162,7 @@ class ElasticTrainer:
                               f"(total_steps={total_steps}); shorten the warmup")
         if lr is not None and lr.mode == CONSTANT_GLOBAL_BATCH:
             check_divisible(lr.base_world_size, scaling.min_workers, scaling.max_workers,
-                            scaling.tensor_parallel_size, scaling.unit_size // scaling.tensor_parallel_size)
+                            scaling.replica_size, scaling.unit_size // scaling.replica_size)
         if checkpoint.storage.startswith("memory://"):
             raise StorageConfigError("CheckpointConfig.storage: memory:// is private to one process and the "
                                      "workers are separate processes; use a local path or s3://")

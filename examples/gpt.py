@@ -98,13 +98,34 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.blocks:
+        # A pipeline stage holds some of the units (elastic's prepare_pipeline sets the others to
+        # None): a stage after the first gets the previous stage's activations, not token ids.
+        x = idx if self.tok is None else self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks if self.blocks is not None else ():
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
                 x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
-        return self.head(self.ln_f(x))
+        if self.ln_f is not None:
+            x = self.ln_f(x)
+        return x if self.head is None else self.head(x)
+
+
+def pipeline_split_points(cfg: GPTConfig, stages: int) -> list[str]:
+    """Where `stages` pipeline stages begin after the first: the blocks cut as evenly as they go
+    (the embeddings ride with the first stage, ln_f and the head with the last). ConfigError
+    unless every stage gets a block."""
+    from elastic.errors import ConfigError
+    if stages > cfg.n_layers:
+        raise ConfigError(f"GPTConfig.n_layers={cfg.n_layers} blocks cannot give each of {stages} pipeline stages "
+                          f"(pipeline_parallel_size x stages per rank) a block; lower pretrain.py --pp, use a "
+                          f"schedule with one stage per rank, or a model with more layers (--model-size)")
+    return [f"blocks.{k * cfg.n_layers // stages}" for k in range(1, stages)]
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy, the mean over the batch's positions."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
 def check_tensor_parallel(cfg: GPTConfig, tp: int, *, sequence_parallel: bool = False) -> None:
@@ -173,7 +194,7 @@ def parallelize_gpt(model: GPT, tp_mesh, *, sequence_parallel: bool = False) -> 
             "head": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                        use_local_output=True),
         })
-    for block in model.blocks:
+    for block in model.blocks if model.blocks is not None else ():     # a pipeline stage: its own blocks
         plan = {
             # The input becomes one replicated DTensor that q, k and v share: their input gradients
             # add up as one partial sum, reduced once (not once per projection).
@@ -280,30 +301,56 @@ def make_dataset(cfg: dict, model_cfg: GPTConfig, seed: int):
 def train_loop(ctx) -> None:
     """The example's loop; `ctx.config` may hold model_size, batch_size, lr, optimizer, n_samples,
     activation_checkpointing, data (URL of a Parquet token corpus), loader_workers (DataLoader worker
-    processes) and sequence_parallel (with tensor parallelism). Precision comes from ScalingConfig
-    through ctx.autocast/backward, the tensor-parallel degree from ScalingConfig.tensor_parallel_size
-    through ctx.tp_size."""
+    processes) and sequence_parallel (with tensor parallelism); with pipeline parallelism
+    pp_schedule and microbatches. Precision comes from ScalingConfig through ctx.autocast/backward,
+    the tensor- and pipeline-parallel degrees from ScalingConfig through ctx.tp_size and ctx.pp_size."""
     cfg = dict(ctx.config or {})
     model_cfg = GPTConfig.named(cfg.get("model_size", "small"))
     model = GPT(model_cfg, activation_checkpointing=bool(cfg.get("activation_checkpointing")))
+    plan = functools.partial(parallelize_gpt, sequence_parallel=bool(cfg.get("sequence_parallel")))
+    if ctx.pp_size > 1:
+        _pipeline_loop(ctx, cfg, model, model_cfg, plan if ctx.tp_size > 1 else None)
+        return
     if ctx.tp_size > 1:
-        plan = functools.partial(parallelize_gpt, sequence_parallel=bool(cfg.get("sequence_parallel")))
         model = ctx.prepare_model(model, parallelize=plan)
     else:
         model = ctx.prepare_model(model)
-    # "sgd" (momentum 0.9): an update proportional to the gradient, for tests that compare models.
-    opt_class = {"adamw": torch.optim.AdamW, "sgd": lambda p, lr: torch.optim.SGD(p, lr=lr, momentum=0.9)}
-    optimizer = ctx.prepare_optimizer(
-        opt_class[cfg.get("optimizer", "adamw")](model.parameters(), lr=cfg.get("lr", 3e-3)))
+    optimizer = _optimizer(ctx, cfg, model.parameters())
     data = make_dataset(cfg, model_cfg, ctx.seed)
     loader = ctx.prepare_data(data, batch_size=cfg.get("batch_size", 8), num_workers=cfg.get("loader_workers", 0))
     ctx.restore(model=model, optimizer=optimizer)
     for batch in loader:
         batch = batch.to(ctx.device)
         with ctx.autocast():
-            logits = model(batch[:, :-1])
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
+            loss = lm_loss(model(batch[:, :-1]), batch[:, 1:])
         ctx.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        ctx.report(loss=loss, lr=optimizer.param_groups[0]["lr"])
+
+
+def _optimizer(ctx, cfg: dict, params):
+    # "sgd" (momentum 0.9): an update proportional to the gradient, for tests that compare models.
+    opt_class = {"adamw": torch.optim.AdamW, "sgd": lambda p, lr: torch.optim.SGD(p, lr=lr, momentum=0.9)}
+    return ctx.prepare_optimizer(opt_class[cfg.get("optimizer", "adamw")](params, lr=cfg.get("lr", 3e-3)))
+
+
+def _pipeline_loop(ctx, cfg: dict, model: GPT, model_cfg: GPTConfig, plan) -> None:
+    """The loop under pipeline parallelism (ScalingConfig.pipeline_parallel_size > 1): the
+    schedule runs forward and backward over the batch's micro-batches; the rest is the same loop.
+    Parameter names are the whole model's, so a checkpoint moves to and from the loop above."""
+    schedule = cfg.get("pp_schedule", "1f1b")
+    per_rank = 2 if schedule == "interleaved1f1b" else 1
+    pipeline = ctx.prepare_pipeline(model, split_points=pipeline_split_points(model_cfg, ctx.pp_size * per_rank),
+                                    loss_fn=lm_loss, microbatches=cfg.get("microbatches", ctx.pp_size),
+                                    schedule=schedule, stages_per_rank=per_rank, parallelize=plan)
+    optimizer = _optimizer(ctx, cfg, pipeline.parameters())
+    data = make_dataset(cfg, model_cfg, ctx.seed)
+    loader = ctx.prepare_data(data, batch_size=cfg.get("batch_size", 8), num_workers=cfg.get("loader_workers", 0))
+    ctx.restore(model=pipeline, optimizer=optimizer)
+    for batch in loader:
+        batch = batch.to(ctx.device)
+        loss = pipeline.step(batch[:, :-1], batch[:, 1:])
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         ctx.report(loss=loss, lr=optimizer.param_groups[0]["lr"])

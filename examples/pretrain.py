@@ -9,6 +9,8 @@ worker (its pid is in <storage>/status.json) and watch the run re-form and go on
 each worker trains on one GPU of its own (NCCL), which --precision fp16 needs. With --tp T the
 model is split over replicas of T ranks by tensor parallelism (gpt.parallelize_gpt; --workers then
 counts ranks, in multiples of T), and --sequence-parallel splits the sequence between its blocks too.
+With --pp P each replica is a pipeline of P stages (gpt.pipeline_split_points; --workers in
+multiples of T x P), trained by --pp-schedule over --microbatches micro-batches of each batch.
 
 Exit codes: 0 finished; 1 failed; 2 bad flags or storage that cannot be written; 3 the loop
 stopped before --steps; 4 the storage is in use by another live run (see --takeover); 5 stopped
@@ -123,6 +125,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=positive_int, default=1, metavar="T",
                    help="tensor parallelism: split the model over replicas of T ranks (ScalingConfig."
                         "tensor_parallel_size; the model's n_heads must divide by T); default 1: none")
+    p.add_argument("--pp", type=positive_int, default=1, metavar="P",
+                   help="pipeline parallelism: each replica is a pipeline of P stages (ScalingConfig."
+                        "pipeline_parallel_size; --workers in multiples of --tp x P); default 1: none")
+    p.add_argument("--pp-schedule", choices=("gpipe", "1f1b", "interleaved1f1b"), default="1f1b",
+                   help="with --pp: the pipeline schedule (interleaved1f1b runs 2 stages per rank)")
+    p.add_argument("--microbatches", type=positive_int, default=None, metavar="M",
+                   help="with --pp: micro-batches per batch (--batch-size must divide by M); default P")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: also split the sequence between the transformer blocks (the model's "
                         "seq_len must divide by T): less activation memory, the same communication volume")
@@ -176,6 +185,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.sequence_parallel and args.tp == 1:
         p.error("--sequence-parallel splits the sequence over the ranks of a tensor-parallel replica; "
                 "add --tp T (T > 1), or leave it out")
+    if args.pp == 1 and (args.microbatches is not None or args.pp_schedule != "1f1b"):
+        p.error("--microbatches and --pp-schedule shape a pipeline: add --pp P (P > 1), or leave them out")
+    if args.pp > 1 and args.sequence_parallel:
+        p.error("--sequence-parallel is not supported with --pp yet (a stage's activations would leave it split "
+                "along the sequence); leave one of them out")
     return args
 
 
@@ -183,8 +197,8 @@ def lr_config(args: argparse.Namespace) -> LRScalingConfig | None:
     """The LR rule the flags ask for (None for --lr-mode none); invalid values raise ConfigError."""
     if args.lr_mode == "none":
         return None
-    # The rule counts data-parallel replicas (the ranks of a tensor-parallel replica read one batch).
-    low, high = (n // args.tp for n in args.workers)
+    # The rule counts data-parallel replicas (the ranks of a replica read one batch).
+    low, high = (n // (args.tp * args.pp) for n in args.workers)
     base = args.base_world_size
     if base is None:
         base = high if args.lr_mode == "linear" else math.lcm(*range(max(low, 1), high + 1))
@@ -202,14 +216,17 @@ def scaling_config(args: argparse.Namespace) -> ScalingConfig:
                          grad_compression=None if args.grad_compression == "none" else args.grad_compression,
                          fsdp_reshard_after_forward=args.fsdp_reshard_after_forward,
                          fsdp_cpu_offload=args.fsdp_cpu_offload, node_agents=args.node_agents,
-                         tensor_parallel_size=args.tp, hsdp_shard_size=args.hsdp_shard_size)
+                         tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
+                         hsdp_shard_size=args.hsdp_shard_size)
 
 
 def model_config(args: argparse.Namespace) -> gpt.GPTConfig:
-    """The model the flags ask for; a model that --tp (and --sequence-parallel) cannot split raises
-    ConfigError here, in the driver, instead of in every rank once the workers have started."""
+    """The model the flags ask for; a model that --tp (and --sequence-parallel) or --pp cannot split
+    raises ConfigError here, in the driver, instead of in every rank once the workers have started."""
     model_cfg = gpt.GPTConfig.named(args.model_size)
     gpt.check_tensor_parallel(model_cfg, args.tp, sequence_parallel=args.sequence_parallel)
+    if args.pp > 1:
+        gpt.pipeline_split_points(model_cfg, args.pp * (2 if args.pp_schedule == "interleaved1f1b" else 1))
     return model_cfg
 
 
@@ -293,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
             train_loop_config={"model_size": args.model_size, "batch_size": args.batch_size, "lr": args.lr,
                                "activation_checkpointing": args.activation_checkpointing, "data": data_url,
                                HOLD_AT_KEY: args.hold_at, "loader_workers": args.loader_workers,
-                               "sequence_parallel": args.sequence_parallel},
+                               "sequence_parallel": args.sequence_parallel, "pp_schedule": args.pp_schedule,
+                               "microbatches": args.microbatches or args.pp},
             scaling=scaling_config(args),
             checkpoint=CheckpointConfig(storage=args.storage, every_n_steps=args.checkpoint_every,
                                         async_save=not args.sync_checkpoints, takeover=args.takeover,

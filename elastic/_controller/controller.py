@@ -94,10 +94,10 @@ class Controller:
         self.intake = ReportIntake(recorder, self.steps, self.recoveries, self.stragglers, failure)
         # The actor's commit watch looks on a thread of its own; without one, looks are inline (fakes).
         self.status = StatusReport(recorder, commits or CommitWatch(checkpoints, clock, background=False),
-                                   tp=scaling.tensor_parallel_size)
+                                   tp=scaling.tensor_parallel_size, pp=scaling.pipeline_parallel_size)
         self.slots = Slots(scaling)
         self.former = GenerationFormer(group, checkpoints, self._storage, failure=failure, clock=clock,
-                                       tp=scaling.unit_size)
+                                       unit=scaling.unit_size)
         self.recovery = RecoveryCourse(group, self.recoveries, self.former, self.slots, self.budget, scaling=scaling,
                                        failure=failure, total_steps=total_steps, clock=clock, kill=self._kill,
                                        place=self._place_slots)

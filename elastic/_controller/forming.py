@@ -48,9 +48,9 @@ class GenerationFormer:
     nothing to the other parts (the controller does, with what `form` returns)."""
 
     def __init__(self, group: WorkerGroup, checkpoints: CheckpointView, storage: StorageCall, *,
-                 failure: FailureConfig, clock: Callable[[], float], tp: int = 1):
+                 failure: FailureConfig, clock: Callable[[], float], unit: int = 1):
         self.group, self._checkpoints, self._storage = group, checkpoints, storage
-        self._failure, self._clock, self._tp = failure, clock, tp
+        self._failure, self._clock, self._unit = failure, clock, unit
         self.generation = -1
 
     def resume_plan(self) -> RestorePlan:
@@ -71,15 +71,15 @@ class GenerationFormer:
         step any member holds (a slice from each; under TP, of its own TP rank's shard: every TP
         rank needs one); else from the members' in-memory copies (FSDP) unless a checkpoint is
         newer; else from the newest committed checkpoint (or fresh when there is none)."""
-        warm = warm_sources(members, settled, self._tp)
+        warm = warm_sources(members, settled, self._unit)
         if not isinstance(warm, str):
             # Every member holding the newest step sends a slice; one holding an older step receives.
             newest, sources = warm
-            held = "full state" if self._tp == 1 else f"TP shards (all {self._tp} positions of a unit)"
+            held = "full state" if self._unit == 1 else f"model shards (all {self._unit} places of a unit)"
             return True, RestorePlan(RestoreKind.BROADCAST, source_rank=sources[0], sources=sources, step=newest,
                                      reason=f"{len(sources)} survivor(s) hold the {held} of step {newest}")
         memory = memory_source(members, settled)
-        if self._tp > 1 and any(w in settled and settled[w].has_state for w in members):
+        if self._unit > 1 and any(w in settled and settled[w].has_state for w in members):
             memory = warm      # why the survivors' memory is not enough (copies are not kept under TP)
         # Fence the next generation before listing (the protocol of checkpointing.manifest's
         # advance_fence): a broken generation's rank 0 may still be committing a save issued

@@ -9,6 +9,11 @@ resources back to the bundle it used, not to the node): the replacement joins it
 node, and replica_arrangement puts it in their replica. Once no live slot holds a bundle of it,
 the worker group removes the placement group, as it removes a slot's own at T = 1.
 
+Under pipeline parallelism a replica is P stages of T ranks, and the placement group stays per
+stage (T bundles, STRICT_PACK): a stage's TP traffic stays on its node, while a pipeline's
+point-to-point sends between stages (one activation per micro-batch) may cross nodes, as PP does
+across nodes in torchtitan and Megatron. At T = 1 each rank has its own, as without PP.
+
 Under HSDP the run grows and shrinks by shard groups of S replicas, but placement stays per
 replica of T: a shard group's FSDP traffic (all-gathers and reduce-scatters, overlapped with
 compute) crosses nodes as torchtitan's HSDP does, a TP group's (blocking, every layer) must not,

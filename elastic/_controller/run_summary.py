@@ -39,8 +39,11 @@ class RunSummary:
         self._clock = clock                         # wall-clock seconds (step records carry the same)
         self._started_at = clock()
         self._world_size_history: list[list[int]] = []     # [start step, world size] per generation
-        # Ranks per replica, for the layout of each generation (summary.json's layout_history).
-        self._tp = int(((config or {}).get("scaling") or {}).get("tensor_parallel_size", 1))
+        # Ranks per stage and stages per replica, for each generation's layout (summary.json's
+        # layout_history).
+        scaling = (config or {}).get("scaling") or {}
+        self._tp = int(scaling.get("tensor_parallel_size", 1))
+        self._pp = int(scaling.get("pipeline_parallel_size", 1))
         self._newest_step = 0                       # highest step kept
         self._losses: list[float] = []
         self._recoveries: list[dict[str, Any]] = []
@@ -141,7 +144,8 @@ class RunSummary:
         return summary_doc(
             status=status, final_step=final_step, total_steps=self._total_steps,
             world_size_history=self._world_size_history, recoveries=self._recoveries, checkpoints=checkpoints,
-            layout_history=[[step, Layout.of(world, self._tp).to_dict()] for step, world in self._world_size_history],
+            layout_history=[[step, Layout.of(world, self._tp, self._pp).to_dict()]
+                            for step, world in self._world_size_history],
             loss_first=self._losses[0] if self._losses else None,
             loss_last=self._losses[-1] if self._losses else None,
             model_sha256=model_sha256, wall_s=wall_s, time_ledger=time_ledger, metrics=metrics,

@@ -194,8 +194,12 @@ class RunningWatch:
                     # Its replica leaves with it (the group is whole replicas); its TP peers stay
                     # outside as warm members.
                     return Resize(Cause.STRAGGLER, decision.reason, world - tp, [st.members[flag.rank]])
-        if spares:
-            grow = policy.decide_resize(world_size=world, ready_spares=len(spares),
+        # Only spares that complete whole units can join: the policy is asked about those alone
+        # (asked about a part of a unit, it would decide a growth the group cannot make, and say
+        # so at every tick while the rest of the unit starts).
+        usable = whole_replicas(world + len(spares), tp) - world
+        if usable > 0:
+            grow = policy.decide_resize(world_size=world, ready_spares=usable,
                                         min_workers=scaling.min_workers, max_workers=scaling.max_workers)
             target = whole_replicas(grow.target_world_size, tp) if grow is not None else world
             if grow is not None and target > world:

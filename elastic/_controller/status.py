@@ -20,8 +20,8 @@ log = logging.getLogger("elastic.controller")
 
 
 class StatusReport:
-    def __init__(self, recorder: RunRecord, commits: CommitWatch, *, tp: int = 1):
-        self._recorder, self._commits, self._tp = recorder, commits, tp
+    def __init__(self, recorder: RunRecord, commits: CommitWatch, *, tp: int = 1, pp: int = 1):
+        self._recorder, self._commits, self._tp, self._pp = recorder, commits, tp, pp
         self.last_committed: int | None = None
         self.world_size = 0                  # of the newest generation that ran
 
@@ -39,16 +39,19 @@ class StatusReport:
         # thread), not at every tick: each holds a record per worker. The tick's members and views
         # are what they are built from (the group hands a new views dict at each tick).
         ranked = tuple(members)
+        layout = Layout.of(self.world_size, self._tp, self._pp) if self.world_size else None
         self._recorder.write_status(force=force, state=state.value, generation=generation, step=step,
                                     world_size=self.world_size, last_committed_step=self.last_committed,
-                                    layout=Layout.of(self.world_size, self._tp).to_dict() if self.world_size else None,
-                                    workers=lambda: _workers(ranked, views, self._tp),
+                                    layout=layout.to_dict() if layout else None,
+                                    workers=lambda: _workers(ranked, views, Layout(1, self._tp, self._pp)),
                                     spares=lambda: _spares(ranked, views))
 
 
-def _workers(members: tuple[int, ...], views: dict[int, WorkerView], tp: int) -> list[dict]:
-    """status.json's `workers`: the group's members in rank order, with their replica and TP rank."""
-    return [{"rank": rank, "replica": rank // tp, "tp_rank": rank % tp, "pid": v.info.pid,
+def _workers(members: tuple[int, ...], views: dict[int, WorkerView], layout: Layout) -> list[dict]:
+    """status.json's `workers`: the group's members in rank order, with their replica, TP rank and
+    pipeline stage (`layout`: any replica count; only its tp and pp are read)."""
+    return [{"rank": rank, "replica": layout.dp_rank(rank), "tp_rank": layout.tp_rank(rank),
+             "pp_rank": layout.pp_rank(rank), "pid": v.info.pid,
              "node_id": v.info.node_id, "actor_id": v.info.actor_id,
              "polled_by": "agent" if v.via_agent else "controller"}
             for rank, wid in enumerate(members) if (v := views.get(wid)) and v.info]

@@ -50,7 +50,7 @@ class StateKeeper:
         started = time.monotonic()
         rank, step = self._plan.rank, self._boundary.step
         payload, meta = self.state.checkpoint_payload(_wrap.compression_extra(self.compression, rank),
-                                                      world_size=self._plan.world_size)
+                                                      world_size=self._plan.world_size, flat=self._mesh.pipelined)
         self._worker.checkpoints.save(self._spec, step, payload, generation=self._plan.generation, wait=wait,
                                       meta=meta)
         if rank == 0:
@@ -116,14 +116,14 @@ class StateKeeper:
 
     def _copy_to_memory(self) -> None:
         """Collective: this rank's state into host memory, and a copy to its ring neighbour (under
-        tensor parallelism, the same TP rank in the next replica)."""
+        tensor or pipeline parallelism, the same place in the next replica)."""
         assert self.state is not None
         mesh = self._mesh
-        # At T = 1 the ring is the world: no mesh is built for it (its process groups cost a collective).
-        group = mesh.dp_group() if mesh.tensor_parallel else None
+        # Unsplit, the ring is the world: no mesh is built for it (its process groups cost a collective).
+        group = mesh.dp_group() if mesh.split else None
         self._worker.replicas.refresh(self.state, generation=self._plan.generation, rank=self._plan.rank,
                                       world_size=self._plan.world_size, step=self._boundary.step,
-                                      device=self._copy_device, tp_size=mesh.layout.tp, group=group)
+                                      device=self._copy_device, replica_size=mesh.layout.replica_size, group=group)
 
     def finish(self) -> str | None:
         """After the loop: commit the final state and hash the full models (collective); the
@@ -141,9 +141,12 @@ class StateKeeper:
         modules = self.state.modules()
         if not modules:
             return None
-        # Sharded modules (FSDP, TP) are gathered: a collective, and the hash is of the whole model.
-        sharded = self._spec.scaling.strategy in ("fsdp", "hsdp") or self._spec.scaling.tensor_parallel_size > 1
-        full = {name: _checkpoint_io.full_model_state(m) if sharded else m.state_dict() for name, m in modules.items()}
+        # Sharded modules (FSDP, TP) are gathered, a pipeline's stages merged: a collective, and
+        # the hash is of the whole model.
+        sharded = self._spec.scaling.strategy in ("fsdp", "hsdp") or self._mesh.split
+        pipeline = self._mesh.pp_group() if self._mesh.pipelined else None
+        full = {name: _checkpoint_io.full_model_state(m, pipeline) if sharded else m.state_dict()
+                for name, m in modules.items()}
         if self._plan.rank != 0:
             return None
         if len(full) == 1:

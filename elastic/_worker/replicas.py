@@ -250,22 +250,23 @@ class ReplicaStore:
                          f"worker holds {held} (generation, rank, step)")
 
     def refresh(self, state: TrainState, *, generation: int, rank: int, world_size: int, step: int,
-                device: torch.device, tp_size: int = 1, group: ProcessGroup | None = None) -> None:
+                device: torch.device, replica_size: int = 1, group: ProcessGroup | None = None) -> None:
         """Collective over `group` (default: the world): take this rank's copy and swap copies
         around the ring.
 
-        Under tensor parallelism (`tp_size` T > 1) the ring is this rank's data-parallel group
-        (`group`: the same TP rank in every replica), so rank r keeps the copy of r - T."""
+        Under tensor or pipeline parallelism (`replica_size` R = T x P > 1) the ring is this
+        rank's data-parallel group (`group`: the same place in every replica), so rank r keeps
+        the copy of r - R."""
         from elastic._worker.broadcast import swap_ring
         self._pair = ()     # the previous pair is dropped first: memory holds one pair, not two
         own = Copy(generation, world_size, rank, step, to_host(state.state_dict()))
         self._pair = (own,)
-        if world_size == tp_size:
+        if world_size == replica_size:
             return
         theirs = swap_ring(own.state, device, group=group)
         if device.type != "cpu":
             theirs = to_host(theirs)
-        self._pair = (own, Copy(generation, world_size, (rank - tp_size) % world_size, step, theirs))
+        self._pair = (own, Copy(generation, world_size, (rank - replica_size) % world_size, step, theirs))
 
 
 class Rebuild:

@@ -22,7 +22,7 @@ from elastic._worker.lr import ScaleRamp
 from elastic._worker.mesh import GenerationMesh
 from elastic._worker.replicas import Rebuild
 from elastic._worker.state import WorkerState
-from elastic._worker.train_state import EXTRA, TrainState
+from elastic._worker.train_state import EXTRA, FLAT, OPTIMIZER_KEYS, TrainState
 from elastic._worker.warm_slices import send_slices
 from elastic.errors import ElasticError, StateError
 
@@ -127,21 +127,22 @@ class Restorer:
         """Rebuild this rank's shards from the old generation's copies: each holder broadcasts
         the copy of one old rank in turn; every rank keeps the blocks of its new shards.
 
-        Under tensor parallelism (T unchanged: the controller rebuilds from copies only then)
-        each TP rank's shards come from the old ranks of that TP rank, broadcast within its
-        data-parallel group: every holder sits at the TP rank of the copies it holds."""
+        Under tensor or pipeline parallelism (T and P unchanged: the controller rebuilds from
+        copies only then) the shards of each place in a replica (stage and TP rank) come from the
+        old ranks of that place, broadcast within its data-parallel group: every holder sits at
+        the place of the copies it holds."""
         replicas, mesh = self._worker.replicas, self._mesh
         old_ranks, group = range(source.world_size), None
-        if mesh.tensor_parallel:
-            tp = mesh.layout.tp
-            misplaced = [(j, h) for j, h in enumerate(source.holders) if h % tp != j % tp]
-            if source.world_size % tp or misplaced:
+        if mesh.split:
+            size = mesh.layout.replica_size
+            misplaced = [(j, h) for j, h in enumerate(source.holders) if h % size != j % size]
+            if source.world_size % size or misplaced:
                 # Checked on every rank before any broadcast: all raise alike, none waits for a peer.
-                raise StateError(f"a memory restore at tensor_parallel_size={tp} needs the copies of "
-                                 f"generation {source.generation}'s {source.world_size} ranks each held at its own "
-                                 f"TP rank; (old rank, holder) {misplaced} are not: the controller must place "
-                                 f"every holder at the TP rank of the copies it holds")
-            old_ranks, group = range(mesh.tp_rank, source.world_size, tp), mesh.dp_group()
+                raise StateError(f"a memory restore in replicas of {size} ranks (tensor x pipeline parallel) needs "
+                                 f"the copies of generation {source.generation}'s {source.world_size} ranks each held "
+                                 f"at its own place in a replica; (old rank, holder) {misplaced} are not: the "
+                                 f"controller must place every holder at the place of the copies it holds")
+            old_ranks, group = range(self._plan.rank % size, source.world_size, size), mesh.dp_group()
         rebuild = Rebuild(state.state_dict())
         for old_rank in old_ranks:
             holder = source.holders[old_rank]
@@ -162,10 +163,12 @@ class Restorer:
         # it in the DCP state (the newest manifest says which: every rank reads the same one).
         newest = manager.latest()
         in_meta = newest is None or EXTRA in (newest.meta or {})
+        # Optimizer states as the newest checkpoint keyed them (flattened under pipelines).
+        flat = newest is not None and ((newest.meta or {}).get(EXTRA) or {}).get(OPTIMIZER_KEYS) == FLAT
         loaded_state, loaded = _wrap.load_with_compression_state(
             manager, compression, self._plan.rank, self._plan.world_size, self._comm_device,
-            lambda with_keys: _legacy_names(state.checkpoint_template(with_keys, framework_in_meta=in_meta),
-                                            legacy=not in_meta))
+            lambda with_keys: _legacy_names(state.checkpoint_template(with_keys, framework_in_meta=in_meta,
+                                                                      flat=flat), legacy=not in_meta))
         if loaded is None:
             planned = self._plan.restore.step
             if planned is not None:
@@ -189,7 +192,7 @@ class Restorer:
         else:
             loaded_state = _legacy_names(loaded_state, legacy=True, back=True)
         state.load_state_dict(loaded_state, source=f"checkpoint step {loaded.step} at {loaded.path}",
-                              legacy=not in_meta)
+                              legacy=not in_meta, flat=flat)
         session.load_fallbacks.extend(dict(s) for s in loaded.skipped)
         session.last_saved_step = self._worker.progress.step
         if self._plan.generation == 0 and session.resumed_from is None:

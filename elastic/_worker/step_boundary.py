@@ -294,9 +294,10 @@ class StepBoundary:
             raise StateError(f"ctx.report() at step {step.step}: the ranks reported different metric names "
                              f"(rank {self.rank}: {list(names)}); report the same names on every rank, and "
                              f"rank-local values through ctx.log()")
-        # Means over the data-parallel replicas: one row per replica (its TP rank 0's; the ranks
-        # of a replica compute the same loss), so tensor parallelism weighs no replica twice.
-        rows = shared[::self.layout.tp] if ranks == self.world_size else shared
+        # Means over the data-parallel replicas: one row per replica (TP rank 0 of its last stage:
+        # the ranks of a stage compute the same loss, and only a pipeline's last stage has it),
+        # so no replica weighs twice and no earlier stage's placeholder counts.
+        rows = shared[self.layout.metric_ranks()] if ranks == self.world_size else shared
         means = rows[:, _HEADER:_HEADER + len(names)].mean(dim=0).tolist()
         metrics = dict(zip(names, means, strict=True))
         if step.lr is not None:

@@ -35,6 +35,12 @@ if TYPE_CHECKING:
 
 EXTRA = "extra"                    # the framework's own key in every state dict
 STATE_KINDS = "state_kinds"        # extra[STATE_KINDS]: JSON {name: kind}, read by `elastic export`
+# extra[OPTIMIZER_KEYS] == FLAT: the checkpoint's optimizer states are flattened, keyed by
+# parameter name down to each param group's values (written under pipeline parallelism: its
+# stages hold different parameters, and torch's nested "param_groups.0.params" list would be one
+# key written with a different value by each stage, so a load would get another stage's list).
+OPTIMIZER_KEYS = "optimizer_keys"
+FLAT = "flat"
 
 
 class StateKind(enum.StrEnum):
@@ -119,31 +125,41 @@ class TrainState:
         kinds = {n: k.value for n, k in self.kinds.items()}
         return {**self.progress.state_dict(), **self._precision.state(), STATE_KINDS: json.dumps(kinds)}
 
-    def state_dict(self, extra: Mapping[str, Any] | None = None, *, legacy: bool = False) -> dict[str, Any]:
+    def state_dict(self, extra: Mapping[str, Any] | None = None, *, legacy: bool = False,
+                   flat: bool = False) -> dict[str, Any]:
         """Everything, by name; `extra` adds framework values (world size, per-rank compression).
-        `legacy`: optimizer state named as an earlier runtime's checkpoint has it (_optimizer_root)."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+        `legacy`: optimizer state named as an earlier runtime's checkpoint has it (_optimizer_root);
+        `flat`: optimizer states flattened (see OPTIMIZER_KEYS)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
         state: dict[str, Any] = {EXTRA: {**self.extra(), **(extra or {})}}
+        options = StateDictOptions(flatten_optimizer_state_dict=flat)
         for name, obj in self.objects.items():
             kind = self.kinds[name]
             if kind is StateKind.MODULE:
                 state[name] = get_model_state_dict(obj)
             elif kind is StateKind.OPTIMIZER:
                 with _plain_steps(obj):
-                    state[name] = get_optimizer_state_dict(self._optimizer_root(legacy), obj)
+                    state[name] = get_optimizer_state_dict(self._optimizer_root(legacy), obj, options=options)
             else:
                 state[name] = obj.state_dict()
         return state
 
-    def checkpoint_payload(self, rank_extra: Mapping[str, Any], *, world_size: int
+    def checkpoint_payload(self, rank_extra: Mapping[str, Any], *, world_size: int, flat: bool = False
                            ) -> tuple[dict[str, Any], dict[str, Any]]:
         """What a checkpoint saves: the objects' state for DCP, and the framework's part as JSON
         for the manifest (checkpoints are data: no pickle of the framework's own). `rank_extra`:
-        per-rank values that must stay per rank in DCP (PowerSGD's state)."""
-        payload = self.state_dict()
+        per-rank values that must stay per rank in DCP (PowerSGD's state); `flat`: optimizer
+        states flattened, and the manifest says so (OPTIMIZER_KEYS)."""
+        payload = self.state_dict(flat=flat)
         extra = payload.pop(EXTRA)
         if rank_extra:
             payload[EXTRA] = dict(rank_extra)
+        if flat:
+            extra[OPTIMIZER_KEYS] = FLAT
         return payload, {EXTRA: {**extra, "world_size": world_size}}
 
     def _optimizer_root(self, legacy: bool) -> nn.Module:
@@ -151,24 +167,31 @@ class TrainState:
         a checkpoint of an earlier runtime (one model, one optimizer) that model, unprefixed."""
         return self.objects["model"] if legacy and "model" in self.objects else self._container
 
-    def checkpoint_template(self, rank_extra: Mapping[str, Any], *, framework_in_meta: bool) -> dict[str, Any]:
+    def checkpoint_template(self, rank_extra: Mapping[str, Any], *, framework_in_meta: bool,
+                            flat: bool = False) -> dict[str, Any]:
         """The state dict a checkpoint load fills (see checkpoint_payload); with
-        `framework_in_meta` False, a checkpoint of an earlier runtime (framework state in DCP)."""
+        `framework_in_meta` False, a checkpoint of an earlier runtime (framework state in DCP);
+        `flat`: one whose optimizer states are flattened (its manifest's OPTIMIZER_KEYS)."""
         if not framework_in_meta:
             template = self.state_dict(extra=rank_extra, legacy=True)
             del template[EXTRA][STATE_KINDS]      # earlier runtimes did not save these
             del template[EXTRA]["data_order_tail"]
             return template
-        template = self.state_dict()
+        template = self.state_dict(flat=flat)
         del template[EXTRA]
         if rank_extra:
             template[EXTRA] = dict(rank_extra)
         return template
 
-    def load_state_dict(self, state: Mapping[str, Any], *, source: str, legacy: bool = False) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], *, source: str, legacy: bool = False,
+                        flat: bool = False) -> None:
         """Load a state from `state_dict()` (here or on another rank); `source` names it in errors;
-        `legacy` as in state_dict."""
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+        `legacy` and `flat` as in state_dict."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
         missing = [n for n in self.objects if n not in state]
         if missing or EXTRA not in state:
             held = sorted(k for k in state if k != EXTRA)
@@ -184,7 +207,8 @@ class TrainState:
                 set_model_state_dict(obj, state[name])
             elif kind is StateKind.OPTIMIZER:
                 with _plain_steps(obj):
-                    set_optimizer_state_dict(self._optimizer_root(legacy), obj, state[name])
+                    set_optimizer_state_dict(self._optimizer_root(legacy), obj, state[name],
+                                             options=StateDictOptions(flatten_optimizer_state_dict=flat))
             else:
                 obj.load_state_dict(state[name])
 

@@ -60,7 +60,7 @@ def test_a_killed_tp_rank_takes_its_replica_out_then_the_replica_heals_from_peer
     assert died["cause"] == "worker_died" and died["rung"] == "warm" and died["lost_steps"] == 0, died
     assert died["from_world"] == 6 and died["to_world"] == 4
     assert grew["cause"] == "scale_up" and grew["rung"] == "warm" and grew["to_world"] == 6, grew
-    assert "TP shards" in died["reason"] and "TP shards" in grew["reason"]
+    assert "model shards (all 2 places" in died["reason"] and "model shards (all 2 places" in grew["reason"]
     # No checkpoint was read: every restore came from the members' memory.
     assert not os.path.exists(loads_file), open(loads_file).read()
     # Each step once; the data exactly once, counted per replica (8 samples each, DP 3 then 2).

@@ -62,7 +62,7 @@ def test_survivors_holding_the_wrong_shard_are_moved_to_it_or_named_as_the_reaso
     reason = warm_sources(members, settled, 2)
     assert isinstance(reason, str) and "TP rank(s) [1]" in reason
     former = GenerationFormer(None, _NoCheckpoints(), lambda what, fn: (True, fn()),  # type: ignore[arg-type]
-                              failure=FailureConfig(), clock=time.monotonic, tp=2)
+                              failure=FailureConfig(), clock=time.monotonic, unit=2)
     ok, plan = former.reform_plan(members, settled)
     assert ok and plan is not None and plan.kind == RestoreKind.FRESH and "TP rank(s) [1]" in plan.reason
 

@@ -194,10 +194,15 @@ class _LoopContext:
 
     def __init__(self, config: dict, **attributes):
         self.config = config
+        self.pp_size = 1
         self.__dict__.update(attributes)
         self.calls: list[dict] = []
 
     def prepare_model(self, model, **options):
+        self.calls.append(options)
+        raise _Stop
+
+    def prepare_pipeline(self, model, **options):
         self.calls.append(options)
         raise _Stop
 
@@ -220,3 +225,26 @@ def test_loop_passes_the_plan_only_under_tensor_parallelism(attributes, expected
         plan = options["parallelize"]
         assert isinstance(plan, functools.partial) and plan.func is gpt.parallelize_gpt
         assert plan.keywords == expected
+
+
+@pytest.mark.parametrize(("tp_size", "schedule", "points"), [
+    (1, "1f1b", ["blocks.1"]),
+    (2, "gpipe", ["blocks.1"]),
+])
+def test_loop_under_pipeline_parallelism_splits_the_blocks_and_passes_the_plan_only_under_tp(tp_size, schedule,
+                                                                                             points):
+    ctx = _LoopContext({"model_size": "tiny", "pp_schedule": schedule, "microbatches": 4}, tp_size=tp_size, pp_size=2)
+    with pytest.raises(_Stop):
+        gpt.train_loop(ctx)
+    (options,) = ctx.calls
+    assert options["split_points"] == points and options["schedule"] == schedule
+    assert options["microbatches"] == 4 and options["loss_fn"] is gpt.lm_loss
+    assert (options["parallelize"] is None) == (tp_size == 1)
+
+
+def test_the_split_gives_every_stage_a_block_or_refuses():
+    cfg = gpt.GPTConfig.named("base")           # 6 blocks
+    assert gpt.pipeline_split_points(cfg, 3) == ["blocks.2", "blocks.4"]
+    assert gpt.pipeline_split_points(cfg, 4) == ["blocks.1", "blocks.3", "blocks.4"]
+    with pytest.raises(ConfigError, match=r"n_layers=6 blocks cannot give each of 7 pipeline stages"):
+        gpt.pipeline_split_points(cfg, 7)

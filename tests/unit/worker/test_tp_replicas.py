@@ -116,7 +116,7 @@ def test_a_memory_restore_refuses_holders_at_another_tp_rank():
                           restore=RestorePlan(RestoreKind.MEMORY, step=3, replica=source), timeout_s=60.0)
     mesh = GenerationMesh(rank=0, world_size=4, scaling=spec.scaling, device=torch.device("cpu"))
     restorer = Restorer(plan=plan, spec=spec, worker=WorkerState(), mesh=mesh, comm_device=torch.device("cpu"))
-    with pytest.raises(StateError, match=r"\(old rank, holder\) \[\(1, 0\)\].*TP rank of the copies it holds"):
+    with pytest.raises(StateError, match=r"\(old rank, holder\) \[\(1, 0\)\].*place of the copies it holds"):
         restorer._memory(None, source, 3)     # type: ignore[arg-type]  # refused before the state is read
 
 
