@@ -65,11 +65,13 @@ def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def _context(rank: int, world: int, generation: int, restore: RestorePlan, worker: WorkerState, *,
-             strategy: str, pp: int, tp: int, storage: str = "memory://unused") -> TrainContext:
+             strategy: str, pp: int, tp: int, storage: str = "memory://unused",
+             in_memory_every: int | None = None) -> TrainContext:
     spec = RunSpec(user_code=b"", total_steps=100, seed=0,
                    scaling=ScalingConfig(strategy=strategy, min_workers=world, tensor_parallel_size=tp,
                                          pipeline_parallel_size=pp),
-                   checkpoint=CheckpointConfig(storage=storage, keep=None, async_save=False),
+                   checkpoint=CheckpointConfig(storage=storage, keep=None, async_save=False,
+                                               in_memory_every_n_steps=in_memory_every),
                    failure=FailureConfig(collective_timeout_s=60.0),
                    lr=LRScalingConfig(base_world_size=1, warmup_steps=0, schedule="constant"))
     plan = GenerationPlan(generation=generation, rank=rank, world_size=world, master_addr="127.0.0.1",
@@ -233,3 +235,43 @@ def repartition(rank: int, world: int, storage: str) -> list[dict]:
             ctx.save_checkpoint(wait=True)
         phases.append({"restored": restored, "trained": _optimizer_view(raw, optimizer), "step": ctx.step})
     return phases
+
+
+def memory_rung(rank: int, world: int) -> dict:
+    """FSDP x PP 2 x DP 2 with a copy in host memory at every step (each rank's ring runs within
+    its stage: rank r keeps r - 2's); then generation 2 on the same ranks in which the second
+    pipeline is new (nothing in memory), planned as the controller plans it from the survivors'
+    reports: every stage's shards rebuilt from the copies. One more step proves it trains."""
+    from elastic._controller.forming import memory_source
+    from elastic._protocol import WorkerPhase, WorkerReport
+    worker = WorkerState()
+    ctx = _context(rank, world, 1, RestorePlan("fresh"), worker, strategy="fsdp", pp=2, tp=1, in_memory_every=1)
+    pipeline, optimizer = _objects(ctx, 1, "1f1b")
+    ctx.restore(model=pipeline, optimizer=optimizer)
+    _train(ctx, pipeline, optimizer, 2)
+    held = worker.replicas.held()
+    assert held is not None
+    out: dict = {"before": _params(pipeline), "held": list(held.ranks)}
+    # Ranks 0 and 1 (the first pipeline) survive with their copies; the second pipeline is new.
+    own = WorkerReport(phase=WorkerPhase.INTERRUPTED, generation=1, rank=rank, step=0, has_state=False,
+                       records=[], replicas=held)
+    if rank >= 2:
+        worker = WorkerState()
+    everyone: list = [None] * world
+    torch.distributed.all_gather_object(everyone, own if rank < 2 else None)
+    plan = memory_source(list(range(world)), {r: w for r, w in enumerate(everyone) if w is not None})
+    assert isinstance(plan, RestorePlan) and plan.replica is not None, plan
+    ctx = _context(rank, world, 2, plan, worker, strategy="fsdp", pp=2, tp=1, in_memory_every=1)
+    pipeline, optimizer = _objects(ctx, 2 + rank, "1f1b")
+    out["restored"] = ctx.restore(model=pipeline, optimizer=optimizer)
+    out["after"] = _params(pipeline)
+    out["holders"] = list(plan.replica.holders)
+    _train(ctx, pipeline, optimizer, 1)
+    out["next"] = _params(pipeline)
+    return out
+
+
+def all_programs(rank: int, world: int, cases: list[dict], storage: str) -> dict:
+    """Every program of test_worker_pipeline.py in turn, on one start of the processes."""
+    return {"layouts": each_layout(rank, world, cases), "repartition": repartition(rank, world, storage),
+            "memory": memory_rung(rank, world)}

@@ -49,12 +49,20 @@ CASES = [{"strategy": "ddp", "schedule": "1f1b", "warm": True},
          {"strategy": "ddp", "schedule": "1f1b", "tp": 2, "dp": 1}]
 
 
+@pytest.fixture(scope="module")
+def programs(tmp_path_factory):
+    """Every rank program, in turn, on one start of 4 gloo processes (a start is most of each
+    program's time on 2 cores): results per program, one entry per rank."""
+    cases = [{k: v for k, v in case.items() if k != "dp"} for case in CASES]
+    storage = str(tmp_path_factory.mktemp("pp_ckpt") / "ckpt")
+    per_rank = run_ranks("pp_ranks:all_programs", 4, timeout=280, cases=cases, storage=storage)
+    return {name: [per_rank[rank][name] for rank in range(4)] for name in per_rank[0]}
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_each_schedule_trains_as_the_whole_model_and_a_new_pipeline_restores_warm_per_stage():
-    cases = [{k: v for k, v in case.items() if k != "dp"} for case in CASES]
-    per_rank = run_ranks("pp_ranks:each_layout", 4, timeout=280, cases=cases)
-    one_f, fsdp, interleaved, tp = ([per_rank[rank][i] for rank in range(4)] for i in range(len(CASES)))
+def test_each_schedule_trains_as_the_whole_model_and_a_new_pipeline_restores_warm_per_stage(programs):
+    one_f, fsdp, interleaved, tp = ([programs["layouts"][rank][i] for rank in range(4)] for i in range(len(CASES)))
 
     assert one_f[0]["place"]["mesh"] == ["dp_replicate", "pp", "tp"]
     _check_against_reference(one_f, pp=2)
@@ -87,12 +95,11 @@ def test_each_schedule_trains_as_the_whole_model_and_a_new_pipeline_restores_war
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_a_checkpoint_moves_between_pipeline_degrees_with_each_parameters_optimizer_state(tmp_path):
+def test_a_checkpoint_moves_between_pipeline_degrees_with_each_parameters_optimizer_state(programs):
     """P 1 -> 2 -> 2 -> 1 through checkpoints (the stages' optimizer states are saved flattened,
     by parameter name, so no stage's param groups overwrite another's): every parameter comes
     back in its own param group's values with its own momentum buffer."""
-    per_rank = run_ranks("pp_ranks:repartition", 4, timeout=280, storage=str(tmp_path / "ckpt"))
-    p1, p2, again, back = ([per_rank[rank][i] for rank in range(4)] for i in range(4))
+    p1, p2, again, back = ([programs["repartition"][rank][i] for rank in range(4)] for i in range(4))
     saved = p1[0]["trained"]                           # P 1: every rank holds the whole model
     assert all(r["trained"] == saved for r in p1)
     # P 2: each stage's ranks (0, 2: stage 0; 1, 3: stage 1) restored their own parameters' state.
@@ -109,3 +116,18 @@ def test_a_checkpoint_moves_between_pipeline_degrees_with_each_parameters_optimi
     stages = {**again[0]["trained"], **again[1]["trained"]}
     assert all(r["restored"] == stages for r in back)
     assert [r["step"] for r in (p1[0], p2[0], again[0], back[0])] == [2, 3, 4, 4]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_fsdp_stages_rebuild_a_lost_pipeline_from_the_copies_in_memory(programs):
+    """FSDP x PP: each rank's copy rings within its stage (rank r keeps r - 2's, the same stage of
+    the other pipeline), and a new pipeline's stages are rebuilt from the survivors' copies."""
+    results = programs["memory"]
+    assert [r["held"] for r in results] == [[0, 2], [1, 3], [2, 0], [3, 1]]
+    for rank, result in enumerate(results):
+        assert result["restored"] == 2
+        assert result["holders"] == [0, 1, 0, 1]       # old ranks 2, 3's copies: held by 0, 1
+        # Every rank holds exactly the stage its place held before (FSDP gathers the full tensors).
+        assert result["after"] == results[rank]["before"], f"rank {rank} got another state"
+        assert result["next"] == results[rank % 2]["next"]
