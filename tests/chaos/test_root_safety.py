@@ -151,7 +151,10 @@ def test_a_cluster_started_with_its_auth_env_admits_its_token_only(tmp_path):
     auth = netns.NetnsCluster(1).auth_env()
     port, log_path = free_port(), tmp_path / "head.log"
     short = tempfile.mkdtemp(prefix="chxt", dir="/tmp")     # Ray's socket paths must stay short
-    env = dict(os.environ, **auth, RAY_TMPDIR=short)
+    # RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0: on SIGTERM `ray start --block` otherwise drains
+    # its node for up to 30 s before it stops its processes, and the teardown below waited out
+    # 20 s of that on every run before its SIGKILL.
+    env = dict(os.environ, **auth, RAY_TMPDIR=short, RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0")
     env.pop("RAY_ADDRESS", None)
     with open(log_path, "wb") as log:
         head = subprocess.Popen([netns._ray_bin(), "start", "--head", "--block", "--disable-usage-stats",
@@ -165,7 +168,10 @@ def test_a_cluster_started_with_its_auth_env_admits_its_token_only(tmp_path):
                 f"print('joined', ray.cluster_resources()); ray.shutdown()")
         ok = subprocess.run([sys.executable, "-c", join], env=env, capture_output=True, text=True, timeout=90)
         assert ok.returncode == 0 and "joined" in ok.stdout, ok.stderr[-2000:]
-        wrong = subprocess.run([sys.executable, "-c", join], env=dict(env, RAY_AUTH_TOKEN="0" * 64),
+        # A refused driver retries its GCS connection once a second, 20 times by default, and is
+        # refused each time: 3 tries say the same (RAY_gcs_server_port_wait_time_s sets the count).
+        wrong = subprocess.run([sys.executable, "-c", join],
+                               env=dict(env, RAY_AUTH_TOKEN="0" * 64, RAY_gcs_server_port_wait_time_s="3"),
                                capture_output=True, text=True, timeout=90)
         assert wrong.returncode != 0 and "joined" not in wrong.stdout
         assert "InvalidAuthToken" in wrong.stderr or "uthenticat" in wrong.stderr, wrong.stderr[-2000:]

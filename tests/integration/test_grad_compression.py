@@ -59,16 +59,18 @@ def test_bf16_and_powersgd_converge_like_the_uncompressed_run(ray_session, tmp_p
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("compression", ["bf16", "powersgd"])
 def test_compressed_run_survives_a_kill_3_to_2(ray_session, run_dir, compression):
+    # 60 steps: the kill held at step 12, then 48 compressed steps of the re-formed group (the
+    # convergence test above finds the loss well down after 40).
     fault = SignalAtStep(run_dir, at_step=12, sig=signal.SIGKILL, rank=1)
     fault.start()
-    result = _fit(run_dir, 150, workers=(2, 3), hold=fault.hold_config(), grad_compression=compression,
+    result = _fit(run_dir, 60, workers=(2, 3), hold=fault.hold_config(), grad_compression=compression,
                   powersgd_warmup_steps=4)
     fault.join(timeout=5)
     assert fault.fired() and result.ok, result.error_traceback
     assert fault.step_seen == 12
     recoveries = result.summary["recoveries"]
     assert any(r["from_world"] == 3 and r["to_world"] == 2 for r in recoveries), recoveries
-    assert result.summary["final_step"] == 150
+    assert result.summary["final_step"] == 60
     losses = _losses(run_dir)
     assert _tail(losses) < losses[1] - 0.2
 

@@ -34,10 +34,11 @@ def test_a_preemption_notice_loses_no_step_and_commits_nothing_the_survivors_hol
     # are taken at the leaving step, and the preempted rank's neighbour holds its shards; the one
     # that was rank 2 then saves the final commit as rank 1. No commit at the notice either way
     # (elastic stop, which commits, is the next test; a notice to every rank commits, see
-    # test_step_boundary_async).
+    # test_step_boundary_async). 80 steps: the notice held at step 40, then the group of the
+    # survivors trains on to the final commit.
     fault = SignalAtStep(run_dir, at_step=40, sig=signal.SIGTERM, rank=1)
     fault.start()
-    result = ElasticTrainer(gpt.train_loop, train_loop_config=TINY | fault.hold_config(), total_steps=120, seed=0,
+    result = ElasticTrainer(gpt.train_loop, train_loop_config=TINY | fault.hold_config(), total_steps=80, seed=0,
                             scaling=ScalingConfig(min_workers=2, max_workers=3, startup_wait_s=120,
                                                   strategy=strategy),
                             checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=1000, keep=None),
@@ -47,7 +48,7 @@ def test_a_preemption_notice_loses_no_step_and_commits_nothing_the_survivors_hol
     (recovery,) = [r for r in result.summary["recoveries"] if r["cause"] == "preempted"]
     assert recovery["lost_steps"] == 0 and recovery["from_world"] == 3 and recovery["to_world"] == 2
     assert recovery["rung"] == {"ddp": "warm", "fsdp": "memory"}[strategy]
-    assert recovery["step"] >= 40 and result.summary["checkpoints"] == [120]   # no commit at the notice
+    assert recovery["step"] >= 40 and result.summary["checkpoints"] == [80]    # no commit at the notice
     wait_for(lambda: not pid_alive(fault.pid), 10, "the preempted worker to leave")
 
 
