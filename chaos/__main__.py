@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         for sc in SCENARIOS.values():
             print(f"{sc.name:<12} {sc.description}  (steps {sc.steps}, workers {sc.workers}"
                   f"{f', tp {sc.tensor_parallel}' if sc.tensor_parallel > 1 else ''}"
+                  f"{f', pp {sc.pipeline_parallel}' if sc.pipeline_parallel > 1 else ''}"
                   f"{f', spares {sc.spare_workers}' if sc.spare_workers else ''}"
                   f"{f', nodes {sc.nodes}' if sc.nodes else ''})")
         return 0

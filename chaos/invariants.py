@@ -13,8 +13,9 @@ see the violation reported. `check_all` returns one Verdict per invariant:
                             skipped (a fallback) and never restored; what remains on storage and
                             was not rotted on purpose verifies
   model_matches_reference   same model_sha256 as the fault-free reference, whenever the per-step
-                            layouts are the same: world size and TP degree (so the data-parallel
-                            size too) at every step (the runtime's determinism guarantee)
+                            layouts are the same: world size, TP and PP degrees (so the
+                            data-parallel size too) at every step (the runtime's determinism
+                            guarantee)
   data_order_matches_reference  same data_order_sha256 and samples_consumed as the reference
                             (exactly-once data, world-size independent), when summaries have them
   metrics_complete          metrics.jsonl has exactly one line per kept step (the contract)
@@ -259,7 +260,8 @@ def model_matches_reference(ev: Evidence) -> Verdict:
     if mine != theirs:
         differ = sorted(s for s in set(mine) | set(theirs) if mine.get(s) != theirs.get(s))
         return Verdict("model_matches_reference", SKIP,
-                       f"layout history (world size, TP degree) differs from the reference at {len(differ)} steps "
+                       f"layout history (world size, TP degree, PP degree) differs from the reference at "
+                       f"{len(differ)} steps "
                        f"(first {[(s, mine.get(s), theirs.get(s)) for s in differ[:3]]}): no determinism "
                        f"guarantee to check")
     if last.get("model_sha256") != ref.get("model_sha256"):
@@ -298,23 +300,25 @@ def world_size_per_step(summaries: list[dict | None]) -> dict[int, int]:
     return sizes
 
 
-def layout_per_step(summaries: list[dict | None]) -> dict[int, tuple[int, int]]:
-    """Step -> (world size, TP degree) of its kept attempt: the world sizes as
-    `world_size_per_step` gives them, the TP degree from `layout_history` ([start step, {"dp",
-    "tp", "pp"}] at each generation start; 1 for a summary without one: no tensor parallelism).
-    Equal world sizes are not an equal run when T differs (DP 4 x TP 1 and DP 2 x TP 2 shard the
-    data and the model differently): the determinism guarantee is per layout."""
+def layout_per_step(summaries: list[dict | None]) -> dict[int, tuple[int, int, int]]:
+    """Step -> (world size, TP degree, PP degree) of its kept attempt: the world sizes as
+    `world_size_per_step` gives them, the degrees from `layout_history` ([start step, {"dp",
+    "tp", "pp"}] at each generation start; 1 for a summary without one: no tensor or pipeline
+    parallelism). Equal world sizes are not an equal run when T or P differs (DP 4, DP 2 x TP 2
+    and DP 2 x PP 2 shard the data and the model differently, and a pipeline's micro-batches
+    order its reductions): the determinism guarantee is per layout."""
     worlds = world_size_per_step(summaries)
-    tps: dict[int, int] = {}
+    degrees: dict[int, tuple[int, int]] = {}
     for s in summaries:
         if not s:
             continue
         history = [list(h) for h in s.get("layout_history") or []]
         ends = [h[0] for h in history[1:]] + [s.get("final_step") or 0]
         for (start, layout), end in zip(history, ends, strict=False):
+            tp, pp = (int((layout or {}).get(key) or 1) for key in ("tp", "pp"))
             for step in range(start + 1, end + 1):
-                tps[step] = int((layout or {}).get("tp") or 1)
-    return {step: (world, tps.get(step, 1)) for step, world in worlds.items()}
+                degrees[step] = (tp, pp)
+    return {step: (world, *degrees.get(step, (1, 1))) for step, world in worlds.items()}
 
 
 def metrics_complete(ev: Evidence) -> Verdict:

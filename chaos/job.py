@@ -23,6 +23,7 @@ class JobSpec:
     model_size: str | None = "tiny"
     strategy: str = "ddp"                      # the job's --strategy
     tp: int = 1                                # the job's --tp: tensor parallelism over replicas of T ranks
+    pp: int = 1                                # the job's --pp: pipelines of P stages (replicas of T x P ranks)
     spare_workers: int = 0                     # the job's --spare-workers
     cpus_per_worker: float | None = None       # the job's --cpus-per-worker (None: its default)
     heartbeat_timeout_s: float | None = 10.0
@@ -40,6 +41,8 @@ class JobSpec:
             argv += ["--strategy", self.strategy]
         if self.tp != 1:
             argv += ["--tp", str(self.tp)]
+        if self.pp != 1:
+            argv += ["--pp", str(self.pp)]
         if self.spare_workers:
             argv += ["--spare-workers", str(self.spare_workers)]
         if self.cpus_per_worker is not None:

@@ -27,6 +27,7 @@ log = logging.getLogger("chaos.nemesis")
 
 POLL_S = 0.1              # polling interval of run-state conditions
 END_MARGIN = 0.97         # this close to its last step, the next fault waits for the next attempt
+MAINTAIN_RETRY_S = 30.0   # after a node replacement failed, the next try waits this long
 
 
 class Nemesis:
@@ -41,6 +42,7 @@ class Nemesis:
         self.active: list[tuple[float, int, Active]] = []     # (heal at, index, fault)
         self.next_index = 0
         self._last: tuple[int, bool, float] | None = None   # (generation, needs recovery, unix time) of the last fault
+        self._maintain_after = 0.0    # monotonic time before which no node replacement is tried again
 
     # ---- life cycle ------------------------------------------------------------------------
     def setup(self) -> None:
@@ -160,9 +162,17 @@ class Nemesis:
 
     # ---- heals -------------------------------------------------------------------------------
     def _heal_due(self) -> None:
-        if self.cluster is not None:
-            for node in self.cluster.maintain():
-                self.history.record("node_replaced", node=node)
+        if self.cluster is not None and time.monotonic() >= self._maintain_after:
+            try:
+                for node in self.cluster.maintain():
+                    self.history.record("node_replaced", node=node)
+            except Exception as e:   # a machine the "autoscaler" could not start: recorded, tried again later
+                # A replacement's `ray start` can fail (on a loaded machine its raylet times out
+                # registering); the run goes on with fewer nodes, as a cloud short of machines
+                # leaves it, and the next try waits so that due heals are not held up by it.
+                log.exception("replacing a dead node failed")
+                self.history.record("node_replace_failed", error=f"{type(e).__name__}: {e}")
+                self._maintain_after = time.monotonic() + MAINTAIN_RETRY_S
         now = time.monotonic()
         for entry in [e for e in self.active if e[0] <= now]:
             self._heal(entry, final=False)

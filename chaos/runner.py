@@ -62,18 +62,19 @@ class Outcome:
 
 def job_spec(opts: RunOptions) -> JobSpec:
     """The job the scenario runs (its reference is the same, on another storage): the layout
-    (workers, TP degree, spares) is the scenario's, `--workers` aside. SystemExit (a usage error)
-    for a `--workers` override that is not whole replicas of the scenario's TP degree."""
+    (workers, TP and PP degrees, spares) is the scenario's, `--workers` aside. SystemExit (a usage
+    error) for a `--workers` override that is not whole replicas of the scenario's T x P ranks."""
     sc = opts.scenario
     workers = opts.workers or sc.workers
     try:
-        check_workers(workers, sc.tensor_parallel, sc.spare_workers, what=f"--workers {workers}")
+        check_workers(workers, sc.tensor_parallel, sc.spare_workers, pp=sc.pipeline_parallel,
+                      what=f"--workers {workers}")
     except ValueError as e:
         raise SystemExit(str(e)) from None
     return JobSpec(storage=opts.storage, workers=workers, steps=opts.steps or sc.steps,
                    checkpoint_every=sc.checkpoint_every, heartbeat_timeout_s=sc.heartbeat_timeout_s,
                    model_size=sc.model_size, strategy=sc.strategy, tp=sc.tensor_parallel,
-                   spare_workers=sc.spare_workers, cpus_per_worker=sc.cpus_per_worker,
+                   pp=sc.pipeline_parallel, spare_workers=sc.spare_workers, cpus_per_worker=sc.cpus_per_worker,
                    extra_args=tuple(opts.extra_args), script=opts.script or DEFAULT_SCRIPT)
 
 

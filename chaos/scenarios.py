@@ -3,13 +3,14 @@
 Every scenario is a function of the seed: `SCENARIOS[name].schedule(seed)` always gives the same
 faults at the same times. Default shapes keep min == max workers, so recoveries restore the
 same world size and the final model can be compared with a fault-free reference run (the
-runtime guarantees equal model_sha256 for an equal layout history: world size and TP degree at
-every step); `--workers` overrides that, and the comparison is then skipped whenever the
+runtime guarantees equal model_sha256 for an equal layout history: world size, TP and PP degrees
+at every step); `--workers` overrides that, and the comparison is then skipped whenever the
 layouts differ.
 
-A scenario with `tensor_parallel` T > 1 runs the job with `--tp T`: its workers (and spares)
-count ranks and come in whole replicas of T, so MIN, MAX and `spare_workers` are multiples of T
-(checked here, and for a `--workers` override by the runner).
+A scenario with `tensor_parallel` T > 1 runs the job with `--tp T`, one with `pipeline_parallel`
+P > 1 with `--pp P`: its workers (and spares) count ranks and come in whole replicas of T x P
+ranks (a replica is a pipeline of P stages of T ranks), so MIN, MAX and `spare_workers` are
+multiples of T x P (checked here, and for a `--workers` override by the runner).
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ class Scenario:
     model_size: str = "tiny"
     strategy: str = "ddp"                     # the job's --strategy
     tensor_parallel: int = 1                  # the job's --tp T: replicas of T ranks
+    pipeline_parallel: int = 1                # the job's --pp P: replicas are pipelines of P stages (T x P ranks)
     spare_workers: int = 0                    # the job's --spare-workers (hot spares, in ranks)
     cpus_per_worker: float | None = None      # the job's --cpus-per-worker (None: the job's default, 1)
     nodes: int | None = None                  # runner-owned Ray cluster of this many 1-CPU nodes
@@ -55,7 +57,8 @@ class Scenario:
     job_timeout_s: float = 900.0
 
     def __post_init__(self) -> None:
-        check_workers(self.workers, self.tensor_parallel, self.spare_workers, what=f"scenario {self.name}")
+        check_workers(self.workers, self.tensor_parallel, self.spare_workers, pp=self.pipeline_parallel,
+                      what=f"scenario {self.name}")
 
     @property
     def min_workers(self) -> int:
@@ -71,16 +74,19 @@ def parse_workers(workers: str) -> tuple[int, int]:
     return int(low), int(high or low)
 
 
-def check_workers(workers: str, tp: int, spares: int = 0, *, what: str) -> None:
-    """ValueError unless MIN, MAX and the spares are whole replicas of `tp` ranks (the runtime's
-    ScalingConfig refuses anything else with a ConfigError, once the job has started)."""
-    if tp < 1:
-        raise ValueError(f"{what}: tensor_parallel must be at least 1, not {tp}")
+def check_workers(workers: str, tp: int, spares: int = 0, *, pp: int = 1, what: str) -> None:
+    """ValueError unless MIN, MAX and the spares are whole replicas of `tp` x `pp` ranks (the
+    runtime's ScalingConfig refuses anything else with a ConfigError, once the job has started)."""
+    for name, degree in (("tensor_parallel", tp), ("pipeline_parallel", pp)):
+        if degree < 1:
+            raise ValueError(f"{what}: {name} must be at least 1, not {degree}")
+    unit = tp * pp
     low, high = parse_workers(workers)
-    bad = {name: n for name, n in (("min", low), ("max", high), ("spare", spares)) if n % tp}
+    bad = {name: n for name, n in (("min", low), ("max", high), ("spare", spares)) if n % unit}
     if bad:
-        raise ValueError(f"{what}: with --tp {tp} the workers come in replicas of {tp} ranks; "
-                         + ", ".join(f"{name} {n}" for name, n in bad.items()) + f" is not a multiple of {tp}")
+        flags = " ".join(f"--{flag} {degree}" for flag, degree in (("tp", tp), ("pp", pp)) if degree > 1)
+        raise ValueError(f"{what}: with {flags} the workers come in replicas of {unit} ranks; "
+                         + ", ".join(f"{name} {n}" for name, n in bad.items()) + f" is not a multiple of {unit}")
 
 
 def _spread(rng: random.Random, faults: list, gap_s: float, start_s: float = 3.0) -> list:
@@ -229,4 +235,15 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario(name="mixed-tp", description="mixed's faults on a TP 2 job: 2 replicas of 2 ranks and a spare replica",
              build=_mixed, steps=2000, model_size="small", checkpoint_every=20, nodes=4, namespaced=True,
              restarts=4, job_timeout_s=3600, workers="4:4", tensor_parallel=2, spare_workers=2, cpus_per_worker=0.5),
+    # The same faults on pipeline parallelism, in mixed-tp's shape: two pipelines of two stages
+    # (the small model's 4 blocks, 2 a stage; 1F1B over 2 micro-batches, the job's defaults) and a
+    # spare pipeline, half a CPU per worker on mixed's four nodes. A lost rank takes its pipeline
+    # out (its other stage waits as a warm member); a spare pipeline completes it, each stage warm
+    # from the same stage of the surviving pipeline. A stage stopped or cut off leaves its peer
+    # stage waiting in a send or receive: the hang judge names the whole pipeline. A lost node
+    # takes its two ranks: a whole pipeline, or one stage of each (then the checkpoint restores).
+    Scenario(name="mixed-pp", description="mixed's faults on a PP 2 job: 2 pipelines of 2 stages and a spare pipeline",
+             build=_mixed, steps=2000, model_size="small", checkpoint_every=20, nodes=4, namespaced=True,
+             restarts=4, job_timeout_s=3600, workers="4:4", pipeline_parallel=2, spare_workers=2,
+             cpus_per_worker=0.5),
 )}

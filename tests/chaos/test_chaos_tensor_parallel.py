@@ -142,8 +142,8 @@ def evidence(run: dict, ref: dict) -> Evidence:
 
 def test_layouts_per_step_follow_the_generations_and_rollbacks():
     s = tp_summary("a", [[0, 4], [40, 4], [30, 4]], tp=2)
-    assert layout_per_step([s]) == {step: (4, 2) for step in range(1, 101)}
-    assert layout_per_step([tp_summary("a", [[0, 4]], tp=None)]) == {step: (4, 1) for step in range(1, 101)}
+    assert layout_per_step([s]) == {step: (4, 2, 1) for step in range(1, 101)}
+    assert layout_per_step([tp_summary("a", [[0, 4]], tp=None)]) == {step: (4, 1, 1) for step in range(1, 101)}
 
 
 def test_the_model_is_compared_for_the_same_layout_and_a_tp_run_keeps_the_guarantee():

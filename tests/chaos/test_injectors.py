@@ -183,6 +183,45 @@ def test_partition_cuts_the_targets_node_until_healed():
         injector.setup()
 
 
+class FailingMaintenance(FakeCluster):
+    """A cluster whose replacement of a dead node fails (`ray start` timed out on a loaded
+    machine, as in the mixed-pp campaign of seed 1) until `fail` is cleared."""
+
+    def __init__(self, nodes):
+        super().__init__(nodes)
+        self.fail, self.tries = True, 0
+
+    def maintain(self):
+        self.tries += 1
+        if self.fail:
+            raise RuntimeError("`ray start` in chx00001n5 exited with 1")
+        return ["fresh9"]
+
+
+def test_a_node_replacement_that_fails_is_recorded_and_tried_again_later_and_due_heals_go_on(
+        spawn_worker, tmp_path, monkeypatch):
+    proc = spawn_worker()
+    wait_until(lambda: Proc.of_worker(proc.pid) is not None, 10, "the fake worker")
+    view = FakeView([proc.pid])
+    cluster = FailingMaintenance(["a"])
+    env = Env(view=view, cluster=cluster)
+    history = History(str(tmp_path / "history.jsonl"))
+    nemesis = Nemesis(fixed([(0.0, Hang(target="rank:0", duration_s=0.2))], wait_for_recovery=False),
+                      build_injectors(env), view, history, total_steps=1000, heartbeat_timeout_s=10,
+                      job_alive=lambda: True, cluster=cluster)
+    nemesis.setup()
+    nemesis.run(time.time())               # the campaign goes on: no exception out of the heals
+    failed, = history.of_type("node_replace_failed")
+    assert "exited with 1" in failed["error"]
+    wait_until(lambda: (nemesis._heal_due() or True) and history.of_type("heal"), 10, "the hang's heal")
+    assert state_of(proc.pid) != "T"
+    assert cluster.tries == 1              # not again before MAINTAIN_RETRY_S
+    monkeypatch.setattr(nemesis, "_maintain_after", 0.0)
+    cluster.fail = False
+    nemesis._heal_due()
+    assert [e["node"] for e in history.of_type("node_replaced")] == ["fresh9"]
+
+
 class FakeCommits:
     """The CommitWatcher's view: generations seen committing, and when a commit was last new."""
 
