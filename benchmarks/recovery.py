@@ -84,11 +84,14 @@ def trial(args: argparse.Namespace, run_dir: str, whole_group: bool = False) -> 
     rank = None if whole_group else args.rank
     injector = threading.Thread(target=inject, args=(run_dir, args.kill_step, sig, rank, fault), daemon=True)
     injector.start()
+    loop_config: dict = {"model_size": args.model_size, "batch_size": args.batch_size}
+    if args.pp > 1:
+        loop_config |= {"pp_schedule": args.pp_schedule, "microbatches": args.microbatches or args.pp}
     result = ElasticTrainer(
-        gpt.train_loop, train_loop_config={"model_size": args.model_size, "batch_size": args.batch_size},
+        gpt.train_loop, train_loop_config=loop_config,
         scaling=ScalingConfig(min_workers=args.min_workers or max(1, args.workers // 2), max_workers=args.workers,
                               spare_workers=args.spare_workers, strategy=args.strategy,
-                              tensor_parallel_size=args.tp),
+                              tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp),
         checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=args.checkpoint_every,
                                     in_memory_every_n_steps=args.in_memory_every),
         failure=FailureConfig(heartbeat_timeout_s=args.heartbeat_timeout),
@@ -150,11 +153,18 @@ def main() -> int:
                    help="FSDP: CheckpointConfig.in_memory_every_n_steps ('none': recover from the checkpoint)")
     p.add_argument("--storage", choices=("file", "s3"), default="file")
     p.add_argument("--tp", type=int, default=1, help="ScalingConfig.tensor_parallel_size (workers count ranks)")
+    p.add_argument("--pp", type=int, default=1,
+                   help="ScalingConfig.pipeline_parallel_size (workers count ranks, in multiples of --tp x --pp)")
+    p.add_argument("--pp-schedule", choices=("gpipe", "1f1b", "interleaved1f1b"), default="1f1b",
+                   help="with --pp: the example's pipeline schedule")
+    p.add_argument("--microbatches", type=int, default=None, help="with --pp: micro-batches per batch (default P)")
     p.add_argument("--whole-group", action="store_true",
                    help="alternate each trial with one whose signal goes to every rank: the group restarts from "
                         "the newest checkpoint (the peers' way of recovering a TP replica group), in the same run")
     p.add_argument("--verbose", action="store_true", help="show the workers' and controller's logs")
     args = p.parse_args()
+    if args.pp == 1 and (args.microbatches is not None or args.pp_schedule != "1f1b"):
+        p.error("--microbatches and --pp-schedule shape a pipeline: add --pp P (P > 1)")
 
     import ray
     # address="local": a new instance even when another Ray runs on this (shared) machine.
@@ -186,7 +196,8 @@ def main() -> int:
         "benchmark": {"KILL": "R1", "STOP": "R2", "TERM": "R3"}[args.signal], "system": "elastic",
         "signal": f"SIG{args.signal}",
         "workers": args.workers, "spare_workers": args.spare_workers, "model_size": args.model_size,
-        "tp": args.tp,
+        "tp": args.tp, **({"pp": args.pp, "pp_schedule": args.pp_schedule,
+                           "microbatches": args.microbatches or args.pp} if args.pp > 1 else {}),
         "trials": len(trials),
         "strategy": args.strategy, "in_memory_every": args.in_memory_every, "storage": args.storage,
         "recover_s_median": statistics.median(t["recover_s"] for t in trials),
