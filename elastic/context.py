@@ -223,8 +223,8 @@ class TrainContext(RankPlace):
         `Pipeline`: hand it to the optimizer and to `restore` as the model, and train with
         `loss = pipeline.step(inputs, targets)`, which runs forward and backward over
         `microbatches` micro-batches of the batch (every rank of a replica passes the same batch;
-        the loss is the batch's mean on the last stage, a zero elsewhere: metrics come from each
-        pipeline's last stage).
+        the loss is the batch's mean, on every stage: the pipeline's stages agree on it before
+        any applies the step, so a pipeline steps whole or not at all).
 
         `split_points`: the unit each stage after the first begins with. Units are the root's
         children in forward order, ModuleLists opened ("blocks.4"); P - 1 of them (P x V - 1
@@ -239,8 +239,7 @@ class TrainContext(RankPlace):
         self._require_plan(parallelize, "prepare_pipeline(model, ..., parallelize=fn)")
         if not self._mesh.pipelined:
             wrapped = self._wrap(model.to(self.device), parallelize, shard_modules)
-            pipeline = unpipelined(model, wrapped, loss_fn=loss_fn, microbatches=microbatches, device=self.device,
-                                   autocast=self.autocast, backward=self.backward)
+            pipeline = unpipelined(model, wrapped, loss_fn=loss_fn, autocast=self.autocast, backward=self.backward)
         else:
             def wrap_stage(stage: nn.Module) -> nn.Module:
                 mine = None if shard_modules is None else [m for m in shard_modules

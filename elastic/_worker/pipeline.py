@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from elastic.errors import ConfigError
@@ -168,13 +169,13 @@ class Pipeline(nn.Module):
     hand it to the optimizer and to `ctx.restore`) and the schedule that trains it.
 
     `step(inputs, targets)` runs one batch through the pipeline, forward and backward over its
-    micro-batches, and returns the batch's mean loss on the last stage's ranks; elsewhere a zero
-    (it is not counted: a pipeline's metrics are its last stage's, see Layout.metric_ranks).
+    micro-batches, and returns the batch's mean loss on every stage's ranks (the last stage's,
+    shared; a pipeline's metrics are still taken from its last stage, see Layout.metric_ranks).
     Without pipeline parallelism (P = 1) it is the whole prepared model's forward and backward,
     so one loop serves every P."""
 
-    def __init__(self, stages: list[nn.Module], *, run: Callable[[Any, Any], torch.Tensor | None],
-                 device: torch.device, first: bool, last: bool, microbatches: int):
+    def __init__(self, stages: list[nn.Module], *, run: Callable[[Any, Any], torch.Tensor],
+                 first: bool, last: bool, microbatches: int):
         super().__init__()
         for name, child in _merged(stages).items():
             self._modules[name] = child
@@ -182,7 +183,6 @@ class Pipeline(nn.Module):
         self.__dict__["stage_modules"] = stages
         self.__dict__["_run"] = run
         self.is_first, self.is_last, self.microbatches = first, last, microbatches
-        self._zero = torch.zeros((), device=device)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError("a Pipeline runs its stages through its schedule: call pipeline.step(inputs, targets), "
@@ -194,8 +194,7 @@ class Pipeline(nn.Module):
         if rows is not None and rows % self.microbatches:
             raise ConfigError(f"a batch of {rows} samples does not split into microbatches={self.microbatches}: use "
                               f"a per-rank batch size that is a multiple of it")
-        loss = self.__dict__["_run"](inputs, targets)
-        return loss if loss is not None else self._zero
+        return self.__dict__["_run"](inputs, targets)
 
 
 def build_pipeline(model: nn.Module, *, mesh: GenerationMesh, device: torch.device, split_points: list[str],
@@ -238,7 +237,7 @@ def build_pipeline(model: nn.Module, *, mesh: GenerationMesh, device: torch.devi
                           f"{microbatches}: {error}") from error
     first, last = rank == 0, rank == pp - 1
 
-    def run(inputs: Any, targets: Any) -> torch.Tensor | None:
+    def run(inputs: Any, targets: Any) -> torch.Tensor:
         losses: list[torch.Tensor] = []
         with autocast():
             if first:
@@ -247,14 +246,21 @@ def build_pipeline(model: nn.Module, *, mesh: GenerationMesh, device: torch.devi
                 runner.step(target=targets, losses=losses)
             else:
                 runner.step()
-        return torch.stack([x.detach() for x in losses]).sum() if losses else None
+        loss = torch.stack([x.detach() for x in losses]).sum() if losses else torch.zeros((), device=device)
+        # The pipeline agrees that every stage finished its step (the schedule ends with each
+        # stage's data-parallel gradient reduce) before any stage applies it, and every stage
+        # gets the loss. Without it, a rank lost in stage 0's backward left stage 1's ranks a
+        # step ahead (their reduce, within stage 1, had completed): no step was held by every
+        # place of a pipeline, and the recovery fell back to the checkpoint (the mixed-pp chaos
+        # campaign). Now a pipeline steps whole or not at all.
+        dist.all_reduce(loss, group=group)
+        return loss
 
-    return Pipeline(stages, run=run, device=device, first=first, last=last, microbatches=microbatches)
+    return Pipeline(stages, run=run, first=first, last=last, microbatches=microbatches)
 
 
 def unpipelined(model: nn.Module, wrapped: nn.Module, *, loss_fn: Callable[[Any, Any], torch.Tensor],
-                microbatches: int, device: torch.device, autocast: Callable[[], Any],
-                backward: Callable[[torch.Tensor], None]) -> Pipeline:
+                autocast: Callable[[], Any], backward: Callable[[torch.Tensor], None]) -> Pipeline:
     """At P = 1: the prepared whole model (`wrapped`, of `model`) behind the same step."""
 
     def run(inputs: Any, targets: Any) -> torch.Tensor:
@@ -263,6 +269,6 @@ def unpipelined(model: nn.Module, wrapped: nn.Module, *, loss_fn: Callable[[Any,
         backward(loss)
         return loss.detach()
 
-    pipeline = Pipeline([model], run=run, device=device, first=True, last=True, microbatches=1)
+    pipeline = Pipeline([model], run=run, first=True, last=True, microbatches=1)
     pipeline.__dict__["stage_modules"] = [wrapped]
     return pipeline
