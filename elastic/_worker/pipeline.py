@@ -237,7 +237,6 @@ def build_pipeline(model: nn.Module, *, mesh: GenerationMesh, device: torch.devi
         raise ConfigError(f"pipeline schedule {kind.value!r} with {pp} ranks x {per_rank} stages and microbatches="
                           f"{microbatches}: {error}") from error
     first, last = rank == 0, rank == pp - 1
-    done = torch.zeros(1, device=device)
 
     def run(inputs: Any, targets: Any) -> torch.Tensor | None:
         losses: list[torch.Tensor] = []
@@ -248,12 +247,6 @@ def build_pipeline(model: nn.Module, *, mesh: GenerationMesh, device: torch.devi
                 runner.step(target=targets, losses=losses)
             else:
                 runner.step()
-        # No stage leaves the step before every stage of its pipeline finished its gradient
-        # reduce: each stage reduces with the same stage of the other pipelines only, so a rank
-        # lost in its backward would otherwise let the later stages (which no longer need it) step
-        # their optimizers while the earlier ones fail, and no survivor would hold a whole
-        # pipeline at one step (the warm rung refused, benchmarks/repro_pp_stage_skew.py).
-        torch.distributed.all_reduce(done, group=group)
         return torch.stack([x.detach() for x in losses]).sum() if losses else None
 
     return Pipeline(stages, run=run, device=device, first=first, last=last, microbatches=microbatches)
