@@ -7,10 +7,11 @@ RAY_ADDRESS is removed from its environment). When status.json shows the run at 
 workers, the rank `--rank` (default 5: pipeline 1, stage 0, TP rank 1) is sent SIGKILL from
 outside, by its pid in status.json, then FILE is created and the ranks go on. Reports the exit
 code, the summary's status, final step, recoveries (cause, rung, detect_s, recover_s, lost steps,
-worlds), layout and world-size history, the seconds from the kill to the next completed step
-(metrics.jsonl) and the loss's first and last values. One JSON line.
+worlds), layout and world-size history (`regrown`: the lost pipeline back, DP 2 again, before the
+end), the seconds from the kill to the next completed step (metrics.jsonl) and the loss's first
+and last values. One JSON line.
 
-    python benchmarks/pipeline_smoke_3d.py [--steps 40 --hold-step 15 --checkpoint-every 10 --rank 5]
+    python benchmarks/pipeline_smoke_3d.py [--steps 100 --hold-step 15 --checkpoint-every 10 --rank 5]
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def _json(path: str) -> dict | None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=100)
     p.add_argument("--hold-step", type=int, default=15)
     p.add_argument("--checkpoint-every", type=int, default=10)
     p.add_argument("--rank", type=int, default=5, help="rank killed (status.json's pid)")
@@ -105,6 +106,9 @@ def main() -> int:
               "recoveries": [{k: r.get(k) for k in ("cause", "rung", "step", "detect_s", "recover_s", "lost_steps",
                                                     "from_world", "to_world")} for r in recoveries],
               "world_size_history": summary.get("world_size_history"),
+              # The lost pipeline back (a new worker completing it) before the run ended.
+              "regrown": bool(failure) and any(step > failure["step"] and world == 8
+                                                for step, world in summary.get("world_size_history") or []),
               "layout_history": summary.get("layout_history"),
               "loss_first": summary.get("loss_first"), "loss_last": summary.get("loss_last"),
               "wall_s": summary.get("wall_s"), "goodput": summary.get("goodput"),

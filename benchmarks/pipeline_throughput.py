@@ -8,7 +8,7 @@ the same model (`--model`: examples/gpt.py's GPT of that size) and loop: `pipe.s
 `ctx.report` (at P = 1 `prepare_pipeline` is DDP's whole model, so one loop serves both). The
 layouts alternate within one start of the processes (`--reps` rounds, each `--steps` steps of
 every layout, the first `--warmup` left out); steps/s is the timed steps over their wall time on
-rank 0; the ratio is paired per round.
+rank 0; the ratio is paired per round. Also the CPU seconds a step, summed over the 4 ranks.
 
 `--part bubble` (PP3), 2 ranks, PP 2 x DP 1, for M in `--bubble-microbatches` and each schedule:
 T_pipeline, the wall time of `pipe.step` (forward and backward over M micro-batches; the ranks
@@ -17,8 +17,12 @@ running the whole (unwrapped) model's forward and backward on the same batch whi
 Measured bubble = 1 - (T_whole / P) / T_pipeline, against the schedule's (P - 1) / (M + P - 1)
 (interleaved with V = 2 stages a rank: (P - 1) / (V M + P - 1)). Also T_whole_micro, the whole
 model over the same M micro-batches one after the other: 1 - T_whole / T_whole_micro is what
-the smaller matmuls of micro-batches cost alone, which the measured bubble includes. Medians
-over `--bubble-reps` rounds, measurements interleaved. One JSON line.
+the smaller matmuls of micro-batches cost alone, which the measured bubble includes. And each
+rank's CPU time in the call: `idle_share` = 1 - (the busier rank's CPU time) / T_pipeline, the
+share of the step that rank waited (the bubble, plus waiting for a core on a shared machine),
+and `overhead_cpu_ms`, the work the pipeline adds to that rank beyond T_whole_micro's CPU / P
+(the schedule, the P2P sends, FSDP2's hooks on each stage). Medians over `--bubble-reps` rounds,
+measurements interleaved. One JSON line.
 
     python benchmarks/pipeline_throughput.py --part throughput --model small --global-batch 32 \
         --microbatches 4 --schedules 1f1b --reps 4 --steps 30
@@ -95,16 +99,17 @@ def compare(rank: int, world: int, progress, model: str, global_batch: int, micr
             optimizer = ctx.prepare_optimizer(torch.optim.AdamW(pipe.parameters(), lr=1e-3))
             ctx.restore(model=pipe, optimizer=optimizer)
             data = gpt.SyntheticTokens(10 ** 6, model_cfg.seq_len, model_cfg.vocab, seed=0)
-            ends = [time.perf_counter()]
+            ends, cpu = [time.perf_counter()], [time.process_time()]
             for batch in ctx.prepare_data(data, batch_size=global_batch // (world // pp)):
                 loss = pipe.step(batch[:, :-1], batch[:, 1:])
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 ctx.report(loss=loss)
                 ends.append(time.perf_counter())
+                cpu.append(time.process_time())
                 if len(ends) > steps:
                     break
-            row[name] = ends
+            row[name] = {"ends": ends, "cpu": cpu}
             progress(generation)
         rounds.append(row)
     return rounds
@@ -166,6 +171,7 @@ def bubble(rank: int, world: int, progress, model: str, batch: int, microbatches
 
 
 def _rate(ends: list[float], warmup: int) -> float:
+    """Steps per second over the steps after the warm-up."""
     timed = ends[warmup:]
     return (len(timed) - 1) / (timed[-1] - timed[0])
 
@@ -179,9 +185,14 @@ def throughput_result(args: argparse.Namespace, run_group) -> dict:
     if not group.ok:
         raise SystemExit(f"throughput run failed: {group.errors} stalled={group.stalled}\n" + "\n".join(group.logs))
     rounds = group.results[0]
-    rates = {name: [_rate(r[name], args.warmup) for r in rounds] for name in rounds[0]}
+    rates = {name: [_rate(r[name]["ends"], args.warmup) for r in rounds] for name in rounds[0]}
+    # CPU seconds a step, summed over the 4 ranks: steadier than the wall time on a shared machine.
+    cpu = {name: [sum((ranks[i][name]["cpu"][-1] - ranks[i][name]["cpu"][args.warmup])
+                      / (len(ranks[i][name]["cpu"]) - 1 - args.warmup) for i in range(4))
+                  for ranks in zip(*group.results, strict=True)] for name in rounds[0]}
     out: dict = {"steps_per_s_median": {n: round(statistics.median(v), 3) for n, v in rates.items()},
-                 "steps_per_s_per_round": {n: [round(x, 3) for x in v] for n, v in rates.items()}}
+                 "steps_per_s_per_round": {n: [round(x, 3) for x in v] for n, v in rates.items()},
+                 "cpu_ms_per_step_all_ranks_median": {n: round(1000 * statistics.median(v), 1) for n, v in cpu.items()}}
     for name in rates:
         if name != "dp4":
             paired = [a / b for a, b in zip(rates[name], rates["dp4"], strict=True)]
@@ -225,7 +236,12 @@ def bubble_result(args: argparse.Namespace, run_group) -> dict:
                          "speedup_vs_whole": round(t_whole / t_pipe, 3),
                          # Each rank's CPU time in the call (its process, gloo's threads included):
                          # against T_whole_micro / 2, what the pipeline adds as work, not as waiting.
-                         "cpu_ms_per_rank": cpu[f"{schedule}-m{m}"], "cpu_ms_whole_micro": cpu[f"whole-m{m}"][0]})
+                         "cpu_ms_per_rank": cpu[f"{schedule}-m{m}"], "cpu_ms_whole_micro": cpu[f"whole-m{m}"][0],
+                         # What the busier rank's CPU time says: the share of T_pipeline it spent off
+                         # the CPU (the bubble, and any wait for a core on a shared machine), and the
+                         # work the pipeline added to it beyond half the whole model's micro-batches.
+                         "idle_share": round(1 - max(cpu[f"{schedule}-m{m}"]) / (1000 * t_pipe), 3),
+                         "overhead_cpu_ms": round(max(cpu[f"{schedule}-m{m}"]) - cpu[f"whole-m{m}"][0] / 2, 1)})
     return {"t_whole_ms": round(1000 * t_whole, 2), "cpu_ms_whole": cpu["whole"][0], "rows": rows}
 
 

@@ -108,7 +108,11 @@ def trial(args: argparse.Namespace, run_dir: str, whole_group: bool = False) -> 
                          f"recoveries={summary['recoveries']} error={result.error!r}")
     recovery = failures[0]
     metrics = [json.loads(line) for line in (run_file(run_dir, "metrics.jsonl") or "").splitlines() if line.strip()]
-    next_step = next(m for m in metrics if m["step"] == recovery["step"] + 1)
+    next_step = next((m for m in metrics if m["step"] == recovery["step"] + 1), None)
+    if next_step is None:
+        raise SystemExit(f"no completed step after the restored step {recovery['step']}: recoveries="
+                         f"{summary['recoveries']} steps in metrics.jsonl={[m['step'] for m in metrics]} "
+                         f"final_step={summary.get('final_step')} fault={fault}")
     before = [m for m in metrics if m["time"] < fault["signal_time"]]
     step_s = statistics.median(b["time"] - a["time"] for a, b in pairwise(before[-21:]))
     return {"recovery_s": round(next_step["time"] - fault["signal_time"], 3), "recover_s": recovery["recover_s"],
@@ -117,6 +121,7 @@ def trial(args: argparse.Namespace, run_dir: str, whole_group: bool = False) -> 
             "step_s": round(step_s, 4), "restored_step": recovery["step"], "signal_time": fault["signal_time"],
             "time_ledger": recovery.get("time_ledger"),
             "why": "; ".join(f.get("why") or str(f["cause"]) for f in recovery.get("failures", [])),
+            "reason": recovery.get("reason"),      # why this rung (the re-form's restore plan)
             "lost_s": round(sum((recovery.get("time_ledger") or {}).values()), 3)}
 
 
