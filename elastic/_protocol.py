@@ -93,6 +93,7 @@ class ThreadPlace(enum.StrEnum):
     JOINING = "joining"        # forming the group, preparing the model, until ctx.restore
     RESTORING = "restoring"    # in ctx.restore, and the generation's first step after it
     COMPUTING = "computing"    # data, forward and backward of the step in hand
+    PIPELINE = "pipeline"      # in a pipeline schedule's send/recv: waits for a neighbouring stage
     SYNC = "sync"              # backward done: in DDP's gradient all-reduce (waits for the others), then the optimizer
     EXCHANGE = "exchange"      # in the step boundary's all-gather: waits for the others
     BOUNDARY = "boundary"      # the exchange is over: the boundary's own work (checkpoint rules, copies)

@@ -2,8 +2,9 @@
 
 The judge of one question, tick by tick: is a rank holding up the others, and for longer than
 the group's own steps make plausible? Each poll answer carries where the rank's training thread
-is (elastic._worker.thread_position: computing a step, waiting for the others in DDP's gradient
-sync or in the step boundary's exchange, in a checkpoint save or ctx.restore) and since when, as
+is (elastic._worker.thread_position: computing a step, waiting for a neighbouring stage in a
+pipeline's send/recv, for the others in DDP's gradient sync or in the step boundary's exchange, in
+a checkpoint save or ctx.restore) and since when, as
 an age measured on that worker. Why this and not the heartbeat alone: a frozen process is
 silent, but a training thread stuck in a hung kernel or on a dead data service is not (the
 actor's poll thread answers on), and before this only the collective timeout (about 70 s) or
@@ -21,6 +22,9 @@ and a suspect is declared hung when
   worker: the suspect was there from (its answer's receive time - its age) to its answer, and
   the front has waited since (its answer's time - its wait) up to its answer; when the suspect
   is the only one behind, the front's answer also proves it had not arrived by then.
+A suspect that answers from a pipeline's send/recv is waiting for a neighbouring stage: it is
+named only when no other rank is (a stage stuck in its compute, or frozen, is the one named, and
+its pipeline leaves with it as a unit).
 Only facts from answers count (ages at the moment of answering), never an age extrapolated past
 an answer, which could make a wait that already ended look long. The front's answer comes when
 it matters: a worker's held poll returns when its wait crosses HANG_FLOOR_S, half of it, and the
@@ -72,8 +76,9 @@ WAKE_SLACK_S = 0.05         # a front that woke at the bound may report a hair l
 # The order of places within a step (a position's step is the steps completed when it got there:
 # a boundary's work comes after its step is counted, then the next step's compute).
 _ORDER = {ThreadPlace.JOINING: 0, ThreadPlace.RESTORING: 1, ThreadPlace.BOUNDARY: 2, ThreadPlace.CHECKPOINT: 3,
-          ThreadPlace.HELD: 4, ThreadPlace.COMPUTING: 5, ThreadPlace.SYNC: 6, ThreadPlace.EXCHANGE: 7}
-WAITING = frozenset({ThreadPlace.SYNC, ThreadPlace.EXCHANGE})
+          ThreadPlace.HELD: 4, ThreadPlace.COMPUTING: 5, ThreadPlace.PIPELINE: 6, ThreadPlace.SYNC: 7,
+          ThreadPlace.EXCHANGE: 8}
+WAITING = frozenset({ThreadPlace.PIPELINE, ThreadPlace.SYNC, ThreadPlace.EXCHANGE})
 # Long work a rank may do while the others wait: never judged. A silent rank is judged in the
 # boundary's own work and in the tests' hold (neither blocks its poll thread), an answering one not.
 NOT_JUDGED_SILENT = frozenset({ThreadPlace.JOINING, ThreadPlace.RESTORING, ThreadPlace.CHECKPOINT})
@@ -208,6 +213,11 @@ class HangWatch:
                     hung.append((m, now - m.there_since,
                                  f"rank {m.rank}'s training thread has not moved for {now - m.there_since:.1f}s "
                                  f"({m.position.place} at step {m.position.step + 1})"))
+        if any(m.position.place is not ThreadPlace.PIPELINE or m.silent_s > fresh_s for m, _, _ in hung):
+            # A stage that answers from a pipeline's send/recv waits for a neighbour: when a rank
+            # is to blame, it is that one (a stage stuck in its compute, or a silent one). Named
+            # alone, such waiters are a pipeline whose stages wait on each other.
+            hung = [h for h in hung if h[0].position.place is not ThreadPlace.PIPELINE or h[0].silent_s > fresh_s]
         if not hung:
             return None
         wait = front.answered_at - front.there_since

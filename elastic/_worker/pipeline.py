@@ -22,11 +22,19 @@ step (`scale_grads`), which would divide again what an earlier step of a gradien
 (LRScalingConfig "constant_global_batch") left there. So the loss of each micro-batch is divided
 by the count instead and `scale_grads` is off: the gradients are the mean over the batch either
 way, and they add up across accumulated micro-steps like any other loop's.
+
+Hangs: a stage that waits on a dead or stuck neighbour waits in a send/recv inside the schedule,
+and its data-parallel peers wait in the stage's gradient reduce. Both are marked as waiting places
+for the controller's hang judge (elastic._worker.thread_position: PIPELINE and SYNC), so such a
+hang is found within the learned hang bound, not by the heartbeat. torch's schedules wait on every
+send/recv through one module function (`schedules._wait_batch_p2p`), which `mark_pipeline_waits`
+wraps once per process; it marks nothing outside a worker's training thread.
 """
 from __future__ import annotations
 
 import copy
 import enum
+import logging
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -34,10 +42,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from elastic._protocol import ThreadPlace
+from elastic._worker import thread_position
 from elastic.errors import ConfigError
 
 if TYPE_CHECKING:
     from elastic._worker.mesh import GenerationMesh
+
+logger = logging.getLogger(__name__)
 
 
 class PipelineSchedule(enum.StrEnum):
@@ -197,6 +209,39 @@ class Pipeline(nn.Module):
         return self.__dict__["_run"](inputs, targets)
 
 
+def mark_pipeline_waits() -> bool:
+    """Wrap torch's send/recv wait so that a stage's waits are marked PIPELINE (see the module
+    docstring); idempotent. False when this torch has no such function: hangs inside the schedule
+    are then found by the heartbeat and the collective timeout only."""
+    from torch.distributed.pipelining import schedules
+    original = getattr(schedules, "_wait_batch_p2p", None)
+    if original is None:
+        logger.warning("torch.distributed.pipelining.schedules has no _wait_batch_p2p in torch %s: a hang inside a "
+                       "pipeline schedule is found by the heartbeat, not within the hang bound", torch.__version__)
+        return False
+    if getattr(original, "marks_pipeline_waits", False):
+        return True
+
+    def wait_batch_p2p(work: Any) -> None:
+        with thread_position.waiting(ThreadPlace.PIPELINE):
+            original(work)
+
+    wait_batch_p2p.marks_pipeline_waits = True    # type: ignore[attr-defined]
+    schedules._wait_batch_p2p = wait_batch_p2p
+    return True
+
+
+def _mark_reduce(stage: Any) -> None:
+    """The stage's data-parallel gradient reduce waits for the same stage of the other replicas."""
+    reduce = stage.perform_reduce_grad
+
+    def perform_reduce_grad(grad_scale_factor: int) -> None:
+        with thread_position.waiting(ThreadPlace.SYNC):
+            reduce(grad_scale_factor)
+
+    stage.perform_reduce_grad = perform_reduce_grad
+
+
 def build_pipeline(model: nn.Module, *, mesh: GenerationMesh, device: torch.device, split_points: list[str],
                    loss_fn: Callable[[Any, Any], torch.Tensor], microbatches: int, schedule: Any,
                    stages_per_rank: int | None, wrap: Callable[[nn.Module], nn.Module],
@@ -224,6 +269,9 @@ def build_pipeline(model: nn.Module, *, mesh: GenerationMesh, device: torch.devi
     stages = [wrap(build_stage(model, plan[i])) for i in indices]
     group = mesh.pp_group()
     torch_stages = [PipelineStage(s, i, n_stages, device, group=group) for s, i in zip(stages, indices, strict=True)]
+    mark_pipeline_waits()
+    for torch_stage in torch_stages:
+        _mark_reduce(torch_stage)
 
     def scaled_loss(output: Any, target: Any) -> torch.Tensor:
         return loss_fn(output, target) / microbatches
@@ -253,6 +301,7 @@ def build_pipeline(model: nn.Module, *, mesh: GenerationMesh, device: torch.devi
         # step ahead (their reduce, within stage 1, had completed): no step was held by every
         # place of a pipeline, and the recovery fell back to the checkpoint (the mixed-pp chaos
         # campaign). Now a pipeline steps whole or not at all.
+        thread_position.mark(ThreadPlace.SYNC)      # waits for the other stages (hang_watch)
         dist.all_reduce(loss, group=group)
         return loss
 

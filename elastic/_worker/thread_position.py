@@ -11,8 +11,9 @@ save, ctx.restore, the fault gate), and every poll answer carries the newest mar
 worker's monotonic clock (the controller compares ages with its own receive times, never the
 clocks of two nodes).
 
-The waiting places (SYNC: backward done, in DDP's gradient all-reduce; EXCHANGE: in the step's
-all-gather) are where a rank waits for the others: a rank that has waited there long says the
+The waiting places (PIPELINE: in a pipeline schedule's send/recv, waiting for a neighbouring
+stage; SYNC: backward done, in DDP's gradient all-reduce; EXCHANGE: in the step's all-gather) are
+where a rank waits for the others: a rank that has waited there long says the
 group is held up by someone. So that the controller hears it when it matters, not a held poll
 later, `hold` returns early when the thread's wait crosses WAKE_AGES_S (the least automatic
 bound and half of it) or the bound the controller judges by now (the poll's `wake_s`: a learned
@@ -38,12 +39,13 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from elastic._protocol import PositionReport, ThreadPlace
 from elastic.config import FailureConfig
 
-WAITING = frozenset({ThreadPlace.SYNC, ThreadPlace.EXCHANGE})
+WAITING = frozenset({ThreadPlace.PIPELINE, ThreadPlace.SYNC, ThreadPlace.EXCHANGE})
 # The held poll wakes when a wait crosses these ages (see the module docstring).
 WAKE_AGES_S = (FailureConfig.HANG_FLOOR_S / 2, FailureConfig.HANG_FLOOR_S)
 RECHECK_S = 0.25          # a held poll looks again this often for a wait that began during the hold
@@ -62,6 +64,21 @@ def mark(place: ThreadPlace) -> None:
     position = current()
     if position is not None:
         position.mark(place)
+
+
+@contextmanager
+def waiting(place: ThreadPlace) -> Iterator[None]:
+    """The calling training thread waits at `place` within its step, then goes back to where it
+    was (a pipeline's send/recv between two micro-batches' compute): the step's timing goes on."""
+    position = current()
+    if position is None:
+        yield
+        return
+    prior = position.wait_begins(place)
+    try:
+        yield
+    finally:
+        position.wait_ends(prior)
 
 
 def exchanged(step: int) -> None:
@@ -113,6 +130,21 @@ class ThreadPosition:
             # The tests' hold: every rank is there at once. Heard now, the controller reports the
             # held step and the injector acts on a known last answer (elastic._worker.fault_gate).
             self._news.set()
+
+    def wait_begins(self, place: ThreadPlace) -> ThreadPlace:
+        """A wait within the step in hand begins (see `waiting`); returns the place it left."""
+        now, step = self._clock(), self._completed()
+        with self._lock:
+            prior = self._place
+            self._place, self._step, self._since = place, step, now
+        return prior
+
+    def wait_ends(self, prior: ThreadPlace) -> None:
+        """The wait `wait_begins` opened is over: back at `prior`, from now (the step's compute
+        mark stands, so its step time still runs from the step's beginning)."""
+        now, step = self._clock(), self._completed()
+        with self._lock:
+            self._place, self._step, self._since = prior, step, now
 
     def exchanged(self, step: int) -> None:
         """The exchange of `step` was collected: every rank of the group had entered it."""

@@ -85,6 +85,30 @@ def test_an_answering_rank_whose_training_thread_has_not_moved_is_hung():
     assert hung is not None and hung.ranks == (1,)
 
 
+def test_a_pipeline_stage_that_waits_for_a_neighbour_is_not_named_for_it():
+    # PP 2 x DP 2 (ranks 0,1: pipeline 0; 2,3: pipeline 1). Rank 2 froze in its step: rank 3
+    # waits for its activations in the schedule's recv, ranks 0 and 1 in their stages' gradient
+    # reduce with it. The frozen rank is named, not its neighbour.
+    watch = taught(FakeClock())
+    PIPELINE = ThreadPlace.PIPELINE
+    sync = [view(w, SYNC, age=2.0) for w in (0, 1)]
+    hung = judge(watch, *sync, view(2, COMPUTING, age=0.3, silent=2.2), view(3, PIPELINE, age=2.1))
+    assert hung is not None and hung.ranks == (2,) and "silent" in hung.reason
+    # The same when rank 2 answers but its thread is stuck in its compute (a hung kernel), and
+    # when rank 3's recv is itself the front's place (no stage reduced yet).
+    hung = judge(watch, *sync, view(2, COMPUTING, age=3.0), view(3, PIPELINE, age=2.1))
+    assert hung is not None and hung.ranks == (2,) and "has not moved" in hung.reason
+    hung = judge(watch, view(0, COMPUTING, age=0.1, silent=0.1), view(1, PIPELINE, age=0.05),
+                 view(2, COMPUTING, age=3.0), view(3, PIPELINE, age=2.1))
+    assert hung is not None and hung.ranks == (2,)
+    # Stages that wait on each other with no one else to blame (a lost send between them): both.
+    hung = judge(watch, *sync, view(2, PIPELINE, age=2.5), view(3, PIPELINE, age=2.4))
+    assert hung is not None and hung.ranks == (2, 3)
+    # A healthy pipeline: its waits are short against the bound.
+    assert judge(watch, *sync[:1], view(1, PIPELINE, age=0.4), view(2, COMPUTING, age=0.2),
+                 view(3, PIPELINE, age=0.3)) is None
+
+
 def test_a_rank_that_moved_after_the_others_began_to_wait_is_judged_from_when_it_moved():
     watch = taught(FakeClock())
     # Rank 1 came out of a checkpoint save 0.5 s ago and computes: the others' long wait was

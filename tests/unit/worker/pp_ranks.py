@@ -10,8 +10,9 @@ import threading
 import torch
 from torch import nn
 
-from elastic._protocol import GenerationPlan, RestorePlan, RunSpec
+from elastic._protocol import GenerationPlan, RestorePlan, RunSpec, ThreadPlace
 from elastic._worker.state import WorkerState
+from elastic._worker.thread_position import ThreadPosition
 from elastic.config import CheckpointConfig, FailureConfig, LRScalingConfig, ScalingConfig
 from elastic.context import TrainContext
 
@@ -107,6 +108,24 @@ def _train(ctx: TrainContext, pipeline, optimizer, steps: int) -> list[float]:
     return losses
 
 
+class Places(ThreadPosition):
+    """The training thread's position as the worker binds it, keeping every place marked (the
+    hang judge's view of a pipeline step)."""
+
+    def __init__(self) -> None:
+        super().__init__(completed=lambda: 0, news=threading.Event())
+        self.seen: list[str] = []
+        self.enter(generation=1)
+
+    def mark(self, place: ThreadPlace) -> None:
+        self.seen.append(place.value)
+        super().mark(place)
+
+    def wait_begins(self, place: ThreadPlace) -> ThreadPlace:
+        self.seen.append(place.value)
+        return super().wait_begins(place)
+
+
 def _params(pipeline) -> dict[str, list]:
     from torch.distributed.tensor import DTensor
     return {k: (v.full_tensor() if isinstance(v, DTensor) else v).flatten().tolist()
@@ -147,10 +166,12 @@ def layout(rank: int, world: int, strategy: str, schedule: str, pp: int = 2, tp:
     generation 2 on the same ranks in which the second pipeline is new (fresh workers, other
     initial weights) and restores warm, each stage from the first pipeline's same stage."""
     worker = WorkerState()
+    places = Places()
     ctx = _context(rank, world, 1, RestorePlan("fresh"), worker, strategy=strategy, pp=pp, tp=tp)
     pipeline, optimizer = _objects(ctx, 1, schedule)
     ctx.restore(model=pipeline, optimizer=optimizer)
-    out = {"place": {"dp_rank": ctx.dp_rank, "pp_rank": ctx.pp_rank, "tp_rank": ctx.tp_rank,
+    out = {"places": places.seen,
+           "place": {"dp_rank": ctx.dp_rank, "pp_rank": ctx.pp_rank, "tp_rank": ctx.tp_rank,
                      "mesh": list(ctx.mesh.mesh_dim_names or ())},
            "names": sorted(n for n, _ in pipeline.named_parameters()),
            "losses": _train(ctx, pipeline, optimizer, STEPS), "params": _params(pipeline),

@@ -46,6 +46,44 @@ def a_step(position: ThreadPosition, progress: Progress, clock: FakeClock, compu
     position.mark(ThreadPlace.BOUNDARY)
 
 
+def test_a_wait_inside_the_step_is_reported_and_leaves_the_step_time_whole(bound):
+    position, progress, _, clock = bound
+    position.mark(ThreadPlace.COMPUTING)
+    clock.advance(0.2)
+    with thread_position.waiting(ThreadPlace.PIPELINE):     # a stage's recv between micro-batches
+        clock.advance(0.3)
+        report = position.report()
+        assert (report.place, report.age_s) == (ThreadPlace.PIPELINE, pytest.approx(0.3))
+    clock.advance(0.1)
+    report = position.report()
+    assert (report.place, report.age_s, report.nth) == (ThreadPlace.COMPUTING, pytest.approx(0.1), 1)
+    position.mark(ThreadPlace.SYNC)
+    position.mark(ThreadPlace.EXCHANGE)
+    progress.step += 1
+    position.mark(ThreadPlace.BOUNDARY)
+    assert position.report().step_times == (pytest.approx(0.6),)     # from the compute mark: the wait is in it
+
+
+def test_the_held_poll_wakes_when_a_pipeline_wait_grows_long():
+    shift = [0.0]
+    position = ThreadPosition(completed=lambda: 0, news=threading.Event(), clock=lambda: time.monotonic() + shift[0])
+    position.mark(ThreadPlace.COMPUTING)
+    prior = position.wait_begins(ThreadPlace.PIPELINE)
+    shift[0] = 0.9                                      # it has waited 0.9 s: the 1 s crossing is near
+    started = time.monotonic()
+    position.hold(5.0)
+    assert 0.05 < time.monotonic() - started < 0.9
+    position.wait_ends(prior)                           # back in its compute: no wake, the hold runs out
+    started = time.monotonic()
+    position.hold(0.3)
+    assert time.monotonic() - started >= 0.3
+
+
+def test_a_wait_outside_a_worker_marks_nothing():
+    with thread_position.waiting(ThreadPlace.PIPELINE):
+        assert thread_position.current() is None
+
+
 def test_a_poll_reports_the_place_step_and_age_and_the_step_times_once(bound):
     position, progress, _, clock = bound
     progress.step = 7

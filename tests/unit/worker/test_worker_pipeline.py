@@ -78,6 +78,16 @@ def test_each_schedule_trains_as_the_whole_model_and_a_new_pipeline_restores_war
         assert result["next_params"] == one_f[rank % 2]["next_params"]
         # The loss is the last stage's, shared with every stage of the pipeline.
         assert result["next_losses"] == one_f[rank - rank % 2 + 1]["next_losses"] and result["next_losses"][0] > 0
+    # What the hang judge sees of a pipeline step: every rank waits for a neighbouring stage in
+    # the schedule's send/recv (PIPELINE), then in its gradient reduce and the stages' agreement
+    # (SYNC), before the boundary's exchange.
+    for case, results in zip(CASES, (one_f, fsdp, interleaved, tp), strict=True):
+        for rank, result in enumerate(results):
+            step = result["places"][result["places"].index("computing"):]
+            step = step[:step.index("exchange") + 1]
+            stages = 2 if case["schedule"] == "interleaved1f1b" else 1      # one reduce per stage
+            assert "pipeline" in step and step[-2:] == ["sync", "exchange"], (case, rank, step)
+            assert step.count("sync") == stages + 1, (case, rank, step)
     assert fsdp[0]["place"]["mesh"] == ["dp_shard", "pp", "tp"]
     _check_against_reference(fsdp, pp=2)
     # Interleaved: each rank runs two of the four stages (rank 0: stages 0 and 2).
