@@ -152,6 +152,6 @@ def warm_sources(members: list[int], settled: Mapping[int, WorkerReport], unit: 
                     and settled[w].shard == (rank % unit, unit))
     missing = sorted(set(range(unit)) - {rank % unit for rank in sources})
     if missing:
-        return (f"no member holds the shard of TP rank(s) {missing} (positions in a unit of {unit} ranks) at step "
-                f"{newest} (a unit lost every holder of it)")
+        return (f"no member holds the shard at position(s) {missing} of a unit of {unit} ranks (its TP x PP places, "
+                f"or an HSDP shard group's) at step {newest} (a unit lost every holder of it)")
     return newest, sources

@@ -60,11 +60,11 @@ def test_survivors_holding_the_wrong_shard_are_moved_to_it_or_named_as_the_reaso
     members = arrange([7, 8, 9, 10], settled, 2, limit=4)
     assert [members[0], members[2]] == [7, 8]               # each at TP rank 0
     reason = warm_sources(members, settled, 2)
-    assert isinstance(reason, str) and "TP rank(s) [1]" in reason
+    assert isinstance(reason, str) and "position(s) [1] of a unit" in reason
     former = GenerationFormer(None, _NoCheckpoints(), lambda what, fn: (True, fn()),  # type: ignore[arg-type]
                               failure=FailureConfig(), clock=time.monotonic, unit=2)
     ok, plan = former.reform_plan(members, settled)
-    assert ok and plan is not None and plan.kind == RestoreKind.FRESH and "TP rank(s) [1]" in plan.reason
+    assert ok and plan is not None and plan.kind == RestoreKind.FRESH and "position(s) [1] of a unit" in plan.reason
 
 
 def test_without_tensor_parallelism_the_order_is_the_candidates_own():
