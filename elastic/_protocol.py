@@ -233,12 +233,15 @@ class RunSpec:
 
     @property
     def in_memory_every(self) -> int | None:
-        """Steps between FSDP's copies in host memory (elastic._worker.replicas), with or without
-        tensor parallelism (FSDP x TP: the ring runs within each TP rank's data-parallel group);
-        None: no copies (DDP's survivors hold full replicas; HSDP and the rest do not take them)."""
-        if self.scaling.strategy != "fsdp":
-            return None
-        return self.checkpoint.in_memory_every_n_steps
+        """Steps between the copies of the state in host memory (elastic._worker.replicas): FSDP's,
+        with or without tensor parallelism (FSDP x TP: the ring runs within each TP rank's
+        data-parallel group); DDP's under FailureConfig.sdc_check, each rank's own copy of its
+        replica, taken at steps whose fingerprints agreed: what a silent corruption rolls back to
+        (a survivor's live state may have trained on the corrupt rank's gradients). None: no
+        copies (HSDP and DDP without the check do not take them)."""
+        if self.scaling.strategy == "fsdp" or (self.scaling.strategy == "ddp" and self.failure.sdc_check):
+            return self.checkpoint.in_memory_every_n_steps
+        return None
 
     def apply_storage_env(self) -> None:
         """Put the run's storage credentials in this process's environment (before any storage

@@ -536,6 +536,16 @@ class FailureConfig:
     a NonFiniteLossError naming the step; "ignore" trains on. Either way no checkpoint is
     committed from such a step, so retention never deletes the last good one for it."""
 
+    sdc_check: bool = True
+    """Compare the replicas' parameters after every step (silent data corruption): each rank's
+    64-bit fingerprint of its parameters rides the step's exchange, and ranks that differ from
+    their replicas are replaced, the run rolled back to a step whose fingerprints agreed (the
+    newest in-memory copy from before it, else the newest checkpoint). Needs replicas (DDP, HSDP,
+    TP/PP with 2 or more data-parallel replicas); under FSDP without replicas nothing is compared.
+    Under DDP it also keeps a copy of the state in host memory every
+    CheckpointConfig.in_memory_every_n_steps steps, taken only at steps whose fingerprints agreed,
+    to roll back to. Costs one read of the parameters per step (BENCHMARKS.md S1)."""
+
     step_timeout_s: float | str | None = "auto"
     """Longest time without a completed step (or ctx.log) while the run trains before every rank
     is declared hung and replaced: catches a training thread stuck outside any collective (a
@@ -594,6 +604,7 @@ class FailureConfig:
                  f"heartbeat_interval_s ({self.heartbeat_interval_s})")
         _count("FailureConfig.straggler_window", self.straggler_window, 3)
         _number("FailureConfig.straggler_min_excess_s", self.straggler_min_excess_s, at_least=0, unit="seconds")
+        _flag("FailureConfig.sdc_check", self.sdc_check)
         _require(self.on_nonfinite_loss in NONFINITE_LOSS_ACTIONS,
                  f"FailureConfig.on_nonfinite_loss must be one of {NONFINITE_LOSS_ACTIONS}, "
                  f"got {self.on_nonfinite_loss!r}")

@@ -335,11 +335,21 @@ class TrainContext(RankPlace):
         started = time.monotonic()
         self._restorer.restore(state, self._compression)
         self._keeper.state = state
+        if self._spec.failure.sdc_check and self._spec.scaling.strategy in ("ddp", "hsdp") and state.modules():
+            # Silent corruption: each step's fingerprint is of the parameters of every module
+            # restored, compared between the same positions of the units (elastic._worker.fingerprint).
+            self._boundary.fingerprinted = self._parameters
+            self._boundary.replica_unit = self._mesh.unit
         # No copy in memory here: the survivors' copies of the previous generation stay until
         # this one's first K-step boundary (see elastic._worker.replicas).
         # The generation's first step record carries it (the run's time ledger: restore).
         self._boundary.restore_s = time.monotonic() - started
         return self.step
+
+    def _parameters(self) -> list[torch.Tensor]:
+        """The restored modules' parameters, in order (the fault gate's bit flip)."""
+        state = self._keeper.state
+        return [p for m in state.modules().values() for p in m.parameters()] if state is not None else []
 
     def _require_state(self, where: str) -> TrainState:
         if self._state is None:
@@ -378,7 +388,8 @@ class TrainContext(RankPlace):
         if self._keeper.after_step(outcome):      # the group leaves the loop (committed first if it must)
             self._boundary.settle()   # this step's record, before the loop unwinds
             raise RescaleInterrupt()
-        _fault_gate.hold_after(self.step, self._loop_config, settle=self._boundary.settle)  # tests only: fault_gate
+        _fault_gate.hold_after(self.step, self._loop_config, settle=self._boundary.settle,  # tests only: fault_gate
+                               params=self._parameters)
         self._boundary.timer.start()
 
     def _abandon(self) -> NonFiniteLossError | None:

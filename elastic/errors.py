@@ -78,6 +78,26 @@ class NonFiniteLossError(ElasticError):
     committed from that step."""
 
 
+class SilentCorruptionError(ElasticError):
+    """The ranks that must hold bit-identical parameters after a step (the replicas of one
+    shard) did not: silent data corruption (elastic._worker.fingerprint). Every rank of the group
+    raises it at the same step boundary; the controller replaces the ranks named (`ranks`, by a
+    strict majority of their replicas; `suspects` when there was none) and rolls the run back to
+    a state from before `step`. No checkpoint is ever committed from `step` or later."""
+
+    def __init__(self, message: str, *, step: int, ranks: tuple[int, ...] = (), suspects: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.step, self.ranks, self.suspects = step, tuple(ranks), tuple(suspects)
+
+    def __reduce__(self) -> tuple:
+        return _silent_corruption, (str(self), self.step, self.ranks, self.suspects)
+
+
+def _silent_corruption(message: str, step: int, ranks: tuple[int, ...],
+                       suspects: tuple[int, ...]) -> SilentCorruptionError:
+    return SilentCorruptionError(message, step=step, ranks=ranks, suspects=suspects)
+
+
 class UserCodeError(ElasticError):
     """The user's train_loop raised; carries the original type name and traceback.
 

@@ -22,6 +22,7 @@ class Cause(enum.StrEnum):
     STORAGE_ERROR = "storage_error"        # storage failed a save, a load or a controller call
     PREEMPTED = "preempted"                # a preemption notice (SIGTERM): left at a step boundary
     HARDWARE_ERROR = "hardware_error"      # a GPU failed (ECC, off the bus, Xid): its worker is replaced
+    SDC = "sdc"                            # replicas' parameters disagreed (silent data corruption): rolled back
     STRAGGLER = "straggler"                # a slow rank evicted by the scaling policy (voluntary)
     SCALE_UP = "scale_up"                  # workers joined (voluntary)
     USER_ERROR = "user_error"              # the loop's own error: fails the run
@@ -35,7 +36,7 @@ FATAL_CAUSE = Cause.FATAL_ERROR
 HARDWARE_CAUSE = Cause.HARDWARE_ERROR
 # A worker's error kind (elastic._worker.worker.classify_error) -> the cause it stands for.
 CAUSE_OF_ERROR_KIND = {"user": Cause.USER_ERROR, "infra": Cause.STORAGE_ERROR, "fatal": Cause.FATAL_ERROR,
-                       "comm": Cause.COLLECTIVE_ERROR, "hardware": Cause.HARDWARE_ERROR}
+                       "comm": Cause.COLLECTIVE_ERROR, "hardware": Cause.HARDWARE_ERROR, "sdc": Cause.SDC}
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class Failure:
     error_type: str | None = None
     error_message: str | None = None
     error_traceback: str | None = None
+    step: int | None = None    # sdc: the step whose fingerprints disagreed (the run goes back before it)
 
     @property
     def is_user_error(self) -> bool:

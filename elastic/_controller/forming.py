@@ -66,12 +66,19 @@ class GenerationFormer:
             return RestorePlan(RestoreKind.FRESH)
         return RestorePlan(RestoreKind.CHECKPOINT, step=latest)
 
-    def reform_plan(self, members: list[int], settled: dict[int, WorkerReport]) -> tuple[bool, RestorePlan | None]:
+    def reform_plan(self, members: list[int], settled: dict[int, WorkerReport], *,
+                    before: int | None = None) -> tuple[bool, RestorePlan | None]:
         """A re-formed group's restore: warm from every member that holds the state of the newest
         step any member holds (a slice from each; under TP, of its own TP rank's shard: every TP
-        rank needs one); else from the members' in-memory copies (FSDP) unless a checkpoint is
-        newer; else from the newest committed checkpoint (or fresh when there is none)."""
+        rank needs one); else from the members' in-memory copies (FSDP; DDP's under the silent
+        corruption check) unless a checkpoint is newer; else from the newest committed checkpoint
+        (or fresh when there is none). `before`: a silent corruption found at that step, so no
+        live state is restored (it may have trained on the corrupt rank's gradients), only copies
+        from before it (taken at steps whose replicas agreed) or a checkpoint (never committed
+        from a step whose replicas disagreed)."""
         warm = warm_sources(members, settled, self._unit)
+        if before is not None:
+            warm = f"the survivors' live state may hold the corruption found at step {before}"
         if not isinstance(warm, str):
             # Every member holding the newest step sends a slice; one holding an older step receives.
             newest, sources = warm
@@ -81,6 +88,8 @@ class GenerationFormer:
         memory = memory_source(members, settled)
         if self._unit > 1 and any(w in settled and settled[w].has_state for w in members):
             memory = warm      # why the survivors' memory is not enough (copies are not kept under TP)
+        if before is not None and isinstance(memory, RestorePlan) and memory.step >= before:
+            memory = f"the copies in memory are of step {memory.step}, not from before step {before}"
         # Fence the next generation before listing (the protocol of checkpointing.manifest's
         # advance_fence): a broken generation's rank 0 may still be committing a save issued
         # before its peer died. Listed first, that late commit could land after the listing, run

@@ -56,23 +56,26 @@ class RecoveryLedger:
         return self.open
 
     def begin(self, cause: Cause, from_world: int, max_step: int, detect_s: float = 0.0,
-              failed_ranks: list[int] | None = None, why: str = "") -> OpenRecovery:
+              failed_ranks: list[int] | None = None, why: str = "", step: int | None = None) -> OpenRecovery:
         """A failure (with its ranks) or a resize (without): opens a recovery, or is absorbed
         by the open one (the re-formed group has not completed a step yet)."""
         if self.open is None:
             self.open = OpenRecovery(cause, self._clock(), round(detect_s, 3), from_world, max_step)
         self.open.max_step = max(self.open.max_step, max_step)
         if failed_ranks is not None:
-            self.note(cause, failed_ranks, why)
+            self.note(cause, failed_ranks, why, step=step)
         return self.open
 
-    def note(self, cause: Cause, ranks: list[int], why: str = "") -> None:
+    def note(self, cause: Cause, ranks: list[int], why: str = "", step: int | None = None) -> None:
         """A further failure while the recovery is open (a survivor lost meanwhile); `why`: how
-        it was found (e.g. which hang rule fired), when known."""
+        it was found (e.g. which hang rule fired), when known; `step`: the step it names (a
+        silent corruption's, whose fingerprints disagreed)."""
         if self.open is not None:
             entry: dict[str, Any] = {"cause": cause, "ranks": ranks, "detected_at": round(self.wall(self._clock()), 3)}
             if why:
                 entry["why"] = why
+            if step is not None:
+                entry["step"] = step
             self.open.failures.append(entry)
 
     def reached(self, step: int) -> None:

@@ -27,6 +27,7 @@ from elastic._controller.states import Failed, Recovering, Running, Starting
 from elastic._controller.triage import Recover, charge_reported
 from elastic._protocol import WorkerReport
 from elastic.config import FailureConfig, ScalingConfig
+from elastic.policies import Cause
 
 
 class Transition(NamedTuple):
@@ -60,10 +61,12 @@ class RecoveryCourse:
         # survivors cut theirs, so none waits out the collective timeout on it.
         self._group.request_stop(recover.survivors, generation, cut_group=bool(fault.lost))
         self._recoveries.begin(failure.cause, len(members), recover.reached, fault.detect_s, list(failure.ranks),
-                               why=failure.message)
+                               why=failure.message, step=failure.step)
         self._place()
         self.watch.begin()
-        return Transition(Recovering(generation, recover.survivors, self.deadline()), recover.reason)
+        before = failure.step if failure.cause == Cause.SDC else None
+        return Transition(Recovering(generation, recover.survivors, self.deadline(), restore_before=before),
+                          recover.reason)
 
     def open_resize(self, st: Running, resize: Resize, step: int) -> Transition:
         """Every member leaves the loop at the next step boundary; re-form at the new size."""
@@ -106,7 +109,7 @@ class RecoveryCourse:
             return None if verdict.error is None else Transition(Failed.of(verdict.error), str(verdict.error))
         for w in settled:
             self._recoveries.reached(settled[w].step)
-        ok, plan = self._former.reform_plan(verdict.members, settled)
+        ok, plan = self._former.reform_plan(verdict.members, settled, before=st.restore_before)
         if not ok or plan is None:
             return None
         self._recoveries.planned(plan.kind, plan.reason)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from elastic._controller.hang_watch import HangWatch
 from elastic._controller.recurrence import ErrorSighting, RecurringErrors
@@ -212,17 +213,29 @@ def reported_fault(errored: dict[int, WorkerReport], members: list[int]) -> Faul
     failure = reported_failure(errored)
     # A failed GPU stays failed: its worker is replaced, not taken into the next group.
     broken = [members[r] for r, failed in errored.items() if failed.error_kind == "hardware"]
-    return Fault(failure, broken if failure.cause == Cause.HARDWARE_ERROR else [], 0.0, next(iter(errored.values())))
+    if failure.cause == Cause.SDC:
+        # Every rank raised the same verdict: the ranks a majority of their replicas named are
+        # replaced; mere suspects (no majority) stay, and the rollback covers them.
+        named = getattr(next(iter(errored.values())).error, "ranks", ())
+        broken = [members[r] for r in named if 0 <= r < len(members)]
+    elif failure.cause != Cause.HARDWARE_ERROR:
+        broken = []
+    return Fault(failure, broken, 0.0, next(iter(errored.values())))
 
 
 def reported_failure(errored: dict[int, WorkerReport]) -> Failure:
-    """The failure of the ranks that reported an error of their own, as the first one says."""
+    """The failure of the ranks that reported an error of their own, as the first one says (a
+    silent corruption names the ranks and the step of its verdict)."""
     report = next(iter(errored.values()))
     cause = CAUSE_OF_ERROR_KIND.get(report.error_kind or "user", Cause.USER_ERROR)
-    return Failure(cause, tuple(errored), f"{report.error_type}: {report.error_message}", **_error_of(report))
+    ranks, step = tuple(errored), None
+    if cause == Cause.SDC:
+        ranks = tuple(getattr(report.error, "ranks", ())) + tuple(getattr(report.error, "suspects", ()))
+        step = getattr(report.error, "step", None)
+    return Failure(cause, ranks, f"{report.error_type}: {report.error_message}", step=step, **_error_of(report))
 
 
-def _error_of(report: WorkerReport) -> dict[str, str | None]:
+def _error_of(report: WorkerReport) -> dict[str, Any]:
     """A worker's reported error, as Failure's fields."""
     return {"error_type": report.error_type, "error_message": report.error_message,
             "error_traceback": report.error_traceback}

@@ -54,6 +54,9 @@ class Recovering:
     voluntary: bool = False            # a resize the controller chose, not a failure
     evict: list[int] = field(default_factory=list)   # survivors to leave out (stragglers)
     target_world: int | None = None    # a resize's size (ResizeDecision.target_world_size); None: all there are
+    # A silent corruption found at this step: the survivors' live state may have trained on it,
+    # so the group restores a state from before it (a copy in memory, else a checkpoint).
+    restore_before: int | None = None
     state: RunState = RunState.RECOVERING
 
 

@@ -16,6 +16,10 @@ that the controller hears of the held step, its record is settled (its exchange 
 elastic._worker.step_boundary) before the ranks wait, and the hold is announced (the place HELD,
 elastic._worker.thread_position): that step only, the others keep the boundary's pace.
 
+`BitFlipAt` (the entry BITFLIP_AT_KEY) flips one bit of one parameter in one rank's memory
+after a step, as a silent data corruption would (elastic._worker.fingerprint must find it); a
+marker file disarms it once fired, so the step redone after the rollback is clean.
+
 `StuckAt` (the entry STUCK_AT_KEY) is the other hook: one rank's training thread stops moving
 after a step, as if the next step's compute hung (a hung kernel, a dead data service), while its
 process and its poll thread go on answering. Nothing releases it: the controller must find it
@@ -36,6 +40,7 @@ from elastic.errors import ConfigError, ElasticError
 
 HOLD_AT_KEY = "elastic_hold_at"
 STUCK_AT_KEY = "elastic_stuck_at"
+BITFLIP_AT_KEY = "elastic_bitflip_at"
 HOLD_LIMIT_S = 300.0    # the injector's whole run: a fault that never comes fails the run, not the test's timeout
 POLL_S = 0.01           # polling a file the injector creates; the hold ends within one poll of it
 
@@ -127,12 +132,65 @@ class StuckAt:
                                f"replaced it ({STUCK_AT_KEY}): hang detection missed it")
 
 
-def hold_after(step: int, loop_config: Any, settle: Callable[[], None] | None = None) -> None:
+@dataclass(frozen=True)
+class BitFlipAt:
+    """After step `step` (steps counted from 1), rank `rank` flips bit `bit` of element `element`
+    of its `param`-th parameter (its local data), once: the first rank to get there creates
+    `marker_file`, which disarms the hook for every later generation and process. The default
+    bit is a mantissa bit of a float32: a small, plausible-looking error that trains on."""
+
+    step: int
+    rank: int
+    marker_file: str
+    param: int = 0
+    element: int = 0
+    bit: int = 20
+
+    def __post_init__(self) -> None:
+        for name in ("step", "rank", "param", "element", "bit"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "step" else 0):
+                raise ConfigError(f"BitFlipAt.{name} must be an int >= {1 if name == 'step' else 0}, got {value!r}")
+        if not isinstance(self.marker_file, str) or not self.marker_file:
+            raise ConfigError(f"BitFlipAt.marker_file must be a path, got {self.marker_file!r}")
+
+    def as_config(self) -> dict[str, BitFlipAt]:
+        """The `train_loop_config` entry that sets this fault."""
+        return {BITFLIP_AT_KEY: self}
+
+    def flip(self, rank: int, params: Callable[[], list[Any]]) -> None:
+        """On rank `rank` (the first time only): flip the bit in place."""
+        if rank != self.rank:
+            return
+        try:
+            os.close(os.open(self.marker_file, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+        import torch
+        from torch.distributed.tensor import DTensor
+        tensor = params()[self.param].detach()
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[local.element_size()]
+        with torch.no_grad():
+            flat = local.view(ints).view(-1)
+            flat[self.element] ^= 1 << self.bit
+
+
+def hold_after(step: int, loop_config: Any, settle: Callable[[], None] | None = None,
+               params: Callable[[], list[Any]] | None = None) -> None:
     """At the boundary after step `step`: wait if the driver's loop config holds the run there,
     after `settle()` (which hands the step's record over for the controller); or stop moving
-    there on the rank a StuckAt names."""
+    there on the rank a StuckAt names; or flip a bit of the parameters (`params()`) on the rank a
+    BitFlipAt names."""
     if not isinstance(loop_config, Mapping):
         return
+    flip = loop_config.get(BITFLIP_AT_KEY)
+    if flip is not None:
+        if not isinstance(flip, BitFlipAt):
+            raise ConfigError(f"train_loop_config[{BITFLIP_AT_KEY!r}] must be an elastic._worker.fault_gate.BitFlipAt "
+                              f"(BitFlipAt(step, rank, marker_file).as_config()), got {type(flip).__name__}")
+        if step == flip.step and params is not None:
+            flip.flip(int(os.environ.get("RANK", "-1")), params)
     stuck = loop_config.get(STUCK_AT_KEY)
     if stuck is not None:
         if not isinstance(stuck, StuckAt):

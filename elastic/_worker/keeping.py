@@ -74,6 +74,10 @@ class StateKeeper:
             # leaves together takes them at the step it leaves from, which the next one restores.
             # The loop waits for them like for a checkpoint save (the run's time ledger says so).
             started = time.monotonic()
+            # A copy is what a silent corruption rolls back to: only of a step whose replicas
+            # agreed (collected now; a disagreement raises here, before anything is copied).
+            if self._boundary.checks_fingerprints:
+                self._boundary.settle()
             self._copy_to_memory()
             self._boundary.checkpoint_stall_s += time.monotonic() - started
         if leaving and not self.stays_in_memory(outcome):
@@ -119,6 +123,14 @@ class StateKeeper:
         tensor or pipeline parallelism, the same place in the next replica)."""
         assert self.state is not None
         mesh = self._mesh
+        if self._spec.scaling.strategy == "ddp":
+            # Every replica holds the whole state: each rank keeps its own copy, as the copy of
+            # its place in a world of one replica (any replica's holder restores it), no swap.
+            size = mesh.layout.replica_size
+            self._worker.replicas.refresh(self.state, generation=self._plan.generation, rank=self._plan.rank % size,
+                                          world_size=size, step=self._boundary.step, device=self._copy_device,
+                                          replica_size=size)
+            return
         # Unsplit, the ring is the world: no mesh is built for it (its process groups cost a collective).
         group = mesh.dp_group() if mesh.split else None
         self._worker.replicas.refresh(self.state, generation=self._plan.generation, rank=self._plan.rank,

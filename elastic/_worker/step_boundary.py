@@ -30,6 +30,11 @@ step_exchange). The group decides on it one step late, one logic for both backen
   (`abandon`), as a failed blocking exchange did.
 - A non-finite loss is found when its exchange is collected: the error names step s and every
   rank raises it at the same point (the same exchange, collected at the same step).
+- Silent corruption likewise (FailureConfig.sdc_check): the exchange carries each rank's
+  fingerprint of its parameters after the step, and when the replicas of a shard disagree every
+  rank raises the same SilentCorruptionError, naming the step and the ranks, where the exchange
+  is collected: at the next step's end, or before a checkpoint or an in-memory copy of the step,
+  which is so never taken from a step whose replicas disagreed.
 """
 from __future__ import annotations
 
@@ -39,18 +44,20 @@ import math
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from elastic._determinism import mix_seed
 from elastic._protocol import GenerationPlan, RunSpec, StepRecord
+from elastic._worker import fingerprint as _fingerprint
 from elastic._worker import step_exchange, thread_position
 from elastic._worker.accumulation import Accumulation, as_float, new_accumulation
 from elastic._worker.lr import ScaleRamp, rule_lr
 from elastic._worker.state import WorkerState
 from elastic._worker.step_timer import StepTimer
-from elastic.errors import NonFiniteLossError, StateError
+from elastic.errors import NonFiniteLossError, SilentCorruptionError, StateError
 from elastic.layout import Layout
 
 if TYPE_CHECKING:
@@ -62,7 +69,10 @@ MAX_METRICS = 32   # numeric report() keywords besides loss: fixed slots of the 
 # metrics.jsonl's own keys: a report() keyword may not take their place (loss and lr may be given).
 RESERVED_METRICS = frozenset({"step", "world_size", "time", "global_batch", "accum_steps", "samples_seen",
                               "kind", "generation"})
-_HEADER = 5        # loss, stop flag, preemption flag, compute seconds, hash of the metric names
+# loss, stop flag, preemption flag, compute seconds, hash of the metric names, the parameters'
+# fingerprint (its low and high 32 bits: elastic._worker.fingerprint)
+_HEADER = 7
+_FINGERPRINT = slice(5, 7)
 _COMMIT = 2.0      # the preemption flag's value when the rank's leave asks for a commit (`elastic stop`)
 
 
@@ -117,6 +127,16 @@ class StepBoundary:
         # ledger): in ctx.restore (the generation's first record), blocked in checkpoint saves.
         self.restore_s = 0.0
         self.checkpoint_stall_s = 0.0
+        # Silent corruption: the tensors whose fingerprint each step carries (set by ctx.restore)
+        # and the units whose same positions must agree (None: nothing is compared).
+        self.fingerprinted: Callable[[], Iterable[torch.Tensor]] | None = None
+        self.replica_unit: int | None = None
+
+    @property
+    def checks_fingerprints(self) -> bool:
+        """Whether the steps' fingerprints are compared (FailureConfig.sdc_check, with replicas)."""
+        return (self.fingerprinted is not None and self.replica_unit is not None
+                and self.world_size // self.replica_unit >= 2)
 
     # ---- what the loader reads (elastic._worker.loader.LoaderSide) ---------------------------
     @property
@@ -179,9 +199,15 @@ class StepBoundary:
         # Fixed size (MAX_METRICS slots), whatever the names: ranks that disagree are caught by
         # the names' hash. Tensor values stay on their device until the exchange is collected.
         host = [0.0] * (_HEADER + MAX_METRICS)
-        host[1:_HEADER] = [float(stop), leave, self.timer.compute_s(),
-                           float(mix_seed("metrics", names) & ((1 << 52) - 1))]
+        host[1:_FINGERPRINT.start] = [float(stop), leave, self.timer.compute_s(),
+                                      float(mix_seed("metrics", names) & ((1 << 52) - 1))]
         on_device: dict[int, torch.Tensor] = {}
+        if self.checks_fingerprints:
+            assert self.fingerprinted is not None
+            folded = _fingerprint.fingerprint(self.fingerprinted())
+            if folded is not None:
+                on_device.update(zip(range(_FINGERPRINT.start, _FINGERPRINT.stop), _fingerprint.halves(folded),
+                                     strict=True))
         loss_value: float | torch.Tensor = accumulation.mean_loss() if accumulation is not None else \
             (loss if isinstance(loss, torch.Tensor) else as_float(loss) or 0.0)
         for slot, value in ((0, loss_value), *((_HEADER + i, v) for i, v in enumerate(values))):
@@ -290,6 +316,11 @@ class StepBoundary:
         """The record of `step` from its exchange's table (one row per rank that answered); its
         mean loss (None: no loss reported)."""
         names, ranks = step.names, shared.shape[0]
+        verdict = None
+        if check and ranks == self.world_size and self.checks_fingerprints:
+            assert self.replica_unit is not None
+            keys = [(float(a), float(b)) for a, b in shared[:, _FINGERPRINT].tolist()]
+            verdict = _fingerprint.judge(keys, self.replica_unit, step.step)
         if check and bool((shared[:, 4] != shared[0, 4]).any()):
             raise StateError(f"ctx.report() at step {step.step}: the ranks reported different metric names "
                              f"(rank {self.rank}: {list(names)}); report the same names on every rank, and "
@@ -324,6 +355,9 @@ class StepBoundary:
             # not when the held poll would have come back anyway.
             self._first_step_announced = True
             self._worker.outbox.news.set()
+        if verdict is not None:
+            # Every rank raises the same error (the fingerprints are all-gathered).
+            raise _corruption_error(verdict, self.replica_unit or 1, self.world_size)
         if check and mean_loss is not None and not math.isfinite(mean_loss):
             self._worker.checkpoints.nonfinite_step = step.step
             if self._spec.failure.on_nonfinite_loss == "fail":
@@ -337,6 +371,21 @@ def _nonfinite_error(step: int, mean_loss: float, ranks: int) -> NonFiniteLossEr
         f"the loss of step {step} is {mean_loss} (mean over {ranks} rank(s)); no checkpoint was committed "
         f"from it. Lower the learning rate, clip gradients or check the data; "
         f"FailureConfig.on_nonfinite_loss='ignore' trains on")
+
+
+def _corruption_error(verdict: _fingerprint.Verdict, unit: int, world: int) -> SilentCorruptionError:
+    replicas = world // unit
+    if verdict.named:
+        who = f"rank(s) {list(verdict.named)} differ from the majority of their {replicas} replicas"
+    else:
+        who = (f"rank(s) {list(verdict.suspects)} disagree with no majority among {replicas} replicas: each is "
+               f"a suspect")
+    if verdict.named and verdict.suspects:
+        who += f"; rank(s) {list(verdict.suspects)} disagree with no majority"
+    return SilentCorruptionError(
+        f"silent data corruption at step {verdict.step}: the parameters' fingerprints of the replicas disagree "
+        f"({who}). The run goes back to a state from before step {verdict.step}; nothing from step "
+        f"{verdict.step} on is committed", step=verdict.step, ranks=verdict.named, suspects=verdict.suspects)
 
 
 class _Step(NamedTuple):

@@ -62,6 +62,8 @@ def classify_error(error: BaseException) -> str:
     "hardware": the GPU failed (ECC, fallen off the bus, Xid): the worker is replaced.
     "infra": storage trouble: the controller recovers, counted against max_failures.
     "fatal": the run cannot go on (fenced out, checkpoint failure limit reached): fail now.
+    "sdc": the replicas' parameters disagreed (silent data corruption): the named ranks are
+    replaced and the run rolls back to a state from before the step.
     "user": the user's code raised: fail fast, not retried.
 
     A checkpoint error is judged by what caused it: a save whose collective broke because a
@@ -72,8 +74,11 @@ def classify_error(error: BaseException) -> str:
     the loop's bug, not a fault: the controller sees that (elastic._controller.recurrence), not this function.
     """
     from checkpointing import CheckpointError, FencedError, StorageError
+    from elastic.errors import SilentCorruptionError
     if isinstance(error, FencedError):
         return "fatal"
+    if isinstance(error, SilentCorruptionError):
+        return "sdc"
     chain = _cause_chain(error)
     if any(_is_hardware_error(cause) for cause in chain):
         return "hardware"

@@ -1,0 +1,109 @@
+"""Silent data corruption: a fingerprint of each rank's parameters per step, and the verdict of
+the ranks that must agree.
+
+After an optimizer step every data-parallel replica holds bit-identical parameters (DDP: every
+rank; under TP or PP, the same place of every replica; under HSDP, the same position of every
+shard group). A bit flipped in one rank's memory, or a wrong update computed there, breaks that
+equality and, in a few steps, trains every replica on it through the gradient all-reduce. So each
+rank folds its parameters into a 64-bit fingerprint at every step's `report()` and the step's
+exchange (elastic._worker.step_exchange: the all-gather the boundary does anyway) carries it, as
+two 32-bit halves, each exact in the exchange's float64 slots. No extra collective.
+
+The fingerprint. Each parameter's local data (a DTensor's local shard) is read as integers of its
+element size (the bit patterns, not the values: -0.0 and 0.0 differ, a NaN's payload counts) and
+summed into an int64; the per-tensor sums are combined with an odd multiplier per tensor, so a
+value that moved between tensors changes it too. Integer sums are associative: the same
+parameters give the same fingerprint on every rank, whatever the kernel's reduction order. Any
+single flipped bit changes the sum (by +-2^k), so a one-bit fault is always seen; many faults
+could in principle cancel, with odds of about 2^-64 for random ones. Cost: one read of the
+parameters per step (no copy), a fraction of what the optimizer step reads and writes (Adam
+reads and writes parameters, gradients and two moments). The optimizer's state is not folded
+in: a corrupt moment shows in the parameters at the next step it updates.
+
+The verdict (`judge`). The ranks of one position in every unit (rank % unit) must agree. With 3
+or more holders, the ones that differ from a strict majority are named; without a strict
+majority (2 holders, or 2 against 2) every holder of the position is a suspect. Under FSDP
+without replicas a rank's shards are held once: there is nothing to compare (the check needs
+replicas: DDP, HSDP, or TP/PP with 2 or more data-parallel replicas).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = (1 << 32) - 1
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# Odd multipliers, one per tensor in order (a golden-ratio sequence, reduced to signed int64).
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _multiplier(index: int) -> int:
+    value = ((index + 1) * _GOLDEN) & ((1 << 64) - 1) | 1
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def fingerprint(tensors: Iterable[torch.Tensor]) -> torch.Tensor | None:
+    """The 64-bit fingerprint of `tensors` (their local data) as a 0-d int64 tensor on their
+    device; None when there is nothing to fold (no tensor with elements)."""
+    total: torch.Tensor | None = None
+    for index, tensor in enumerate(tensors):
+        local = _local(tensor).detach()
+        if local.numel() == 0:
+            continue
+        if local.dtype == torch.bool:
+            local = local.to(torch.uint8)
+        bits = local.view(_BITS[local.element_size()]) if local.is_floating_point() or local.is_complex() \
+            else local
+        term = bits.sum(dtype=torch.int64) * _multiplier(index)
+        total = term if total is None else total + term
+    return total
+
+
+def halves(value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fingerprint as its low and high 32 bits, each a float64 (exact: below 2^53)."""
+    return ((value & _MASK32).to(torch.float64), ((value >> 32) & _MASK32).to(torch.float64))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Ranks whose fingerprints disagree with their position's other holders at `step`."""
+
+    step: int
+    named: tuple[int, ...]       # differ from a strict majority of their position: corrupt
+    suspects: tuple[int, ...]    # of positions without a strict majority: any of them may be
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(sorted(self.named + self.suspects))
+
+
+def judge(keys: list[tuple[float, float]], unit: int, step: int) -> Verdict | None:
+    """The verdict on one step's fingerprints (`keys`, by rank), for units of `unit` ranks whose
+    same positions hold the same state; None when every position agrees (or nothing is held
+    twice)."""
+    world = len(keys)
+    if unit < 1 or world % unit or world // unit < 2:
+        return None
+    named: list[int] = []
+    suspects: list[int] = []
+    for position in range(unit):
+        ranks = range(position, world, unit)
+        counts = Counter(keys[r] for r in ranks)
+        if len(counts) == 1:
+            continue
+        value, count = counts.most_common(1)[0]
+        if 2 * count > len(ranks):
+            named.extend(r for r in ranks if keys[r] != value)
+        else:
+            suspects.extend(ranks)
+    if not named and not suspects:
+        return None
+    return Verdict(step, tuple(named), tuple(suspects))

@@ -1,0 +1,60 @@
+"""Silent data corruption on a real DDP run of 3 workers (elastic._worker.fingerprint): one bit of
+one parameter flipped in rank 1's memory after step 23 (the fault gate's BitFlipAt). Its replicas
+disagree at step 24; the checkpoint due at step 24 is never committed from that state; rank 1's
+worker is replaced and the group rolls back to the copy in memory of step 20 (the last agreeing
+one: the survivors' live state trained on the corrupt rank's gradient at step 24), redoes steps
+21-24, and ends on the fault-free run's model, bit for bit."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+
+import gpt
+from elastic import CheckpointConfig, ElasticTrainer, FailureConfig, ScalingConfig
+from elastic._worker.fault_gate import BitFlipAt
+
+pytestmark = [pytest.mark.integration]
+
+STEPS, FLIP_AFTER = 30, 23
+
+
+def fit(run_dir: str, extra: dict | None = None):
+    result = ElasticTrainer(
+        gpt.train_loop, train_loop_config={"model_size": "tiny", "batch_size": 4, **(extra or {})},
+        total_steps=STEPS, seed=0,
+        scaling=ScalingConfig(min_workers=3, max_workers=3, startup_wait_s=120),
+        checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=8, in_memory_every_n_steps=10),
+        failure=FailureConfig(max_failures=3)).fit()
+    assert result.ok, result.error_traceback
+    return result, [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+
+
+@pytest.mark.timeout(300)
+def test_a_flipped_bit_is_found_at_the_next_step_its_rank_replaced_and_the_run_ends_on_the_clean_model(
+        ray_session, tmp_path):
+    clean, _ = fit(str(tmp_path / "clean" / "run"))
+    run_dir = str(tmp_path / "flipped" / "run")
+    flip = BitFlipAt(step=FLIP_AFTER, rank=1, marker_file=str(tmp_path / "flipped.marker"))
+    faulted, metrics = fit(run_dir, flip.as_config())
+    assert os.path.exists(flip.marker_file), "the bit was never flipped"
+
+    (recovery,) = faulted.summary["recoveries"]
+    (failure,) = recovery["failures"]
+    assert recovery["cause"] == "sdc" and failure["ranks"] == [1] and failure["step"] == FLIP_AFTER + 1, recovery
+    assert "silent data corruption at step 24" in failure["why"]
+    # Back to the last agreeing copy (step 20), not the survivors' live state of step 24, and
+    # not the checkpoint of step 16.
+    assert recovery["rung"] == "memory" and recovery["step"] == 20, recovery
+    assert recovery["lost_steps"] == 4 and recovery["to_world"] == 3, recovery
+    # The checkpoint of step 24 was written and committed by the re-formed generation only: the
+    # corrupt one never began its save (no data folder of generation 0).
+    step_dir = os.path.join(run_dir, "checkpoints", "step_00000024")
+    assert json.load(open(os.path.join(step_dir, "COMMITTED")))["generation"] == recovery["generation"] == 1
+    assert sorted(glob.glob(os.path.join(step_dir, "g*"))) == [os.path.join(step_dir, "g000001")]
+    # Each step once in metrics.jsonl, and the fault-free model, bit for bit.
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    assert faulted.summary["model_sha256"] == clean.summary["model_sha256"]
+    assert faulted.summary["data_order_sha256"] == clean.summary["data_order_sha256"]
