@@ -268,8 +268,9 @@ def run_plain(args: argparse.Namespace, profile_to: str | None,
             ray.kill(a)
 
 
-def run_elastic(args: argparse.Namespace, profile_to: str | None) -> tuple[list[float], pc.CpuSampler]:
-    from elastic import CheckpointConfig, ElasticTrainer, ScalingConfig
+def run_elastic(args: argparse.Namespace, profile_to: str | None,
+                sdc_check: bool = True) -> tuple[list[float], pc.CpuSampler]:
+    from elastic import CheckpointConfig, ElasticTrainer, FailureConfig, ScalingConfig
     with tempfile.TemporaryDirectory(prefix="o1-") as d:
         run_dir = os.path.join(d, "run")
 
@@ -294,6 +295,7 @@ def run_elastic(args: argparse.Namespace, profile_to: str | None) -> tuple[list[
                                       tensor_parallel_size=args.tp, strategy=args.strategy),
                 checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=None,
                                             in_memory_every_n_steps=args.in_memory_every),
+                failure=FailureConfig(sdc_check=sdc_check),
                 total_steps=args.steps, seed=0).fit()
         if prof:
             prof.join(timeout=args.profile_s + 60)
@@ -342,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also run the bare loop with each of the framework's former per-step costs added "
                         f"({', '.join(EXTRAS)}): the per-step breakdown")
     p.add_argument("--systems", help="comma-separated subset of systems to run (default: elastic, plain_ddp "
-                                     "and, with --breakdown, the plain+ variants)")
+                                     "and, with --breakdown, the plain+ variants; elastic_no_sdc: ours with "
+                                     "FailureConfig.sdc_check off)")
     p.add_argument("--plot", help="write a PNG of step times")
     p.add_argument("--out", help="also write the JSON line to this file")
     p.add_argument("--profile", metavar="DIR", help="py-spy rank 0 of each system into DIR")
@@ -383,8 +386,10 @@ def main(argv: list[str] | None = None) -> int:
             order = systems if rep % 2 == 0 else list(reversed(systems))
             for name in order:
                 prof = os.path.join(args.profile, f"{name}-rep{rep}.txt") if args.profile else None
-                if name == "elastic":
-                    times, sampler = run_elastic(args, prof)
+                if name in ("elastic", "elastic_no_sdc"):
+                    # elastic_no_sdc: FailureConfig.sdc_check off (no fingerprint, and no DDP
+                    # copies in memory): the check's cost is elastic over it (S1).
+                    times, sampler = run_elastic(args, prof, sdc_check=name == "elastic")
                 else:
                     times, sampler = run_plain(args, prof, EXTRAS.get(name, ()))
                 runs[name].append(times)
@@ -442,6 +447,10 @@ def main(argv: list[str] | None = None) -> int:
             "extra_worker_cpu_ms_per_rank_per_step_median": round(statistics.median(extra_cpu_ms), 2),
             "ratio_uncontended_p10": round(plain["step_s_quantiles"]["p10"] / mine["step_s_quantiles"]["p10"], 3),
             "ratio_uncontended_p25": round(plain["step_s_quantiles"]["p25"] / mine["step_s_quantiles"]["p25"], 3)}
+    if {"elastic", "elastic_no_sdc"} <= set(systems):
+        on, off = result["elastic"]["steps_per_s"], result["elastic_no_sdc"]["steps_per_s"]
+        result["sdc_check_on_over_off"] = _spread([a / b for a, b in zip(on, off, strict=True)])
+        result["sdc_check_on_over_off_per_rep"] = [round(a / b, 3) for a, b in zip(on, off, strict=True)]
     if "elastic" in systems:
         ours = result["vs_plain_ddp"]["elastic"]
         # The keys of earlier versions of this benchmark.

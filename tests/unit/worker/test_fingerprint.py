@@ -14,14 +14,15 @@ pytestmark = pytest.mark.timeout(30)
 
 def _params(seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
+    # Sizes of whole 8-byte words (read as int64 words) and not (the last bytes one by one).
     return [torch.randn(17, 5, generator=g), torch.randn(33, generator=g).to(torch.bfloat16),
-            torch.randn(4, 4, generator=g, dtype=torch.float64), torch.empty(0)]
+            torch.randn(4, 4, generator=g, dtype=torch.float64), torch.randn(16, 4, generator=g), torch.empty(0)]
 
 
 def test_every_single_bit_flip_changes_the_fingerprint():
     params = _params()
     clean = int(fingerprint(params))
-    for index, tensor in enumerate(params[:3]):
+    for index, tensor in enumerate(params[:4]):
         bits = tensor.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()])
         for element in (0, tensor.numel() // 2, tensor.numel() - 1):
             for bit in range(tensor.element_size() * 8):
