@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from elastic._controller.bad_nodes import BadNodes
 from elastic._controller.collaborators import CheckpointView, LeaseHold, WorkerGroup
 from elastic._controller.commit_watch import CommitWatch
 from elastic._controller.failure_budget import FailureBudget
@@ -47,7 +48,7 @@ from elastic._controller.triage import triage
 from elastic._controller.worker_group import SLOW_TICK_S
 from elastic._protocol import RestorePlan, WorkerReport
 from elastic.config import FailureConfig, ScalingConfig
-from elastic.policies import Failure, FailurePolicy, ScalingPolicy
+from elastic.policies import Cause, Failure, FailurePolicy, ScalingPolicy
 
 MIN_TICK_GAP_S = 0.01     # the least time between two ticks (see run_loop)
 
@@ -96,6 +97,7 @@ class Controller:
         self.status = StatusReport(recorder, commits or CommitWatch(checkpoints, clock, background=False),
                                    tp=scaling.tensor_parallel_size, pp=scaling.pipeline_parallel_size)
         self.slots = Slots(scaling)
+        self.bad_nodes = BadNodes()
         self.former = GenerationFormer(group, checkpoints, self._storage, failure=failure, clock=clock,
                                        unit=scaling.unit_size)
         self.recovery = RecoveryCourse(group, self.recoveries, self.former, self.slots, self.budget, scaling=scaling,
@@ -240,6 +242,12 @@ class Controller:
     def _recover_from(self, fault: Fault, members: list[int]) -> None:
         """Charge the failure (triage); fail the run, or kill what is lost and recover with the rest."""
         verdict = triage(fault, members, self.views, self.step, self.budget)
+        if fault.failure.cause == Cause.SDC:
+            # Its ranks' nodes are flagged: one flagged twice gets no new worker of this run.
+            marked = [self.bad_nodes.flag(info.node_id, fault.failure.message) for wid in fault.lost
+                      if (info := self.views[wid].info) is not None and info.node_id]
+            if any(marked):
+                self.group.avoid_nodes(self.bad_nodes.bad)
         for wid in fault.lost:
             self._kill(wid, fault.failure.cause)
         if isinstance(verdict, Failed):
@@ -302,7 +310,7 @@ class Controller:
 
     def _write_status(self, force: bool) -> None:
         self.status.write(force=force, state=self.state.state, generation=self.generation, step=self.step,
-                          members=self._current_members(), views=self.views)
+                          members=self._current_members(), views=self.views, bad_nodes=self.bad_nodes.bad)
 
     def _current_members(self) -> list[int]:
         """Workers of the newest generation: its members, or its survivors while recovering."""

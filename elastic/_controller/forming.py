@@ -13,6 +13,7 @@ controller's retrying `storage` call, which fails the run when an error outlasts
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -78,7 +79,7 @@ class GenerationFormer:
         from a step whose replicas disagreed)."""
         warm = warm_sources(members, settled, self._unit)
         if before is not None:
-            warm = f"the survivors' live state may hold the corruption found at step {before}"
+            warm = "the survivors' live state may have trained on it"
         if not isinstance(warm, str):
             # Every member holding the newest step sends a slice; one holding an older step receives.
             newest, sources = warm
@@ -102,15 +103,17 @@ class GenerationFormer:
                                    self._fence_then_list)
         if not ok:
             return False, None
+        # After a silent corruption the plan says why the survivors' live state was passed over.
+        after = f"silent corruption found at step {before}, rolled back: " if before is not None else ""
         if isinstance(memory, RestorePlan):
             if latest is None or memory.step >= latest:
-                return True, memory
+                return True, dataclasses.replace(memory, reason=after + memory.reason)
             why = f"the newest checkpoint (step {latest}) is ahead of the copies in memory (step {memory.step})"
         else:
             why = memory
         if latest is None:
-            return True, RestorePlan(RestoreKind.FRESH, reason=f"{why}, and no checkpoint is committed")
-        return True, RestorePlan(RestoreKind.CHECKPOINT, step=latest, reason=why)
+            return True, RestorePlan(RestoreKind.FRESH, reason=f"{after}{why}, and no checkpoint is committed")
+        return True, RestorePlan(RestoreKind.CHECKPOINT, step=latest, reason=after + why)
 
     def _fence_then_list(self) -> int | None:
         self._checkpoints.fence(self.generation + 1)

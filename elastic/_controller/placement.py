@@ -65,6 +65,13 @@ class Placements:
         if spec.scaling.use_gpu:
             resources.setdefault("GPU", 1.0)
         self.bundle = resources
+        self.avoid: tuple[str, ...] = ()      # node ids no new bundle may be placed on (bad_nodes)
+
+    def _placement_group(self, bundles: int, strategy: str) -> Any:
+        # Ray labels every node with its id (ray.io/node-id): a selector excludes the bad ones.
+        selector = [{"ray.io/node-id": f"!in({','.join(self.avoid)})"}] * bundles if self.avoid else None
+        return placement_group([dict(self.bundle) for _ in range(bundles)], strategy=strategy,
+                               bundle_label_selector=selector)
 
     def scale_to(self, n: int) -> None:
         """Keep `n` worker slots alive or pending; start placements for the missing ones."""
@@ -72,7 +79,7 @@ class Placements:
         tp = self._scaling.tensor_parallel_size
         if tp == 1:
             for _ in range(missing):
-                pg = placement_group([dict(self.bundle)], strategy="PACK")
+                pg = self._placement_group(1, "PACK")
                 self._slots.open(pg, pg.ready())
             return
         # Replacements first go where their peers wait: the free bundles of live replicas' groups.
@@ -84,7 +91,7 @@ class Placements:
         # need not be: a part of a replica could never join a group, so the count is rounded up
         # (an unlimited run probes for one more replica).
         for _ in range(-(-(missing - len(refills)) // tp)):
-            pg = placement_group([dict(self.bundle) for _ in range(tp)], strategy="STRICT_PACK")
+            pg = self._placement_group(tp, "STRICT_PACK")
             for bundle in range(tp):
                 self._slots.open(pg, pg.ready(), bundle)
 

@@ -26,8 +26,9 @@ class StatusReport:
         self.world_size = 0                  # of the newest generation that ran
 
     def write(self, *, force: bool, state: RunState, generation: int, step: int, members: list[int],
-              views: dict[int, WorkerView]) -> None:
-        """`members`: the newest generation's (its survivors while recovering)."""
+              views: dict[int, WorkerView], bad_nodes: tuple[str, ...] = ()) -> None:
+        """`members`: the newest generation's (its survivors while recovering); `bad_nodes`: the
+        nodes silent corruption marked (bad_nodes.BadNodes)."""
         if state == RunState.RUNNING:
             self.world_size = len(members)
         if force:
@@ -44,7 +45,7 @@ class StatusReport:
                                     world_size=self.world_size, last_committed_step=self.last_committed,
                                     layout=layout.to_dict() if layout else None,
                                     workers=lambda: _workers(ranked, views, Layout(1, self._tp, self._pp)),
-                                    spares=lambda: _spares(ranked, views))
+                                    spares=lambda: _spares(ranked, views), bad_nodes=list(bad_nodes))
 
 
 def _workers(members: tuple[int, ...], views: dict[int, WorkerView], layout: Layout) -> list[dict]:

@@ -59,6 +59,10 @@ class RayWorkerGroup:
         """Keep `n` worker slots alive or pending; start placements for the missing ones."""
         self._placements.scale_to(n)
 
+    def avoid_nodes(self, node_ids: tuple[str, ...]) -> None:
+        """New placements exclude these nodes (those already granted stay where they are)."""
+        self._placements.avoid = node_ids
+
     # ---- the tick ----------------------------------------------------------------------
     def tick(self, terms: PollTerms | None = None) -> dict[int, WorkerView]:
         """Poll the workers with `terms` (None: the last tick's) and return what they said."""

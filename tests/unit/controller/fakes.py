@@ -28,6 +28,7 @@ class FakeGroup:
         self.stops: list[tuple[list[int], int]] = []
         self.cuts: list[bool] = []              # request_stop's cut_group, per call
         self.preempted: list[list[int]] = []    # request_preemption's workers, per call
+        self.avoided: tuple[str, ...] = ()      # avoid_nodes' last
         self.shut_down = False
         self.waits: list[float] = []            # wait()'s timeouts, per call
         self._next = 0
@@ -39,6 +40,9 @@ class FakeGroup:
         while len(self.live()) < min(n, self.capacity):
             wid, self._next = self._next, self._next + 1
             self.views[wid] = WorkerView(wid=wid, status=READY, info=WorkerInfo(100 + wid, "node", f"a{wid}", "ip"))
+
+    def avoid_nodes(self, node_ids: tuple[str, ...]) -> None:
+        self.avoided = node_ids
 
     def tick(self, terms: PollTerms | None = None) -> dict[int, WorkerView]:
         if terms is not None:

@@ -184,3 +184,36 @@ def test_a_member_that_does_not_take_its_plan_is_lost_at_its_rank_and_the_others
     assert controller.state.state == RunState.RUNNING and controller.generation == 2
     assert failing not in controller.state.members
     assert group.generations[-1][members[0]].restore.kind == "broadcast"   # warm: the survivors' state
+
+
+def corrupted(group, members, generation, step, named):
+    """Every rank raised the same silent corruption verdict at `step`."""
+    from elastic.errors import SilentCorruptionError
+    error = SilentCorruptionError(f"silent data corruption at step {step}", step=step, ranks=named)
+    for rank, wid in enumerate(members):
+        group.set_report(wid, WorkerPhase.FAILED, generation=generation, rank=rank, step=step + 1,
+                         error_type="SilentCorruptionError", error_message=str(error), error_kind="sdc", error=error)
+
+
+def test_silent_corruption_replaces_the_named_rank_rolls_back_and_a_node_named_twice_is_avoided():
+    controller, group, clock, _ = make(max_failures=5)
+    members = start(controller, group)
+    corrupted(group, members, 0, step=4, named=(1,))
+    controller.tick()
+    failure = controller.failures[-1]
+    assert failure.cause == "sdc" and failure.ranks == (1,) and failure.step == 4
+    assert group.killed == [(members[1], "sdc")]
+    # Not the survivors' live state (step 5): they may have trained on the corrupt gradient.
+    assert controller.state.state in (RunState.RECOVERING, RunState.STARTING, RunState.RUNNING)
+    if controller.state.state == RunState.RECOVERING:
+        assert controller.state.restore_before == 4
+    assert controller.bad_nodes.bad == () and group.avoided == ()
+    for _ in range(3):
+        controller.tick()
+    assert controller.state.state == RunState.RUNNING and controller.generation == 1
+    (plan,) = {p.restore for p in group.generations[-1].values()}
+    assert plan.kind != "broadcast" and "silent corruption found at step 4" in plan.reason, plan
+    members = controller.state.members
+    corrupted(group, members, 1, step=9, named=(0,))     # a rank on the same node (the fakes' one node)
+    controller.tick()
+    assert controller.bad_nodes.bad == ("node",) and group.avoided == ("node",)

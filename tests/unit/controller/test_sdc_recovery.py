@@ -69,3 +69,22 @@ def test_the_rollback_takes_a_copy_from_before_the_step_never_the_live_state():
     ok, plan = _former(16).reform_plan([10, 12, 13], settled, before=24)
     assert plan is not None and plan.kind == RestoreKind.CHECKPOINT and plan.step == 16
     assert "not from before step 24" in plan.reason
+
+
+def test_a_node_is_marked_bad_at_its_second_verdict_and_new_placements_exclude_it(monkeypatch):
+    from elastic._controller import placement
+    from elastic._controller.bad_nodes import BadNodes
+    nodes = BadNodes()
+    assert not nodes.flag("n1", "step 4") and nodes.bad == ()
+    assert not nodes.flag("n2", "step 6")
+    assert nodes.flag("n1", "step 9") and nodes.bad == ("n1",)
+    assert not nodes.flag("n1", "step 12") and nodes.bad == ("n1",)     # marked once
+    asked = []
+    monkeypatch.setattr(placement, "placement_group", lambda bundles, **kw: asked.append((bundles, kw)))
+    places = placement.Placements.__new__(placement.Placements)
+    places.bundle, places.avoid = {"CPU": 1.0}, ()
+    places._placement_group(2, "STRICT_PACK")
+    places.avoid = ("n1", "n3")
+    places._placement_group(2, "STRICT_PACK")
+    assert asked[0][1]["bundle_label_selector"] is None
+    assert asked[1][1]["bundle_label_selector"] == [{"ray.io/node-id": "!in(n1,n3)"}] * 2
