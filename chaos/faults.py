@@ -113,6 +113,24 @@ class Hang(Fault):
 
 
 @dataclass(frozen=True, kw_only=True)
+class BitFlip(Fault):
+    """One bit of one parameter flipped in a worker's memory (its mantissa or sign: a plausible
+    number that trains on), through the job's --bitflip-requests hook: silent data corruption.
+    The replicas' fingerprints must disagree at the next step, the recovery (cause `sdc`) must
+    name the flipped rank (with two replicas both are suspects), and the run must roll back to a
+    state from before it, so the final model still matches the reference."""
+
+    kind: ClassVar[str] = "bitflip"
+    target: str = "one"
+
+    def __post_init__(self) -> None:
+        _check_target(self.target)
+
+    def expectation(self, heartbeat_timeout_s: float) -> Expectation:
+        return Expectation(required=True, causes=("sdc",))
+
+
+@dataclass(frozen=True, kw_only=True)
 class Slow(Fault):
     """CPU stolen for `duration_s`: SIGSTOP/SIGCONT duty cycles, stopped `stopped_share` of
     every `period_s`. A straggler, not a failure: no recovery needed unless the runtime evicts it."""
@@ -301,7 +319,7 @@ class SecondRun(Fault):
 
 FAULT_TYPES: dict[str, type[Fault]] = {cls.kind: cls for cls in (
     KillWorker, KillNode, Hang, Slow, Partition, StorageOutage, StorageStall, CrashBeforeCommit,
-    CorruptCheckpoint, Preempt, UserError, LateCommit, SecondRun)}
+    CorruptCheckpoint, Preempt, UserError, LateCommit, SecondRun, BitFlip)}
 
 
 def fault_from_dict(data: dict[str, Any]) -> Fault:

@@ -30,6 +30,7 @@ class JobSpec:
     script: str = DEFAULT_SCRIPT
     extra_args: tuple[str, ...] = ()
     fail_at: tuple[int, int] | None = None     # (rank, step): the job's --fail-at
+    bitflip_requests: str | None = None        # the job's --bitflip-requests (chaos.injectors.process.BitFlipInjector)
 
     def argv(self) -> list[str]:
         argv = [sys.executable, self.script, "--storage", self.storage, "--workers", self.workers,
@@ -51,6 +52,8 @@ class JobSpec:
             argv += ["--heartbeat-timeout", str(self.heartbeat_timeout_s)]
         if self.fail_at is not None:
             argv += ["--fail-at", f"{self.fail_at[0]}:{self.fail_at[1]}"]
+        if self.bitflip_requests is not None:
+            argv += ["--bitflip-requests", self.bitflip_requests]
         return argv + list(self.extra_args)
 
     def replace(self, **changes) -> JobSpec:
@@ -61,6 +64,7 @@ class JobSpec:
         d = dataclasses.asdict(self)
         d.pop("storage")
         d.pop("fail_at")
+        d.pop("bitflip_requests")
         return d
 
 

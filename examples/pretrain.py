@@ -38,7 +38,7 @@ from elastic import (
     ScalingConfig,
     StorageError,
 )
-from elastic._worker.fault_gate import HOLD_AT_KEY, HoldAt
+from elastic._worker.fault_gate import BITFLIP_REQUESTS_KEY, HOLD_AT_KEY, BitFlipRequests, HoldAt
 from elastic.progress import ProgressDisplay
 from elastic.trainer import quiet_local_ray_auth
 
@@ -178,6 +178,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hold-at", type=parse_hold_at, metavar="STEP:FILE",
                    help="fault injection (tests): every rank waits after step STEP until FILE exists, "
                         "so a fault injected from outside lands at that step (the framework's fault gate)")
+    p.add_argument("--bitflip-requests", metavar="DIR",
+                   help="fault injection (chaos tests): a worker that finds DIR/pid-<its pid> flips one bit of one "
+                        "parameter at its next step boundary (silent data corruption on request)")
     args = p.parse_args(argv)
     if args.precision == "fp16" and not args.gpu:
         p.error("--precision fp16 needs --gpu (its GradScaler runs on the GPU); add --gpu, "
@@ -310,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
             train_loop_config={"model_size": args.model_size, "batch_size": args.batch_size, "lr": args.lr,
                                "activation_checkpointing": args.activation_checkpointing, "data": data_url,
                                HOLD_AT_KEY: args.hold_at, "loader_workers": args.loader_workers,
+                               BITFLIP_REQUESTS_KEY: BitFlipRequests(args.bitflip_requests)
+                               if args.bitflip_requests else None,
                                "sequence_parallel": args.sequence_parallel, "pp_schedule": args.pp_schedule,
                                "microbatches": args.microbatches or args.pp},
             scaling=scaling_config(args),

@@ -111,7 +111,13 @@ def build_injectors(env: Env) -> dict[str, Injector]:
     from chaos.injectors.commit import LateCommitInjector, SecondRunInjector
     from chaos.injectors.node import KillNodeInjector
     from chaos.injectors.partition import PartitionInjector
-    from chaos.injectors.process import HangInjector, KillWorkerInjector, PreemptInjector, SlowInjector
+    from chaos.injectors.process import (
+        BitFlipInjector,
+        HangInjector,
+        KillWorkerInjector,
+        PreemptInjector,
+        SlowInjector,
+    )
     from chaos.injectors.storage import (
         CorruptCheckpointInjector,
         CrashBeforeCommitInjector,
@@ -120,5 +126,5 @@ def build_injectors(env: Env) -> dict[str, Injector]:
     )
     classes = (KillWorkerInjector, PreemptInjector, HangInjector, SlowInjector, KillNodeInjector,
                PartitionInjector, StorageOutageInjector, StorageStallInjector, CrashBeforeCommitInjector,
-               CorruptCheckpointInjector, LateCommitInjector, SecondRunInjector)
+               CorruptCheckpointInjector, LateCommitInjector, SecondRunInjector, BitFlipInjector)
     return {cls.kind: cls(env) for cls in classes}

@@ -2,12 +2,13 @@
 the heal's SIGCONT) and slow (SIGSTOP/SIGCONT duty cycles until the heal)."""
 from __future__ import annotations
 
+import os
 import random
 import signal
 import threading
 
-from chaos.faults import Fault, Hang, KillWorker, Preempt, Slow
-from chaos.injectors import Active, Injector
+from chaos.faults import BitFlip, Fault, Hang, KillWorker, Preempt, Slow
+from chaos.injectors import Active, Injector, Skip
 from chaos.procs import Proc
 
 
@@ -40,6 +41,29 @@ class PreemptInjector(_OneSignal):
 
     kind = "preempt"
     sig = signal.SIGTERM
+
+
+class BitFlipInjector(Injector):
+    """A request file per target worker, named after its pid, in the job's --bitflip-requests
+    directory: the worker claims it at its next step boundary and flips a bit the file's seed
+    picks (elastic._worker.fault_gate.BitFlipRequests). Nothing to heal: the runtime must find
+    it and roll back."""
+
+    kind = "bitflip"
+
+    def invoke(self, fault: Fault, rng: random.Random) -> Active:
+        assert isinstance(fault, BitFlip)
+        directory = getattr(self.env.job_spec, "bitflip_requests", None)
+        if not directory:
+            raise Skip("the job was started without --bitflip-requests")
+        workers = self.targets(fault.target, rng)
+        for w in workers:
+            path = os.path.join(directory, f"pid-{w['pid']}")
+            with open(path + ".tmp", "w") as f:
+                f.write(str(rng.getrandbits(64)))
+            os.replace(path + ".tmp", path)      # whole, or not there: the worker reads it once
+        return Active(fault, {"ranks": [w["rank"] for w in workers], "pids": [w["pid"] for w in workers],
+                              "requests": directory})
 
 
 class HangInjector(Injector):

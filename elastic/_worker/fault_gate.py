@@ -20,6 +20,11 @@ elastic._worker.thread_position): that step only, the others keep the boundary's
 after a step, as a silent data corruption would (elastic._worker.fingerprint must find it); a
 marker file disarms it once fired, so the step redone after the rollback is clean.
 
+`BitFlipRequests` (the entry BITFLIP_REQUESTS_KEY) is the same fault on request, for the chaos
+suite: at each step boundary a worker looks for a request file named after its process id in
+a directory; the injector writes one (a seed), and the worker claims it, flips a bit of the
+mantissa or the sign of a parameter element the seed picks, and leaves a record of what it did.
+
 `StuckAt` (the entry STUCK_AT_KEY) is the other hook: one rank's training thread stops moving
 after a step, as if the next step's compute hung (a hung kernel, a dead data service), while its
 process and its poll thread go on answering. Nothing releases it: the controller must find it
@@ -41,6 +46,8 @@ from elastic.errors import ConfigError, ElasticError
 HOLD_AT_KEY = "elastic_hold_at"
 STUCK_AT_KEY = "elastic_stuck_at"
 BITFLIP_AT_KEY = "elastic_bitflip_at"
+BITFLIP_REQUESTS_KEY = "elastic_bitflip_requests"
+SILENT_BITS = (*range(23), 31)    # a float32's mantissa and sign: a plausible number that trains on
 HOLD_LIMIT_S = 300.0    # the injector's whole run: a fault that never comes fails the run, not the test's timeout
 POLL_S = 0.01           # polling a file the injector creates; the hold ends within one poll of it
 
@@ -166,14 +173,54 @@ class BitFlipAt:
             os.close(os.open(self.marker_file, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             return
-        import torch
-        from torch.distributed.tensor import DTensor
-        tensor = params()[self.param].detach()
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[local.element_size()]
-        with torch.no_grad():
-            flat = local.view(ints).view(-1)
-            flat[self.element] ^= 1 << self.bit
+        _flip(params()[self.param], self.element, self.bit)
+
+
+def _flip(tensor: Any, element: int, bit: int) -> None:
+    import torch
+    from torch.distributed.tensor import DTensor
+    local = tensor.detach()
+    local = local.to_local() if isinstance(local, DTensor) else local
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[local.element_size()]
+    with torch.no_grad():
+        local.view(ints).view(-1)[element] ^= 1 << bit
+
+
+@dataclass(frozen=True)
+class BitFlipRequests:
+    """Flip a bit when asked: the file `directory`/pid-<this worker's pid> holds a seed (written
+    by chaos's bitflip injector); the worker renames it to claim it, flips one bit the seed picks
+    (a parameter with elements, an element, a bit of SILENT_BITS below its element size), and
+    writes what it flipped to pid-<pid>.done."""
+
+    directory: str
+
+    def as_config(self) -> dict[str, BitFlipRequests]:
+        return {BITFLIP_REQUESTS_KEY: self}
+
+    def serve(self, step: int, params: Callable[[], list[Any]]) -> None:
+        import json
+        import random
+        path = os.path.join(self.directory, f"pid-{os.getpid()}")
+        if not os.path.exists(path):
+            return
+        claimed = path + ".claimed"
+        try:
+            os.rename(path, claimed)
+        except FileNotFoundError:
+            return
+        with open(claimed) as f:
+            rng = random.Random(f.read().strip())
+        held = [(i, t) for i, t in enumerate(params()) if t.numel()]
+        index, tensor = rng.choice(held)
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        element = rng.randrange(local.numel())
+        bit = rng.choice([b for b in SILENT_BITS if b < 8 * local.element_size()])
+        _flip(tensor, element, bit)
+        with open(path + ".done", "w") as f:
+            json.dump({"step": step, "rank": int(os.environ.get("RANK", "-1")), "param": index, "element": element,
+                       "bit": bit}, f)
+        os.remove(claimed)
 
 
 def hold_after(step: int, loop_config: Any, settle: Callable[[], None] | None = None,
@@ -191,6 +238,12 @@ def hold_after(step: int, loop_config: Any, settle: Callable[[], None] | None = 
                               f"(BitFlipAt(step, rank, marker_file).as_config()), got {type(flip).__name__}")
         if step == flip.step and params is not None:
             flip.flip(int(os.environ.get("RANK", "-1")), params)
+    requests = loop_config.get(BITFLIP_REQUESTS_KEY)
+    if requests is not None and params is not None:
+        if not isinstance(requests, BitFlipRequests):
+            raise ConfigError(f"train_loop_config[{BITFLIP_REQUESTS_KEY!r}] must be an elastic._worker.fault_gate."
+                              f"BitFlipRequests, got {type(requests).__name__}")
+        requests.serve(step, params)
     stuck = loop_config.get(STUCK_AT_KEY)
     if stuck is not None:
         if not isinstance(stuck, StuckAt):

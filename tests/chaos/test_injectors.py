@@ -274,3 +274,36 @@ def test_a_gated_fault_is_skipped_when_the_generation_never_commits(spawn_worker
     skip, = history.of_type("skip")
     assert "not training again" in skip["reason"]
     assert state_of(proc.pid) != "T"
+
+
+def test_a_bitflip_request_is_served_once_by_the_worker_it_names(tmp_path, monkeypatch):
+    """The injector's request file (named after the target worker's pid) and the worker's side
+    (elastic._worker.fault_gate.BitFlipRequests): one bit of one parameter flips, once, and the
+    worker records what it flipped; a job started without the directory skips the fault."""
+    import json
+    import os
+    import random
+
+    import torch
+
+    from chaos.faults import BitFlip
+    from elastic._worker.fault_gate import BITFLIP_REQUESTS_KEY, BitFlipRequests, hold_after
+
+    view = FakeView([os.getpid()])
+    with pytest.raises(Skip):
+        build_injectors(Env(view=view))["bitflip"].invoke(BitFlip(), random.Random(0))
+    spec = type("Spec", (), {"bitflip_requests": str(tmp_path)})()
+    active = build_injectors(Env(view=view, job_spec=spec))["bitflip"].invoke(BitFlip(), random.Random(0))
+    assert active.detail["pids"] == [os.getpid()] and (tmp_path / f"pid-{os.getpid()}").exists()
+    params = [torch.randn(7, 3), torch.randn(5)]
+    before = [p.clone() for p in params]
+    config = BitFlipRequests(str(tmp_path)).as_config()
+    monkeypatch.setenv("RANK", "2")
+    hold_after(12, config, params=lambda: params)
+    hold_after(13, config, params=lambda: params)                     # served once
+    changed = [(i, int((a != b).sum())) for i, (a, b) in enumerate(zip(params, before, strict=True)) if (a != b).any()]
+    done = json.loads((tmp_path / f"pid-{os.getpid()}.done").read_text())
+    assert changed == [(done["param"], 1)] and done["step"] == 12 and done["rank"] == 2
+    assert done["bit"] in (*range(23), 31)
+    assert not (tmp_path / f"pid-{os.getpid()}").exists()
+    assert BITFLIP_REQUESTS_KEY in config
