@@ -448,9 +448,13 @@ class CheckpointConfig:
     max_consecutive_failures: int = 3
     """Failed saves in a row before the run fails with a CheckpointError."""
     in_memory_every_n_steps: int | None = 10
-    """FSDP only (DDP ranks hold full replicas already): every this many steps each rank copies
-    its shards (parameters, optimizer state) and the run's progress to host memory, and keeps a
-    copy of its ring neighbour's. A lost rank's state then comes back from its neighbour's memory,
+    """FSDP, and DDP under FailureConfig.sdc_check. Under DDP each rank keeps one copy of its
+    replica in host memory, taken every this many steps at a step whose replicas' fingerprints
+    agreed: what a silent corruption rolls back to (at most this many steps redone; None: the
+    checkpoint instead). It costs a host copy of the model and optimizer state every this many
+    steps (on a GPU, 16 bytes per parameter with Adam through PCIe). Under FSDP every this many
+    steps each rank copies its shards (parameters, optimizer state) and the run's progress to
+    host memory, and keeps a copy of its ring neighbour's. A lost rank's state then comes back from its neighbour's memory,
     resharded to the new world size, with no storage read and at most this many steps redone
     (the checkpoint remains for two neighbours lost together). Costs two copies of each rank's
     share of the model and optimizer state in host memory, and one copy's worth of network per
