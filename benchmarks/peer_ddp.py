@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
                 prof = os.path.join(args.profile, f"{name}-rep{rep}.txt") if args.profile else None
                 if name in ("elastic", "elastic_no_sdc"):
                     # elastic_no_sdc: FailureConfig.sdc_check off (no fingerprint, and no DDP
-                    # copies in memory): the check's cost is elastic over it (S1).
+                    # copies in memory): the check's cost is elastic over it (SDC1).
                     times, sampler = run_elastic(args, prof, sdc_check=name == "elastic")
                 else:
                     times, sampler = run_plain(args, prof, EXTRAS.get(name, ()))

@@ -1,4 +1,4 @@
-"""S2: one flipped bit on DDP with 3 replicas, N trials: is it found within one step, is the right
+"""SDC2: one flipped bit on DDP with 3 replicas, N trials: is it found within one step, is the right
 rank named, does the run end on the fault-free model, and was nothing corrupt committed?
 
 Each trial runs the example GPT (`tiny`, batch 4) on 3 workers for `--steps` steps with
@@ -75,7 +75,7 @@ def main() -> None:
     rng = random.Random(args.seed)
     bits = [*range(23), 31] if args.bits == "silent" else list(range(32))
     shapes = [t.numel() for t in gpt.GPT(gpt.GPTConfig.named(CONFIG["model_size"])).parameters()]
-    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)   # logical CPUs: 1 per worker
     trials = []
     try:
         with tempfile.TemporaryDirectory(prefix="sdc-") as d:
@@ -108,7 +108,7 @@ def main() -> None:
         ray.shutdown()
     ok = [t for t in trials if t["flipped"] and t["detected_within"] == 1 and t["named_right"] and t["model_equal"]
           and not t["corrupt_commits"]]
-    out = {"benchmark": "S2", "trials": len(trials), "all_checks_passed": len(ok),
+    out = {"benchmark": "SDC2", "trials": len(trials), "all_checks_passed": len(ok),
            "detected_within_1": sum(t["detected_within"] == 1 for t in trials),
            "named_right": sum(t["named_right"] for t in trials), "model_equal": sum(t["model_equal"] for t in trials),
            "corrupt_commits": sum(len(t["corrupt_commits"]) for t in trials), "seed": args.seed,

@@ -1,4 +1,4 @@
-"""S3: false alarms of the silent-corruption check in clean runs: every step's fingerprints compared
+"""SDC3: false alarms of the silent-corruption check in clean runs: every step's fingerprints compared
 over thousands of fault-free steps on each layout, counting any `sdc` recovery (there must be none).
 
 Layouts (the example GPT, `tiny`, FailureConfig.sdc_check on, as by default):
@@ -42,7 +42,7 @@ def main() -> None:
     p.add_argument("--layouts", default=",".join(LAYOUTS))
     p.add_argument("--out")
     args = p.parse_args()
-    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)   # logical CPUs: 1 per worker
     runs = {}
     try:
         with tempfile.TemporaryDirectory(prefix="sdc-soak-") as d:
@@ -64,7 +64,7 @@ def main() -> None:
     finally:
         ray.shutdown()
     compared = sum(r["final_step"] for r in runs.values() if r["compared"] and r["status"] == "finished")
-    out = {"benchmark": "S3", "steps_per_layout": args.steps, "compared_steps": compared,
+    out = {"benchmark": "SDC3", "steps_per_layout": args.steps, "compared_steps": compared,
            "false_mismatches": sum(r["sdc_recoveries"] for r in runs.values()), "runs": runs}
     line = json.dumps(out)
     print(line)

@@ -548,7 +548,7 @@ class FailureConfig:
     TP/PP with 2 or more data-parallel replicas); under FSDP without replicas nothing is compared.
     Under DDP it also keeps a copy of the state in host memory every
     CheckpointConfig.in_memory_every_n_steps steps, taken only at steps whose fingerprints agreed,
-    to roll back to. Costs one read of the parameters per step (BENCHMARKS.md S1)."""
+    to roll back to. Costs one read of the parameters per step (BENCHMARKS.md SDC1)."""
 
     step_timeout_s: float | str | None = "auto"
     """Longest time without a completed step (or ctx.log) while the run trains before every rank
