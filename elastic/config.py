@@ -448,18 +448,18 @@ class CheckpointConfig:
     max_consecutive_failures: int = 3
     """Failed saves in a row before the run fails with a CheckpointError."""
     in_memory_every_n_steps: int | None = 10
-    """FSDP, and DDP under FailureConfig.sdc_check. Under DDP each rank keeps one copy of its
-    replica in host memory, taken every this many steps at a step whose replicas' fingerprints
-    agreed: what a silent corruption rolls back to (at most this many steps redone; None: the
-    checkpoint instead). It costs a host copy of the model and optimizer state every this many
-    steps (on a GPU, 16 bytes per parameter with Adam through PCIe). Under FSDP every this many
-    steps each rank copies its shards (parameters, optimizer state) and the run's progress to
-    host memory, and keeps a copy of its ring neighbour's. A lost rank's state then comes back from its neighbour's memory,
-    resharded to the new world size, with no storage read and at most this many steps redone
-    (the checkpoint remains for two neighbours lost together). Costs two copies of each rank's
-    share of the model and optimizer state in host memory, and one copy's worth of network per
-    rank every this many steps: +2.5 % step time at 10 and +11.5 % at 1 on 2 CPU ranks with the
-    base model (BENCHMARKS.md F2). None turns it off."""
+    """FSDP, and DDP under FailureConfig.sdc_check. Under DDP each rank keeps one copy of its replica in
+    host memory, taken every this many steps at a step whose replicas' fingerprints agreed: what a
+    silent corruption rolls back to (at most this many steps redone; None: the checkpoint instead).
+    It costs a host copy of the model and optimizer state every this many steps (on a GPU, 16 bytes
+    per parameter with Adam through PCIe). Under FSDP every this many steps each rank copies its
+    shards (parameters, optimizer state) and the run's progress to host memory, and keeps a copy of
+    its ring neighbour's. A lost rank's state then comes back from its neighbour's memory, resharded
+    to the new world size, with no storage read and at most this many steps redone (the checkpoint
+    remains for two neighbours lost together). Costs two copies of each rank's share of the model
+    and optimizer state in host memory, and one copy's worth of network per rank every this many
+    steps: +2.5 % step time at 10 and +11.5 % at 1 on 2 CPU ranks with the base model (BENCHMARKS.md
+    F2). None turns it off."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     """Extra fsspec options (for s3: endpoint_url, key, secret); AWS_* variables also work. Shown
     (repr, summary.json) with every secret-named key masked at any depth."""
