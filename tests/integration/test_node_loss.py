@@ -2,48 +2,24 @@
 left, and grows back when a node joins again."""
 from __future__ import annotations
 
-import os
 import sys
 import threading
 
 import pytest
 
 import gpt
+import support
 from elastic import CheckpointConfig, ElasticTrainer, FailureConfig, ScalingConfig
-from support import read_json, wait_for
+from support import ShrunkHold, read_json, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.exclusive]
 
 STEPS = 400
-SHRUNK_STEPS = 25     # steps the shrunk group trains before it waits for the regrowth (the test waits for 20)
-
-
-class _HeldWhileShrunk:
-    """The context as the loop sees it, except that once the node is gone (`removed_file`
-    exists) a group of 2 waits after its SHRUNK_STEPS-th step until `release_file` exists: the
-    regrowth then lands inside the run however slowly the new node's workers start, and the run
-    needs no thousand steps of margin for it."""
-
-    def __init__(self, ctx, removed_file: str, release_file: str):
-        self._ctx, self._removed_file, self._release_file, self._reported = ctx, removed_file, release_file, 0
-
-    def __getattr__(self, name):
-        return getattr(self._ctx, name)
-
-    def report(self, **metrics):
-        self._ctx.report(**metrics)
-        self._reported += 1
-        if (self._reported == SHRUNK_STEPS and self._ctx.world_size == 2
-                and os.path.exists(self._removed_file)):
-            from elastic._protocol import ThreadPlace
-            from elastic._worker import thread_position
-            from elastic._worker.fault_gate import HoldAt
-            thread_position.mark(ThreadPlace.HELD)
-            HoldAt(self._ctx.step, self._release_file).wait()
+SHRUNK_STEPS = 25     # steps the group of 2 trains before it waits for the regrowth (the test waits for 20)
 
 
 def held_while_shrunk(ctx) -> None:
-    gpt.train_loop(_HeldWhileShrunk(ctx, ctx.config["removed_file"], ctx.config["release_file"]))
+    gpt.train_loop(ShrunkHold.wrap(ctx))
 
 
 @pytest.fixture
@@ -54,17 +30,19 @@ def cluster(ray_cluster):
 @pytest.mark.timeout(300)
 def test_node_removal_rescales_down_and_a_new_node_grows_it_back(cluster, run_dir):
     from ray import cloudpickle
-    for module in (gpt, sys.modules[__name__]):     # the workers import neither
+    for module in (gpt, support, sys.modules[__name__]):     # the workers import none of them
         cloudpickle.register_pickle_by_value(module)
     cluster, nodes = cluster
     outcome: dict = {}
-    removed_file, release_file = run_dir.rstrip("/") + ".node-removed", run_dir.rstrip("/") + ".regrow"
+    # Once the node is gone, the group of 2 waits after SHRUNK_STEPS steps until both of the
+    # new node's workers are ready: the regrowth lands inside the run however slowly they start.
+    removed_file = run_dir.rstrip("/") + ".node-removed"
+    hold = ShrunkHold(2, SHRUNK_STEPS, run_dir.rstrip("/") + ".regrow", armed_file=removed_file)
 
     def train():
         try:
             outcome["result"] = ElasticTrainer(
-                held_while_shrunk, train_loop_config={"model_size": "tiny", "batch_size": 8,
-                                                      "removed_file": removed_file, "release_file": release_file},
+                held_while_shrunk, train_loop_config={"model_size": "tiny", "batch_size": 8, **hold.as_config()},
                 total_steps=STEPS, seed=0,
                 scaling=ScalingConfig(min_workers=2, max_workers=4, node_agents=True, startup_wait_s=120),
                 checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=500),
@@ -93,11 +71,10 @@ def test_node_removal_rescales_down_and_a_new_node_grows_it_back(cluster, run_di
         wait_for(lambda: (read_json(run_dir, "status.json") or {}).get("world_size") == 2
                  and running_at(removed_at + 20), 120, "the run to go on at world size 2")
         cluster.add_node(num_cpus=2)
-        # The group of 2 waits (SHRUNK_STEPS) until both of the new node's workers are ready.
-        wait_for(lambda: len((read_json(run_dir, "status.json") or {}).get("spares") or []) >= 2, 120,
-                 "the new node's two workers ready beside the group of 2")
+        hold.release_when(run_dir, lambda status: len(status.get("spares") or []) >= 2, 120,
+                          "the new node's two workers ready beside the group of 2").join()
     finally:
-        open(release_file, "w").close()
+        open(hold.release_file, "w").close()
     trainer.join(timeout=200)
     assert "error" not in outcome, outcome
     result = outcome["result"]
