@@ -172,13 +172,20 @@ def test_fsdp_x_tp_heals_a_killed_rank_from_the_copies_in_memory(ray_session, ru
     from the copies in host memory (each rank's ring runs within its TP rank), then the group
     grows back to DP 2, again from memory: no checkpoint is read."""
     from ray import cloudpickle
-    cloudpickle.register_pickle_by_value(gpt)
+    for module in (gpt, support, sys.modules[__name__]):
+        cloudpickle.register_pickle_by_value(module)
     loads_file = run_dir.rstrip("/") + ".loads"
     fault = SignalAtStep(run_dir, at_step=20, sig=signal.SIGKILL, rank=1)
-    config = {"model_size": "tiny", "batch_size": 8, "loads_file": loads_file, **fault.hold_config()}
+    # The replica left at DP 1 waits after its 5th step until the lost replica's two workers are
+    # ready (support.ShrunkHold): the regrowth lands inside 50 steps however slowly they start.
+    hold = ShrunkHold(2, 5, run_dir.rstrip("/") + ".regrow")
+    config = {"model_size": "tiny", "batch_size": 8, "loads_file": loads_file, **fault.hold_config(),
+              **hold.as_config()}
     fault.start()
+    hold.release_when(run_dir, lambda status: status.get("world_size") == 2 and len(status.get("spares") or []) >= 2,
+                      180, "the lost replica's two workers ready beside the group of 2")
     result = ElasticTrainer(
-        counting_loads, train_loop_config=config, total_steps=80, seed=0,
+        counting_loads_held_while_shrunk, train_loop_config=config, total_steps=50, seed=0,
         scaling=ScalingConfig(min_workers=2, max_workers=4, tensor_parallel_size=2, strategy="fsdp",
                               startup_wait_s=120),
         checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=40, in_memory_every_n_steps=5),
@@ -192,6 +199,6 @@ def test_fsdp_x_tp_heals_a_killed_rank_from_the_copies_in_memory(ray_session, ru
     assert died["cause"] == "worker_died" and died["rung"] == "memory" and died["lost_steps"] == 0, died
     assert grew["cause"] == "scale_up" and grew["rung"] == "memory", grew
     assert not os.path.exists(loads_file), open(loads_file).read()
-    assert metrics_steps(run_dir) == list(range(1, 81))
+    assert metrics_steps(run_dir) == list(range(1, 51))
     assert s["samples_consumed"] == 8 * (2 * _steps_at(s, 4) + _steps_at(s, 2))
     assert s["data_order_sha256"] == expected_data_order(s["samples_consumed"])
