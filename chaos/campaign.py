@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from chaos.cluster import LocalCluster
@@ -41,8 +42,10 @@ MAX_EXTENSIONS = 20
 
 class Campaign:
     def __init__(self, sc: Scenario, spec: JobSpec, schedule: Schedule, view: RunView, history: History, *,
-                 out_dir: str, upstream: str | None, timeout_s: float | None):
+                 out_dir: str, upstream: str | None, timeout_s: float | None,
+                 on_running: Callable[[], None] | None = None):
         self.sc, self.spec, self.schedule, self.view, self.history = sc, spec, schedule, view, history
+        self.on_running = on_running        # called once, when the job first trains (its first attempt)
         self.out_dir, self.upstream, self.timeout_s = out_dir, upstream, timeout_s or sc.job_timeout_s
         self.attempts: list[dict] = []
         self.info: dict[str, Any] = {"unsupported": {}, "proxy_counts": None,
@@ -189,6 +192,9 @@ class Campaign:
         if self._wait_running():
             now = time.time()
             self.history.record("running", attempt=n)
+            if self.on_running is not None:
+                on_running, self.on_running = self.on_running, None
+                on_running()
             # An armed attempt runs alone: other faults would move it past the generation in
             # which the user error is armed.
             if armed is None:

@@ -45,6 +45,9 @@ class RunOptions:
     moto: bool = False
     reference: str = "auto"                 # "auto", "none", or a storage URL of a finished run
     reference_alongside: bool = True        # train an "auto" reference during the campaign, at nice 19
+    # ... started once the job first trains rather than with it: on a small machine a reference
+    # started with the job slows the job's start, and the campaign's recoveries leave it CPU after
+    reference_once_running: bool = False
     overwrite: bool = False
     timeout_s: float | None = None          # per attempt of the job
     schedule: Schedule | None = None        # overrides the scenario's (tests)
@@ -109,19 +112,27 @@ def _run(opts: RunOptions, sc: Scenario, schedule: Schedule, spec: JobSpec, hist
     view = RunView(opts.storage, options)
     _prepare_storage(view, opts.overwrite)
     check_reference_storage(spec, opts.reference, options, opts.overwrite)
+    started: list = []          # the reference trained alongside the campaign, once started
+    planned = spec              # the job as planned (the campaign may run it longer)
+
+    def start_alongside() -> None:
+        if opts.reference_alongside and not started:
+            started.append(start_reference(planned, opts.reference, options, opts.out_dir, history))
+
     campaign = Campaign(sc, spec, schedule, view, history, out_dir=opts.out_dir, upstream=upstream,
-                        timeout_s=opts.timeout_s)
-    alongside = start_reference(spec, opts.reference, options, opts.out_dir, history) \
-        if opts.reference_alongside else None
+                        timeout_s=opts.timeout_s, on_running=start_alongside if opts.reference_once_running else None)
+    if not opts.reference_once_running:
+        start_alongside()
     try:
         spec = campaign.run()          # the job as last run: its --steps may have grown
         reference = None
         if opts.reference != "none":
             reference = reference_run(spec, opts.reference, options, opts.out_dir, history,
-                                      timeout_s=opts.timeout_s or sc.job_timeout_s, started=alongside)
+                                      timeout_s=opts.timeout_s or sc.job_timeout_s,
+                                      started=started[0] if started else None)
     finally:
-        if alongside is not None:
-            alongside.stop()
+        if started and started[0] is not None:
+            started[0].stop()
     evidence = invariants.Evidence(
         history=history.events, attempts=campaign.attempts, total_steps=spec.steps,
         heartbeat_timeout_s=sc.heartbeat_timeout_s, metrics=view.metrics(), reference=reference,

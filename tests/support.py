@@ -7,7 +7,7 @@ module holds what only tests use:
 - reading a run's files as they are being written (`read_json`);
 - faults injected from outside, like an operator would: the target's pid comes from
   status.json, the signal from os.kill (`SignalAtStep`, with the framework's fault gate, and
-  `SlowDown`);
+  `SlowDown`), and a shrunk group held until its regrowth is ready (`ShrunkHold`);
 - checks on processes (`pid_alive`, `no_children`), and code run in a fresh interpreter
   (`fresh_python`: what a new Ray worker or controller process imports, unseen by this one).
 """
@@ -161,6 +161,64 @@ class SignalAtStep(threading.Thread):
 
     def fired(self) -> bool:
         return self.pid is not None
+
+
+SHRUNK_HOLD_KEY = "tests_shrunk_hold"
+
+
+class ShrunkHold:
+    """Hold a shrunk group until its regrowth is ready, so that a run needs no hundreds of steps
+    of margin for a replacement's start on a loaded machine: in a generation of `world_size`
+    ranks (with `armed_file`, only once it exists), every rank waits after the generation's
+    `after`-th step until `release_file` exists (at most HoldAt's limit: a release that never
+    comes fails the run, not the test's timeout). Pass `as_config()` in the run's
+    `train_loop_config` and call `ShrunkHold.wrap(ctx)` in the loop; `release_when` creates the
+    file. The workers import neither this module nor a test's: a test using it registers both
+    for pickling by value (`cloudpickle.register_pickle_by_value`)."""
+
+    def __init__(self, world_size: int, after: int, release_file: str, armed_file: str | None = None):
+        self.world_size, self.after, self.release_file, self.armed_file = world_size, after, release_file, armed_file
+
+    def as_config(self) -> dict:
+        return {SHRUNK_HOLD_KEY: self}
+
+    @staticmethod
+    def wrap(ctx):
+        """The context as the loop sees it: the run's own, its report() holding as configured."""
+        hold = ctx.config.get(SHRUNK_HOLD_KEY) if isinstance(ctx.config, dict) else None
+        return ctx if hold is None else _ShrunkHoldContext(ctx, hold)
+
+    def release_when(self, run_dir: str, condition: Callable[[dict], bool], timeout_s: float,
+                     what: str) -> threading.Thread:
+        """A started thread that creates the release file once `condition(status.json)` holds,
+        and in any case when it ends (after `timeout_s`)."""
+        def release() -> None:
+            try:
+                wait_for(lambda: condition(read_json(run_dir, "status.json") or {}), timeout_s, what)
+            finally:
+                open(self.release_file, "w").close()
+        thread = threading.Thread(target=release, daemon=True)
+        thread.start()
+        return thread
+
+
+class _ShrunkHoldContext:
+    def __init__(self, ctx, hold: ShrunkHold):
+        self._ctx, self._hold, self._reported = ctx, hold, 0
+
+    def __getattr__(self, name):
+        return getattr(self._ctx, name)
+
+    def report(self, **metrics) -> None:
+        self._ctx.report(**metrics)
+        self._reported += 1
+        hold = self._hold
+        if self._reported == hold.after and self._ctx.world_size == hold.world_size \
+                and (hold.armed_file is None or os.path.exists(hold.armed_file)):
+            from elastic._protocol import ThreadPlace
+            from elastic._worker import thread_position
+            thread_position.mark(ThreadPlace.HELD)
+            HoldAt(self._ctx.step, hold.release_file).wait()
 
 
 class SlowDown(threading.Thread):

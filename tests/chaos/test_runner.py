@@ -49,6 +49,21 @@ def reference(tmp_path_factory) -> str:
     return str(tmp / "run")
 
 
+def test_a_reference_started_once_the_job_trains_is_the_one_compared(tmp_path):
+    # RunOptions.reference_once_running: the reference starts with the job's first step, not
+    # before the job, still at the lowest priority, and it is the one the model is compared with.
+    outcome = run(options(tmp_path, reference_once_running=True))
+    assert outcome.ok, outcome.report["invariants"]
+    assert verdicts(outcome)["model_matches_reference"] == "pass"
+    history = [json.loads(line) for line in open(tmp_path / "out" / "history.jsonl")]
+    types = [e["type"] for e in history]
+    started, = [e for e in history if e["type"] == "reference"]
+    assert started["nice"] == 19 and not started["reused"]
+    assert types.index("job_start") < types.index("running") < types.index("reference") < types.index("job_exit")
+    assert types.count("reference_done") == 1 and "reference_discarded" not in types
+    assert (tmp_path / "run-reference" / "chaos_reference.json").exists()
+
+
 def test_a_correct_run_passes_and_is_reported(tmp_path):
     outcome = run(options(tmp_path))
     assert outcome.ok, outcome.report["invariants"]

@@ -5,25 +5,40 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 
 import pytest
 
 import gpt
+import support
 from elastic import CheckpointConfig, ElasticTrainer, FailureConfig, LRScalingConfig, ScalingConfig
-from support import SignalAtStep
+from support import ShrunkHold, SignalAtStep
 
 pytestmark = [pytest.mark.integration]
 
 BASE_LR = 1e-3
 
 
+def held_while_shrunk(ctx) -> None:
+    gpt.train_loop(ShrunkHold.wrap(ctx))
+
+
 @pytest.mark.timeout(240)
 def test_linear_rule_drops_at_once_ramps_back_and_never_restarts_warmup(ray_session, run_dir):
+    from ray import cloudpickle
+    for module in (gpt, support, sys.modules[__name__]):     # the workers import none of them
+        cloudpickle.register_pickle_by_value(module)
     fault = SignalAtStep(run_dir, at_step=30, sig=signal.SIGKILL, rank=1)
+    # The group of 3 waits after its 10th step until the replacement is ready: the regrowth and
+    # the 21 steps of its ramp land inside 120 steps however slowly the replacement starts.
+    hold = ShrunkHold(3, 10, run_dir.rstrip("/") + ".regrow")
     fault.start()
+    hold.release_when(run_dir, lambda status: status.get("world_size") == 3 and status.get("spares"), 180,
+                      "the replacement ready beside the group of 3")
     result = ElasticTrainer(
-        gpt.train_loop, train_loop_config={"model_size": "tiny", "batch_size": 8, "lr": BASE_LR} | fault.hold_config(),
-        total_steps=450, seed=0, scaling=ScalingConfig(min_workers=3, max_workers=4, startup_wait_s=120),
+        held_while_shrunk, train_loop_config={"model_size": "tiny", "batch_size": 8, "lr": BASE_LR,
+                                              **fault.hold_config(), **hold.as_config()},
+        total_steps=120, seed=0, scaling=ScalingConfig(min_workers=3, max_workers=4, startup_wait_s=120),
         checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=1000), failure=FailureConfig(max_failures=3),
         lr=LRScalingConfig(base_world_size=4, warmup_steps=10, rescale_warmup_steps=20, schedule="constant")).fit()
     fault.join(timeout=5)

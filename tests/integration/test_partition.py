@@ -24,10 +24,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.exclusive]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EVERY = 10              # checkpoint interval
-# Long enough that the 2-worker generation runs for several status writes (at most one a second)
-# after the cut: with 200 steps of the tiny model on a quiet machine, a recovery in 2.5 s left
-# the survivors ~1.5 s of steps, and the run could end before the test saw them going on.
-STEPS = 600
+# The run must outlast the cut worker: were it to end first, the job's end would take that
+# worker with it, and its exit would show no fencing. The 2-worker generation therefore waits
+# after its SHRUNK_STEPS-th step (support.ShrunkHold) until the test has seen the cut worker exit
+# (its release file); the steps are margin for the 3-worker generation to be cut before the
+# hold's step (here it was cut at step 50), not for the fencing, however long that takes.
+STEPS = 250
+SHRUNK_STEPS = 25
 
 # The job's driver, run inside the head's namespace. The cut worker is declared lost after the
 # heartbeat timeout; the survivors, told to cut their own connections of the group, leave the
@@ -38,10 +41,19 @@ STEPS = 600
 # is not about.
 DRIVER = """
 import sys
+from ray import cloudpickle
 import gpt
+import support
 from elastic import CheckpointConfig, ElasticTrainer, FailureConfig, ScalingConfig
+from support import ShrunkHold
+for module in (gpt, support):      # the workers import neither; the loop below travels by value
+    cloudpickle.register_pickle_by_value(module)
+def held_while_shrunk(ctx):
+    gpt.train_loop(ShrunkHold.wrap(ctx))
+hold = ShrunkHold(2, int(sys.argv[5]), sys.argv[4])
 result = ElasticTrainer(
-    gpt.train_loop, train_loop_config={"model_size": "tiny", "batch_size": 8}, total_steps=int(sys.argv[2]),
+    held_while_shrunk, train_loop_config={"model_size": "tiny", "batch_size": 8, **hold.as_config()},
+    total_steps=int(sys.argv[2]),
     seed=0, scaling=ScalingConfig(min_workers=2, max_workers=3, startup_wait_s=120),
     checkpoint=CheckpointConfig(storage=sys.argv[1], every_n_steps=int(sys.argv[3]), keep=None),
     failure=FailureConfig(heartbeat_timeout_s=5.0, collective_timeout_s=600.0, straggler_threshold=None)).fit()
@@ -81,10 +93,12 @@ def driver(netns_cluster, tmp_path):
 
     def start(run_dir: str) -> subprocess.Popen:
         env = dict(os.environ, **netns_cluster.env())
-        env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "examples"), env.get("PYTHONPATH", "")])
+        env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "examples"), os.path.join(ROOT, "tests"),
+                                             env.get("PYTHONPATH", "")])
         with open(tmp_path / "driver.log", "ab") as log:
             proc = subprocess.Popen(netns_cluster.exec_prefix() + [sys.executable, "-c", DRIVER, run_dir, str(STEPS),
-                                                                   str(EVERY)],
+                                                                   str(EVERY), _release_file(run_dir),
+                                                                   str(SHRUNK_STEPS)],
                                     env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
         procs.append(proc)
@@ -95,6 +109,11 @@ def driver(netns_cluster, tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
+
+
+def _release_file(run_dir: str) -> str:
+    """Created once the cut worker has exited: the 2-worker generation's hold ends."""
+    return run_dir.rstrip("/") + ".cut-worker-gone"
 
 
 def _status(run_dir: str) -> dict:
@@ -137,8 +156,14 @@ def test_cut_link_run_goes_on_and_the_healed_worker_is_fenced(netns_cluster, dri
 
     healed_at = time.time()
     netns_cluster.reconnect(nodes[1])
-    wait_for(lambda: not pid_alive(victim["pid"]), 90, "the cut worker to exit once its link is back")
-    exited_s = time.time() - healed_at
+    try:
+        wait_for(lambda: not pid_alive(victim["pid"]), 90, "the cut worker to exit once its link is back")
+        exited_s = time.time() - healed_at
+        # Fenced, not taken down with the job: the job was still running when the cut worker exited.
+        job_went_on = job.poll() is None and _status(run_dir).get("state") not in ("finished", "failed")
+    finally:
+        open(_release_file(run_dir), "w").close()
+    assert job_went_on, _status(run_dir)
     assert job.wait(timeout=150) == 0, _driver_log(tmp_path)
 
     summary = read_json(run_dir, "summary.json")

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 import gpt
+import support
 from elastic import CheckpointConfig, ElasticTrainer, FailureConfig, ScalingConfig
 from run_file_schemas import validate_run
-from support import SignalAtStep, pid_alive, read_json, wait_for
+from support import ShrunkHold, SignalAtStep, pid_alive, read_json, wait_for
 
 pytestmark = [pytest.mark.integration]
 
@@ -87,7 +88,15 @@ def test_sigkill_of_rank_0_recovers_warm_loses_no_metrics_line_then_grows_back(r
     # survivor has them. The run is long enough for the fault to land mid-run. The polls go
     # through a node agent (ScalingConfig.node_agents): its answers carry the death, the
     # survivors' records and the replacement's start as the direct polls of the other tests do.
+    # The group of 2 left by the kill waits after its 10th step until the replacement is ready
+    # (support.ShrunkHold): the regrowth lands inside 250 steps however slowly it starts.
+    from ray import cloudpickle
+    for module in (gpt, support):      # the loop's own module travels by value with it (ElasticTrainer.fit)
+        cloudpickle.register_pickle_by_value(module)
     fault = SignalAtStep(run_dir, at_step=60, sig=signal.SIGKILL, rank=0)
+    hold = ShrunkHold(2, 10, run_dir.rstrip("/") + ".regrow")
+    hold.release_when(run_dir, lambda status: status.get("world_size") == 2 and status.get("spares"), 180,
+                      "the replacement ready beside the group of 2")
     agent_carried = []            # status.json seen during the run with every member polled by the agent
 
     def watch():
@@ -96,17 +105,18 @@ def test_sigkill_of_rank_0_recovers_warm_loses_no_metrics_line_then_grows_back(r
             agent_carried.append(True)
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
-    result = fit_with_fault(run_dir, fault, hold=False, workers=(2, 3), steps=500, every=100, node_agents=True)
+    result = fit_with_fault(run_dir, fault, hold=False, workers=(2, 3), steps=250, every=100, node_agents=True,
+                            loop=held_while_shrunk, config={**TINY, **hold.as_config()})
     watcher.join(timeout=5)
     assert agent_carried, "no status.json showed the members' polls carried by the node agent"
     s = result.summary
-    assert result.ok and s["final_step"] == 500
+    assert result.ok and s["final_step"] == 250
     (recovery,) = [r for r in s["recoveries"] if r["cause"] == "worker_died"]
     assert recovery["rung"] == "warm" and recovery["lost_steps"] <= 1
     assert recovery["from_world"] == 3 and recovery["to_world"] == 2
     assert [f["cause"] for f in recovery["failures"]] == ["worker_died"]
     assert recovery["detected_at"] <= recovery["recovered_at"]
-    assert metrics_steps(run_dir) == list(range(1, 501))
+    assert metrics_steps(run_dir) == list(range(1, 251))
     sizes = [w for _, w in s["world_size_history"]]
     assert sizes[0] == 3 and 2 in sizes and sizes[-1] == 3, s["world_size_history"]
     assert not pid_alive(fault.pid)
@@ -114,14 +124,18 @@ def test_sigkill_of_rank_0_recovers_warm_loses_no_metrics_line_then_grows_back(r
     assert s["samples_consumed"] == 24 * _steps_at(s, 3) + 16 * _steps_at(s, 2)
     assert s["data_order_sha256"] == expected_data_order(s["samples_consumed"])
     # The files others parse fit the JSON Schemas that ship in the package, after a recovery ...
-    assert validate_run(run_dir) == {"status.json": 1, "summary.json": 1, "metrics.jsonl": 500}
+    assert validate_run(run_dir) == {"status.json": 1, "summary.json": 1, "metrics.jsonl": 250}
     # Running again on the same storage resumes, although the fence moved on with the recoveries.
-    again = fit_with_fault(run_dir, None, workers=(2, 3), steps=520, every=100, node_agents=True)
-    assert again.ok and again.summary["resumed_from"] == 500 and again.final_step == 520
+    again = fit_with_fault(run_dir, None, workers=(2, 3), steps=270, every=100, node_agents=True)
+    assert again.ok and again.summary["resumed_from"] == 250 and again.final_step == 270
     assert again.summary["samples_consumed"] == s["samples_consumed"] + 24 * _steps_at(again.summary, 3) \
         + 16 * _steps_at(again.summary, 2)
     assert again.summary["data_order_sha256"] == expected_data_order(again.summary["samples_consumed"])
-    assert validate_run(run_dir)["metrics.jsonl"] == 520                 # ... and after a resume
+    assert validate_run(run_dir)["metrics.jsonl"] == 270                 # ... and after a resume
+
+
+def held_while_shrunk(ctx) -> None:
+    gpt.train_loop(ShrunkHold.wrap(ctx))
 
 
 def _all_polled_by_agent(run_dir) -> bool:

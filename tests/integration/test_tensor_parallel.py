@@ -6,16 +6,20 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 
 import pytest
 
 import gpt
+import support
 from elastic import CheckpointConfig, ElasticTrainer, FailureConfig, LRScalingConfig, ScalingConfig
 from run_file_schemas import validate_run
-from support import SignalAtStep, read_json
+from support import ShrunkHold, SignalAtStep, read_json
 from test_runtime import _steps_at, expected_data_order, metrics_steps
 
 pytestmark = [pytest.mark.integration]
+
+STEPS = 100         # the kill/heal run: checkpoints at 50 and 100; the resumes go 5 and 10 steps on
 
 
 def counting_loads(ctx) -> None:
@@ -34,16 +38,29 @@ def counting_loads(ctx) -> None:
     gpt.train_loop(ctx)
 
 
+def counting_loads_held_while_shrunk(ctx) -> None:
+    counting_loads(ShrunkHold.wrap(ctx))
+
+
 @pytest.mark.timeout(420)
 def test_a_killed_tp_rank_takes_its_replica_out_then_the_replica_heals_from_peers_memory(ray_session, run_dir):
     from ray import cloudpickle
-    cloudpickle.register_pickle_by_value(gpt)    # the loop below calls the example's, which workers cannot import
+    # The loop below (and the hold it wraps the context in) calls the example's, which workers cannot import.
+    for module in (gpt, support, sys.modules[__name__]):
+        cloudpickle.register_pickle_by_value(module)
     loads_file = run_dir.rstrip("/") + ".loads"
     fault = SignalAtStep(run_dir, at_step=30, sig=signal.SIGKILL, rank=3)
-    config = {"model_size": "tiny", "batch_size": 8, "loads_file": loads_file, **fault.hold_config()}
+    # The replica that is left (DP 2) waits after its 10th step until the killed rank's TP peer and
+    # its replacement are ready (a whole replica): the regrowth lands before the checkpoint at 50
+    # however slowly the replacement starts, and the run needs no steps of margin for it.
+    hold = ShrunkHold(4, 10, run_dir.rstrip("/") + ".regrow")
+    config = {"model_size": "tiny", "batch_size": 8, "loads_file": loads_file, **fault.hold_config(),
+              **hold.as_config()}
     fault.start()
+    hold.release_when(run_dir, lambda status: status.get("world_size") == 4 and len(status.get("spares") or []) >= 2,
+                      180, "the lost replica's two workers ready beside the group of 4")
     result = ElasticTrainer(
-        counting_loads, train_loop_config=config, total_steps=150, seed=0,
+        counting_loads_held_while_shrunk, train_loop_config=config, total_steps=STEPS, seed=0,
         scaling=ScalingConfig(min_workers=4, max_workers=6, tensor_parallel_size=2, startup_wait_s=120),
         checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=50),
         failure=FailureConfig(heartbeat_timeout_s=10.0, collective_timeout_s=30.0, rendezvous_timeout_s=60.0),
@@ -51,7 +68,7 @@ def test_a_killed_tp_rank_takes_its_replica_out_then_the_replica_heals_from_peer
     fault.join(timeout=5)
     assert fault.fired() and result.ok, result.error_traceback
     s = result.summary
-    assert s["final_step"] == 150 and s["checkpoints"] == [50, 100, 150]
+    assert s["final_step"] == STEPS and s["checkpoints"] == [50, 100]
     # 6 ranks (DP 3) -> the killed rank's replica leaves: 4 (DP 2) -> a replacement completes it: 6.
     assert [w for _, w in s["world_size_history"]] == [6, 4, 6], s["world_size_history"]
     assert [layout for _, layout in s["layout_history"]] == [
@@ -64,7 +81,7 @@ def test_a_killed_tp_rank_takes_its_replica_out_then_the_replica_heals_from_peer
     # No checkpoint was read: every restore came from the members' memory.
     assert not os.path.exists(loads_file), open(loads_file).read()
     # Each step once; the data exactly once, counted per replica (8 samples each, DP 3 then 2).
-    assert metrics_steps(run_dir) == list(range(1, 151))
+    assert metrics_steps(run_dir) == list(range(1, STEPS + 1))
     assert s["samples_consumed"] == 8 * (3 * _steps_at(s, 6) + 2 * _steps_at(s, 4))
     assert s["data_order_sha256"] == expected_data_order(s["samples_consumed"])
     lines = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
@@ -72,7 +89,7 @@ def test_a_killed_tp_rank_takes_its_replica_out_then_the_replica_heals_from_peer
     status = read_json(run_dir, "status.json")
     assert status["layout"] == {"dp": 3, "tp": 2, "pp": 1}
     assert [(w["replica"], w["tp_rank"]) for w in status["workers"]] == [(d, t) for d in range(3) for t in range(2)]
-    assert validate_run(run_dir) == {"status.json": 1, "summary.json": 1, "metrics.jsonl": 150}
+    assert validate_run(run_dir) == {"status.json": 1, "summary.json": 1, "metrics.jsonl": STEPS}
     _resume_across_tensor_parallel_degrees(run_dir, loads_file)
 
 
@@ -89,21 +106,21 @@ def _resume(run_dir: str, tp: int, steps: int, loads_file: str) -> tuple[dict, l
 
 
 def _resume_across_tensor_parallel_degrees(run_dir: str, loads_file: str) -> None:
-    """From the TP 2 run's last checkpoint (step 150): a copy resumes at TP 1 (2 -> 1) for 5
+    """From the TP 2 run's last checkpoint (step STEPS): a copy resumes at TP 1 (2 -> 1) for 5
     steps, then at TP 2 again (1 -> 2) for 5; the run itself resumes at TP 2 for the same 10
     steps. The same data-parallel degree (2) throughout: the same samples, LR and, up to the
     sums' order, the same losses."""
     import shutil
     switched = run_dir.rstrip("/") + "-switched"
     shutil.copytree(run_dir, switched)
-    first, _ = _resume(switched, 1, 155, loads_file)                  # 2 -> 1
-    assert first["resumed_from"] == 150 and first["layout_history"][0] == [150, {"dp": 2, "tp": 1, "pp": 1}]
-    then, lines_switched = _resume(switched, 2, 160, loads_file)      # 1 -> 2
-    assert then["resumed_from"] == 155 and then["layout_history"][0] == [155, {"dp": 2, "tp": 2, "pp": 1}]
-    kept, lines_kept = _resume(run_dir, 2, 160, loads_file)
-    assert [m["step"] for m in lines_switched] == list(range(1, 161)) == [m["step"] for m in lines_kept]
+    first, _ = _resume(switched, 1, STEPS + 5, loads_file)                  # 2 -> 1
+    assert first["resumed_from"] == STEPS and first["layout_history"][0] == [STEPS, {"dp": 2, "tp": 1, "pp": 1}]
+    then, lines_switched = _resume(switched, 2, STEPS + 10, loads_file)     # 1 -> 2
+    assert then["resumed_from"] == STEPS + 5 and then["layout_history"][0] == [STEPS + 5, {"dp": 2, "tp": 2, "pp": 1}]
+    kept, lines_kept = _resume(run_dir, 2, STEPS + 10, loads_file)
+    assert [m["step"] for m in lines_switched] == list(range(1, STEPS + 11)) == [m["step"] for m in lines_kept]
     assert then["data_order_sha256"] == kept["data_order_sha256"] == expected_data_order(kept["samples_consumed"])
-    for a, b in zip(lines_switched[150:], lines_kept[150:], strict=True):
+    for a, b in zip(lines_switched[STEPS:], lines_kept[STEPS:], strict=True):
         assert a["lr"] == b["lr"] and a["global_batch"] == b["global_batch"] == 16
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-5), (a["step"], a["loss"], b["loss"])
     # Each resume read the checkpoint once per rank (2, 4 and 4 ranks), and nothing else did.
@@ -155,13 +172,20 @@ def test_fsdp_x_tp_heals_a_killed_rank_from_the_copies_in_memory(ray_session, ru
     from the copies in host memory (each rank's ring runs within its TP rank), then the group
     grows back to DP 2, again from memory: no checkpoint is read."""
     from ray import cloudpickle
-    cloudpickle.register_pickle_by_value(gpt)
+    for module in (gpt, support, sys.modules[__name__]):
+        cloudpickle.register_pickle_by_value(module)
     loads_file = run_dir.rstrip("/") + ".loads"
     fault = SignalAtStep(run_dir, at_step=20, sig=signal.SIGKILL, rank=1)
-    config = {"model_size": "tiny", "batch_size": 8, "loads_file": loads_file, **fault.hold_config()}
+    # The replica left at DP 1 waits after its 5th step until the lost replica's two workers are
+    # ready (support.ShrunkHold): the regrowth lands inside 50 steps however slowly they start.
+    hold = ShrunkHold(2, 5, run_dir.rstrip("/") + ".regrow")
+    config = {"model_size": "tiny", "batch_size": 8, "loads_file": loads_file, **fault.hold_config(),
+              **hold.as_config()}
     fault.start()
+    hold.release_when(run_dir, lambda status: status.get("world_size") == 2 and len(status.get("spares") or []) >= 2,
+                      180, "the lost replica's two workers ready beside the group of 2")
     result = ElasticTrainer(
-        counting_loads, train_loop_config=config, total_steps=80, seed=0,
+        counting_loads_held_while_shrunk, train_loop_config=config, total_steps=50, seed=0,
         scaling=ScalingConfig(min_workers=2, max_workers=4, tensor_parallel_size=2, strategy="fsdp",
                               startup_wait_s=120),
         checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=40, in_memory_every_n_steps=5),
@@ -175,6 +199,6 @@ def test_fsdp_x_tp_heals_a_killed_rank_from_the_copies_in_memory(ray_session, ru
     assert died["cause"] == "worker_died" and died["rung"] == "memory" and died["lost_steps"] == 0, died
     assert grew["cause"] == "scale_up" and grew["rung"] == "memory", grew
     assert not os.path.exists(loads_file), open(loads_file).read()
-    assert metrics_steps(run_dir) == list(range(1, 81))
+    assert metrics_steps(run_dir) == list(range(1, 51))
     assert s["samples_consumed"] == 8 * (2 * _steps_at(s, 4) + _steps_at(s, 2))
     assert s["data_order_sha256"] == expected_data_order(s["samples_consumed"])
