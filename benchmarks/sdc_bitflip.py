@@ -35,6 +35,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 
 import ray  # noqa: E402
 
+import _peer_common as pc  # noqa: E402
 import gpt  # noqa: E402
 from elastic import CheckpointConfig, ElasticTrainer, FailureConfig, ScalingConfig  # noqa: E402
 from elastic._worker.fault_gate import BitFlipAt  # noqa: E402
@@ -114,11 +115,7 @@ def main() -> None:
            "corrupt_commits": sum(len(t["corrupt_commits"]) for t in trials), "seed": args.seed,
            "steps": args.steps, "bits": args.bits,
            "failed_loud": sum(t["status"] == "failed" for t in trials), "per_trial": trials}
-    line = json.dumps(out)
-    print(line)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(line + "\n")
+    pc.emit(out, None, None, args.out)
 
 
 if __name__ == "__main__":

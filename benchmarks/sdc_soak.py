@@ -24,6 +24,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 
 import ray  # noqa: E402
 
+import _peer_common as pc  # noqa: E402
 import gpt  # noqa: E402
 from elastic import CheckpointConfig, ElasticTrainer, FailureConfig, ScalingConfig  # noqa: E402
 
@@ -66,11 +67,7 @@ def main() -> None:
     compared = sum(r["final_step"] for r in runs.values() if r["compared"] and r["status"] == "finished")
     out = {"benchmark": "SDC3", "steps_per_layout": args.steps, "compared_steps": compared,
            "false_mismatches": sum(r["sdc_recoveries"] for r in runs.values()), "runs": runs}
-    line = json.dumps(out)
-    print(line)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(line + "\n")
+    pc.emit(out, None, None, args.out)
 
 
 if __name__ == "__main__":

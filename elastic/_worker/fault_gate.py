@@ -98,6 +98,15 @@ class HoldAt:
             time.sleep(POLL_S)
 
 
+def _first_time(marker_file: str) -> bool:
+    """Creates `marker_file`; False when it existed (the hook fired already, in any process)."""
+    try:
+        os.close(os.open(marker_file, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class StuckAt:
     """After step `step` (steps counted from 1), the training thread of rank `rank` stops moving
@@ -125,11 +134,7 @@ class StuckAt:
 
     def stick(self, rank: int) -> None:
         """On rank `rank` (the first time only): stop moving, as a hung compute would."""
-        if rank != self.rank:
-            return
-        try:
-            os.close(os.open(self.marker_file, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
+        if rank != self.rank or not _first_time(self.marker_file):
             return
         thread_position.mark(ThreadPlace.COMPUTING)    # the next step's compute began, and hangs
         deadline = time.monotonic() + self.limit_s
@@ -167,13 +172,8 @@ class BitFlipAt:
 
     def flip(self, rank: int, params: Callable[[], list[Any]]) -> None:
         """On rank `rank` (the first time only): flip the bit in place."""
-        if rank != self.rank:
-            return
-        try:
-            os.close(os.open(self.marker_file, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            return
-        _flip(params()[self.param], self.element, self.bit)
+        if rank == self.rank and _first_time(self.marker_file):
+            _flip(params()[self.param], self.element, self.bit)
 
 
 def _flip(tensor: Any, element: int, bit: int) -> None:
