@@ -69,9 +69,9 @@ class Placements:
 
     def _placement_group(self, bundles: int, strategy: str) -> Any:
         # Ray labels every node with its id (ray.io/node-id): a selector excludes the bad ones.
-        selector = [{"ray.io/node-id": f"!in({','.join(self.avoid)})"}] * bundles if self.avoid else None
-        return placement_group([dict(self.bundle) for _ in range(bundles)], strategy=strategy,
-                               bundle_label_selector=selector)
+        avoid = {"bundle_label_selector": [{"ray.io/node-id": f"!in({','.join(self.avoid)})"}] * bundles} \
+            if self.avoid else {}
+        return placement_group([dict(self.bundle) for _ in range(bundles)], strategy=strategy, **avoid)
 
     def scale_to(self, n: int) -> None:
         """Keep `n` worker slots alive or pending; start placements for the missing ones."""

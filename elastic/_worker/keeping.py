@@ -76,8 +76,11 @@ class StateKeeper:
             started = time.monotonic()
             # A copy is what a silent corruption rolls back to: only of a step whose replicas
             # agreed (collected now; a disagreement raises here, before anything is copied).
+            # Collecting waits for every rank's exchange: a wait for the others, for the hang
+            # judge (in the boundary's own place, a rank stopped meanwhile went unseen: no front).
             if self._boundary.checks_fingerprints:
-                self._boundary.settle()
+                with _thread_position.waiting(_thread_position.ThreadPlace.EXCHANGE):
+                    self._boundary.settle()
             self._copy_to_memory()
             self._boundary.checkpoint_stall_s += time.monotonic() - started
         if leaving and not self.stays_in_memory(outcome):

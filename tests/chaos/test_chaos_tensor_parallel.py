@@ -15,7 +15,7 @@ from chaos.history import History
 from chaos.invariants import FAIL, PASS, SKIP, Evidence, layout_per_step, model_matches_reference
 from chaos.job import JobSpec
 from chaos.runner import RunOptions, job_spec
-from chaos.scenarios import MIXED_MENU, SCENARIOS, Scenario, parse_workers
+from chaos.scenarios import MIXED_MENU, NOT_IN_MIXED, SCENARIOS, Scenario, parse_workers
 from chaos.schedule import fixed
 
 pytestmark = pytest.mark.timeout(30)
@@ -48,8 +48,8 @@ def test_mixed_tp_is_two_replicas_of_two_ranks_and_a_spare_replica_on_mixeds_nod
 def test_mixed_tp_has_mixeds_faults_and_a_user_error_on_any_of_its_ranks(seed):
     s, m = TP.schedule(seed), SCENARIOS["mixed"].schedule(seed)
     assert [e.to_dict() for e in s.entries] == [e.to_dict() for e in m.entries]
-    assert set(s.kinds()) == set(FAULT_TYPES)
-    assert {e.fault.kind for e in s.entries[:len(MIXED_MENU)]} == set(FAULT_TYPES) - {"user_error"}
+    assert set(s.kinds()) == set(FAULT_TYPES) - set(NOT_IN_MIXED)
+    assert {e.fault.kind for e in s.entries[:len(MIXED_MENU)]} == set(FAULT_TYPES) - {"user_error", *NOT_IN_MIXED}
     user_error, = s.launch_faults
     assert user_error.rank == seed % 4 and user_error.step == 3 * TP.checkpoint_every
 

@@ -86,5 +86,5 @@ def test_a_node_is_marked_bad_at_its_second_verdict_and_new_placements_exclude_i
     places._placement_group(2, "STRICT_PACK")
     places.avoid = ("n1", "n3")
     places._placement_group(2, "STRICT_PACK")
-    assert asked[0][1]["bundle_label_selector"] is None
+    assert "bundle_label_selector" not in asked[0][1]
     assert asked[1][1]["bundle_label_selector"] == [{"ray.io/node-id": "!in(n1,n3)"}] * 2
