@@ -16,7 +16,7 @@ multiplier per tensor, so a value that moved between tensors changes it too. Wor
 summing float32 bits as int32 widened to int64 ran at 2.3 ms for the small GPT's 2 M parameters on
 one core, as int64 words in 0.7 ms, about what a float sum of each tensor takes. Integer sums are associative: the same
 parameters give the same fingerprint on every rank, whatever the kernel's reduction order. Any
-single flipped bit changes the sum (by +-2^k), so a one-bit fault is always seen; many faults
+single flipped bit changes the sum (by +-2^k): a one-bit fault always changes the fingerprint; many faults
 could in principle cancel, with odds of about 2^-64 for random ones. Cost: one read of the
 parameters per step (no copy), a fraction of what the optimizer step reads and writes (Adam
 reads and writes parameters, gradients and two moments). The optimizer's state is not folded
