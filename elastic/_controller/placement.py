@@ -152,7 +152,9 @@ class Placements:
                         "cluster cannot place max_workers + spare_workers = %s workers%s; add resources or "
                         "lower them", slot.wid, now - slot.created_at, self.bundle,
                         _available_resources(), scaling.max_workers + scaling.spare_workers,
-                        f" ({tp} of them on one node for each replica)" if tp > 1 else "")
+                        (f" ({tp} of them on one node for each replica)" if tp > 1 else "")
+                        + (f"; nodes marked bad by silent corruption verdicts are excluded: {list(self.avoid)}"
+                           if self.avoid else ""))
 
 
 def _available_resources() -> dict[str, float] | str:
