@@ -46,6 +46,9 @@ ZOMBIE_KEEP = 3             # the zombie manager's retention, CheckpointConfig's
 # step is legitimately on its timeline), from a fast run (tens of steps a second) too.
 ZOMBIE_AHEAD = 5
 DONE_GRACE_S = 30.0         # past within_s, for the zombie to finish its commit and report
+# For the zombie's start (it imports torch: 10 s and more on a loaded CI machine) before it writes:
+# its own `--within` clock starts after its imports, so the start does not count against within_s.
+START_GRACE_S = 30.0
 EXIT_GRACE_S = 15.0         # after its report, for the zombie to exit
 FIRST_RUN_PROGRESS_S = 60.0  # after the second run exits, for the first to show a new step
 
@@ -101,7 +104,7 @@ class LateCommitInjector(Injector):
 
     def _attack(self, fault: LateCommit, rng: random.Random, zombie: subprocess.Popen, events: str) -> Active:
         deadline = time.monotonic() + fault.within_s
-        seen = _wait_event(events, ("written", "done"), zombie, deadline)
+        seen = _wait_event(events, ("written", "done"), zombie, deadline + START_GRACE_S)
         if seen is None or seen["event"] == "done":
             _kill(zombie)
             why = (seen or {}).get("outcome") or "no report"
@@ -110,11 +113,12 @@ class LateCommitInjector(Injector):
         procs = self.procs(workers)
         sent = [p.signal(signal.SIGKILL) for p in procs]
         acted_at = round(time.time(), 3)
-        done = _wait_event(events, ("done",), zombie, deadline + DONE_GRACE_S)
+        done = _wait_event(events, ("done",), zombie, deadline + START_GRACE_S + DONE_GRACE_S)
         if done is None:
             _kill(zombie)
-            done = {"outcome": "timeout", "error": f"no outcome {fault.within_s + DONE_GRACE_S:.0f}s after the "
-                                                   f"zombie started; killed. Its log: {_tail(events)}"}
+            waited = fault.within_s + START_GRACE_S + DONE_GRACE_S
+            done = {"outcome": "timeout", "error": f"no outcome {waited:.0f}s after the zombie started; killed. "
+                                                   f"Its log: {_tail(events)}"}
         try:
             zombie.wait(timeout=EXIT_GRACE_S)     # it exits right after reporting
         except subprocess.TimeoutExpired:
