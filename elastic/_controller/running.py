@@ -211,16 +211,16 @@ class RunningWatch:
 def reported_fault(errored: dict[int, WorkerReport], members: list[int]) -> Fault:
     """The fault of the ranks that reported an error of their own (`errored`, by rank)."""
     failure = reported_failure(errored)
-    # A failed GPU stays failed: its worker is replaced, not taken into the next group.
-    broken = [members[r] for r, failed in errored.items() if failed.error_kind == "hardware"]
-    if failure.cause == Cause.SDC:
+    first = next(iter(errored.values()))
+    broken: list[int] = []
+    if failure.cause == Cause.HARDWARE_ERROR:
+        # A failed GPU stays failed: its worker is replaced, not taken into the next group.
+        broken = [members[r] for r, failed in errored.items() if failed.error_kind == "hardware"]
+    elif failure.cause == Cause.SDC:
         # Every rank raised the same verdict: the ranks a majority of their replicas named are
         # replaced; mere suspects (no majority) stay, and the rollback covers them.
-        named = getattr(next(iter(errored.values())).error, "ranks", ())
-        broken = [members[r] for r in named if 0 <= r < len(members)]
-    elif failure.cause != Cause.HARDWARE_ERROR:
-        broken = []
-    return Fault(failure, broken, 0.0, next(iter(errored.values())))
+        broken = [members[r] for r in getattr(first.error, "ranks", ()) if 0 <= r < len(members)]
+    return Fault(failure, broken, 0.0, first)
 
 
 def reported_failure(errored: dict[int, WorkerReport]) -> Failure:

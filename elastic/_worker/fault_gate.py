@@ -41,6 +41,7 @@ from typing import Any
 
 from elastic._protocol import ThreadPlace
 from elastic._worker import thread_position
+from elastic._worker.fingerprint import local_data
 from elastic.errors import ConfigError, ElasticError
 
 HOLD_AT_KEY = "elastic_hold_at"
@@ -173,17 +174,15 @@ class BitFlipAt:
     def flip(self, rank: int, params: Callable[[], list[Any]]) -> None:
         """On rank `rank` (the first time only): flip the bit in place."""
         if rank == self.rank and _first_time(self.marker_file):
-            _flip(params()[self.param], self.element, self.bit)
+            _flip(local_data(params()[self.param]), self.element, self.bit)
 
 
-def _flip(tensor: Any, element: int, bit: int) -> None:
+def _flip(local: Any, element: int, bit: int) -> None:
+    """Flip bit `bit` of element `element` of a parameter's local data (fingerprint.local_data)."""
     import torch
-    from torch.distributed.tensor import DTensor
-    local = tensor.detach()
-    local = local.to_local() if isinstance(local, DTensor) else local
     ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[local.element_size()]
     with torch.no_grad():
-        local.view(ints).view(-1)[element] ^= 1 << bit
+        local.detach().view(ints).view(-1)[element] ^= 1 << bit
 
 
 @dataclass(frozen=True)
@@ -198,7 +197,7 @@ class BitFlipRequests:
     def as_config(self) -> dict[str, BitFlipRequests]:
         return {BITFLIP_REQUESTS_KEY: self}
 
-    def serve(self, step: int, params: Callable[[], list[Any]]) -> None:
+    def serve(self, step: int, rank: int, params: Callable[[], list[Any]]) -> None:
         import json
         import random
         path = os.path.join(self.directory, f"pid-{os.getpid()}")
@@ -211,16 +210,23 @@ class BitFlipRequests:
             return
         with open(claimed) as f:
             rng = random.Random(f.read().strip())
-        held = [(i, t) for i, t in enumerate(params()) if t.numel()]
-        index, tensor = rng.choice(held)
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        held = [(i, local) for i, t in enumerate(params()) if (local := local_data(t)).numel()]
+        index, local = rng.choice(held)
         element = rng.randrange(local.numel())
         bit = rng.choice([b for b in SILENT_BITS if b < 8 * local.element_size()])
-        _flip(tensor, element, bit)
+        _flip(local, element, bit)
         with open(path + ".done", "w") as f:
-            json.dump({"step": step, "rank": int(os.environ.get("RANK", "-1")), "param": index, "element": element,
-                       "bit": bit}, f)
+            json.dump({"step": step, "rank": rank, "param": index, "element": element, "bit": bit}, f)
         os.remove(claimed)
+
+
+def _entry(loop_config: Mapping, key: str, kind: type, usage: str) -> Any:
+    """The loop config's fault-gate entry `key`, of type `kind` (None when absent)."""
+    entry = loop_config.get(key)
+    if entry is not None and not isinstance(entry, kind):
+        raise ConfigError(f"train_loop_config[{key!r}] must be an elastic._worker.fault_gate.{kind.__name__} "
+                          f"({usage}), got {type(entry).__name__}")
+    return entry
 
 
 def hold_after(step: int, loop_config: Any, settle: Callable[[], None] | None = None,
@@ -228,37 +234,22 @@ def hold_after(step: int, loop_config: Any, settle: Callable[[], None] | None = 
     """At the boundary after step `step`: wait if the driver's loop config holds the run there,
     after `settle()` (which hands the step's record over for the controller); or stop moving
     there on the rank a StuckAt names; or flip a bit of the parameters (`params()`) on the rank a
-    BitFlipAt names."""
+    BitFlipAt names, or on request (BitFlipRequests)."""
     if not isinstance(loop_config, Mapping):
         return
-    flip = loop_config.get(BITFLIP_AT_KEY)
-    if flip is not None:
-        if not isinstance(flip, BitFlipAt):
-            raise ConfigError(f"train_loop_config[{BITFLIP_AT_KEY!r}] must be an elastic._worker.fault_gate.BitFlipAt "
-                              f"(BitFlipAt(step, rank, marker_file).as_config()), got {type(flip).__name__}")
-        if step == flip.step and params is not None:
-            flip.flip(int(os.environ.get("RANK", "-1")), params)
-    requests = loop_config.get(BITFLIP_REQUESTS_KEY)
+    # The rank, as the framework set it for this generation (torchrun's variable).
+    rank = int(os.environ.get("RANK", "-1"))
+    flip = _entry(loop_config, BITFLIP_AT_KEY, BitFlipAt, "BitFlipAt(step, rank, marker_file).as_config()")
+    if flip is not None and step == flip.step and params is not None:
+        flip.flip(rank, params)
+    requests = _entry(loop_config, BITFLIP_REQUESTS_KEY, BitFlipRequests, "BitFlipRequests(directory).as_config()")
     if requests is not None and params is not None:
-        if not isinstance(requests, BitFlipRequests):
-            raise ConfigError(f"train_loop_config[{BITFLIP_REQUESTS_KEY!r}] must be an elastic._worker.fault_gate."
-                              f"BitFlipRequests, got {type(requests).__name__}")
-        requests.serve(step, params)
-    stuck = loop_config.get(STUCK_AT_KEY)
-    if stuck is not None:
-        if not isinstance(stuck, StuckAt):
-            raise ConfigError(f"train_loop_config[{STUCK_AT_KEY!r}] must be an elastic._worker.fault_gate.StuckAt "
-                              f"(StuckAt(step, rank, marker_file).as_config()), got {type(stuck).__name__}")
-        if step == stuck.step:
-            # The rank, as the framework set it for this generation (torchrun's variable).
-            stuck.stick(int(os.environ.get("RANK", "-1")))
-    hold = loop_config.get(HOLD_AT_KEY)
-    if hold is None:
-        return
-    if not isinstance(hold, HoldAt):
-        raise ConfigError(f"train_loop_config[{HOLD_AT_KEY!r}] must be an elastic._worker.fault_gate.HoldAt "
-                          f"(HoldAt(step, release_file).as_config()), got {type(hold).__name__}")
-    if step == hold.step:
+        requests.serve(step, rank, params)
+    stuck = _entry(loop_config, STUCK_AT_KEY, StuckAt, "StuckAt(step, rank, marker_file).as_config()")
+    if stuck is not None and step == stuck.step:
+        stuck.stick(rank)
+    hold = _entry(loop_config, HOLD_AT_KEY, HoldAt, "HoldAt(step, release_file).as_config()")
+    if hold is not None and step == hold.step:
         if settle is not None:
             settle()
         thread_position.mark(ThreadPlace.HELD)

@@ -48,7 +48,8 @@ def _multiplier(index: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_data(tensor: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of a parameter: a DTensor's local shard, else the tensor."""
     from torch.distributed.tensor import DTensor
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
@@ -77,7 +78,7 @@ def fingerprint(tensors: Iterable[torch.Tensor]) -> torch.Tensor | None:
     sums: list[torch.Tensor] = []
     held: list[int] = []
     for index, tensor in enumerate(tensors):
-        local = _local(tensor).detach()
+        local = local_data(tensor).detach()
         if local.numel():
             sums.append(_fold(local))
             held.append(index)

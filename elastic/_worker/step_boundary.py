@@ -319,7 +319,7 @@ class StepBoundary:
         verdict = None
         if check and ranks == self.world_size and self.checks_fingerprints:
             assert self.replica_unit is not None
-            keys = [(float(a), float(b)) for a, b in shared[:, _FINGERPRINT].tolist()]
+            keys = [tuple(row) for row in shared[:, _FINGERPRINT].tolist()]
             verdict = _fingerprint.judge(keys, self.replica_unit, step.step)
         if check and bool((shared[:, 4] != shared[0, 4]).any()):
             raise StateError(f"ctx.report() at step {step.step}: the ranks reported different metric names "
