@@ -131,6 +131,25 @@ class BitFlip(Fault):
 
 
 @dataclass(frozen=True, kw_only=True)
+class BadGradient(Fault):
+    """A worker's backward computes a wrong gradient from now on (one bit of one element of one
+    parameter's gradient flipped, before the all-reduce, in every backward of its generation),
+    through the job's --bitflip-requests hook: a compute fault, which the all-reduce hands to
+    every replica, so the parameters still agree. The spot check (FailureConfig.
+    spot_check_every_n_steps) must find it, the recovery (cause `sdc`) name the rank, and the run
+    roll back to before the fault, so the final model still matches the reference."""
+
+    kind: ClassVar[str] = "bad_gradient"
+    target: str = "one"
+
+    def __post_init__(self) -> None:
+        _check_target(self.target)
+
+    def expectation(self, heartbeat_timeout_s: float) -> Expectation:
+        return Expectation(required=True, causes=("sdc",))
+
+
+@dataclass(frozen=True, kw_only=True)
 class Slow(Fault):
     """CPU stolen for `duration_s`: SIGSTOP/SIGCONT duty cycles, stopped `stopped_share` of
     every `period_s`. A straggler, not a failure: no recovery needed unless the runtime evicts it."""
@@ -319,7 +338,7 @@ class SecondRun(Fault):
 
 FAULT_TYPES: dict[str, type[Fault]] = {cls.kind: cls for cls in (
     KillWorker, KillNode, Hang, Slow, Partition, StorageOutage, StorageStall, CrashBeforeCommit,
-    CorruptCheckpoint, Preempt, UserError, LateCommit, SecondRun, BitFlip)}
+    CorruptCheckpoint, Preempt, UserError, LateCommit, SecondRun, BitFlip, BadGradient)}
 
 
 def fault_from_dict(data: dict[str, Any]) -> Fault:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from chaos import invariants
 from chaos.campaign import Campaign
-from chaos.faults import BitFlip
+from chaos.faults import BadGradient, BitFlip
 from chaos.history import History
 from chaos.job import DEFAULT_SCRIPT, JobSpec
 from chaos.observe import RunView, fence_facts
@@ -89,7 +89,7 @@ def run(opts: RunOptions) -> Outcome:
     if opts.max_faults is not None:
         schedule = dataclasses.replace(schedule, entries=schedule.entries[:opts.max_faults])
     os.makedirs(opts.out_dir, exist_ok=True)
-    if any(isinstance(entry.fault, BitFlip) for entry in schedule.entries):
+    if any(isinstance(entry.fault, BitFlip | BadGradient) for entry in schedule.entries):
         # The workers look for bit-flip requests here (chaos.injectors.process.BitFlipInjector).
         requests = os.path.join(os.path.abspath(opts.out_dir), "bitflip")
         os.makedirs(requests, exist_ok=True)

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from chaos.faults import (
+    BadGradient,
     BitFlip,
     CorruptCheckpoint,
     CrashBeforeCommit,
@@ -123,10 +124,12 @@ def _hang(sc: Scenario, seed: int) -> Schedule:
 
 def _sdc(sc: Scenario, seed: int) -> Schedule:
     # Mostly bit flips (each must be found at the next step, its rank named and the run rolled
-    # back), with kills among them so that rollbacks and warm recoveries interleave.
+    # back) and wrong gradients (found by the next spot check, within spot_check_every_n_steps),
+    # with kills among them so that rollbacks and warm recoveries interleave.
     # Few enough that at most one node is marked bad (two verdicts on one node's ranks): its
     # workers' replacements go to the others (5 one-CPU nodes for 3 workers).
-    menu = [(3.0, lambda r: BitFlip(target="one")), (1.0, lambda r: KillWorker(target="one"))]
+    menu = [(2.0, lambda r: BitFlip(target="one")), (1.5, lambda r: BadGradient(target="one")),
+            (1.0, lambda r: KillWorker(target="one"))]
     return randomized(seed, menu, count=4, mean_interval_s=10.0, jitter=0.3, start_s=5.0, cover_menu=True)
 
 
@@ -174,8 +177,9 @@ def _storage_stall(sc: Scenario, seed: int) -> Schedule:
 
 
 # Kinds mixed leaves out: a bit flip needs replicas to be found (mixed-fsdp has none, and its
-# corrupt model would train on); the "sdc" scenario runs it on DDP.
-NOT_IN_MIXED = ("bitflip",)
+# corrupt model would train on), a wrong gradient the spot check (plain DDP only); the "sdc"
+# scenario runs both on DDP.
+NOT_IN_MIXED = ("bitflip", "bad_gradient")
 MIXED_MENU = [
     (3.0, lambda r: KillWorker(target=r.choice(["one", "one", "minority"]))),
     (1.5, lambda r: KillNode(target="one")),
@@ -212,8 +216,9 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              build=_kill_storm, steps=3000, job_timeout_s=600),
     Scenario(name="hang", description="5 SIGSTOP freezes: most outlast the heartbeat timeout, some do not",
              build=_hang, steps=3000, heartbeat_timeout_s=6.0),
-    Scenario(name="sdc", description="bit flips in a worker's parameters (silent data corruption) and a kill, on 3 "
-                                     "DDP workers and 5 nodes: each flip found, its rank named, rolled back",
+    Scenario(name="sdc", description="bit flips in a worker's parameters and wrong gradients in its backward (silent "
+                                     "data corruption) and a kill, on 3 DDP workers and 5 nodes: each found, its rank "
+                                     "named, rolled back",
              build=_sdc, steps=1500, nodes=5),
     Scenario(name="stragglers", description="4 CPU-stealing duty cycles of 8-15 s on one rank (no recovery expected)",
              build=_stragglers, steps=2500),

@@ -550,6 +550,15 @@ class FailureConfig:
     CheckpointConfig.in_memory_every_n_steps steps, taken only at steps whose fingerprints agreed,
     to roll back to. Costs one read of the parameters per step (BENCHMARKS.md SDC1)."""
 
+    spot_check_every_n_steps: int | None = 50
+    """With sdc_check, under DDP (no tensor or pipeline parallelism): every this many steps, and at
+    every step whose checkpoint is committed, every rank recomputes the gradient of one shared
+    micro-batch and the ranks compare it (elastic._worker.spot_check). It finds corruption in a
+    rank's compute, which the gradient all-reduce hands to every replica and the parameter
+    fingerprints therefore cannot see; the run rolls back to before the step after the last
+    passed check. A persistent fault is found within this many steps; each check costs about one
+    micro-batch's forward and backward (BENCHMARKS.md SDC5). None turns it off."""
+
     step_timeout_s: float | str | None = "auto"
     """Longest time without a completed step (or ctx.log) while the run trains before every rank
     is declared hung and replaced: catches a training thread stuck outside any collective (a
@@ -609,6 +618,7 @@ class FailureConfig:
         _count("FailureConfig.straggler_window", self.straggler_window, 3)
         _number("FailureConfig.straggler_min_excess_s", self.straggler_min_excess_s, at_least=0, unit="seconds")
         _flag("FailureConfig.sdc_check", self.sdc_check)
+        _count("FailureConfig.spot_check_every_n_steps", self.spot_check_every_n_steps, 1, none="off")
         _require(self.on_nonfinite_loss in NONFINITE_LOSS_ACTIONS,
                  f"FailureConfig.on_nonfinite_loss must be one of {NONFINITE_LOSS_ACTIONS}, "
                  f"got {self.on_nonfinite_loss!r}")

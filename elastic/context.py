@@ -25,6 +25,7 @@ from torch import nn
 from elastic._determinism import mix_seed
 from elastic._protocol import GenerationPlan, RunSpec
 from elastic._worker import fault_gate as _fault_gate
+from elastic._worker import spot_check as _spot_check
 from elastic._worker import thread_position as _thread_position
 from elastic._worker import wrap as _wrap
 from elastic._worker.accumulation import wrap_optimizer
@@ -138,6 +139,7 @@ class TrainContext(RankPlace):
         self._keeper = StateKeeper(plan=plan, spec=spec, worker=worker, boundary=self._boundary, mesh=self._mesh,
                                    device=device)
         self._models: list[tuple[nn.Module, nn.Module]] = []   # (as returned to the user, unwrapped)
+        self._spot_check: _spot_check.SpotCheck | None = None    # set by restore()
         self._optimizers: list[torch.optim.Optimizer] = []
         self._scaling = spec.scaling
         if worker.grad_scaler is None:
@@ -333,13 +335,19 @@ class TrainContext(RankPlace):
         state = TrainState(named_objects(self._models, self._optimizers, model, optimizer, more),
                            progress=self._worker.progress, precision=self._precision)
         started = time.monotonic()
-        self._restorer.restore(state, self._compression)
+        restored = self._restorer.restore(state, self._compression)
         self._keeper.state = state
         if self._spec.failure.sdc_check and self._spec.scaling.strategy in ("ddp", "hsdp") and state.modules():
             # Silent corruption: each step's fingerprint is of the parameters of every module
             # restored, compared between the same positions of the units (elastic._worker.fingerprint).
             self._boundary.fingerprinted = self._parameters
             self._boundary.replica_unit = self._mesh.unit
+        # Compute corruption: the first prepared model's spot check (elastic._worker.spot_check).
+        if self._spot_check is not None:
+            self._spot_check.close()
+        self._spot_check = _spot_check.for_generation(
+            self._models, spec=self._spec, plan=self._plan, layout=self._mesh.layout, worker=self._worker,
+            restored=restored, device=self.device, autocast=self.autocast)
         # No copy in memory here: the survivors' copies of the previous generation stay until
         # this one's first K-step boundary (see elastic._worker.replicas).
         # The generation's first step record carries it (the run's time ledger: restore).
@@ -385,6 +393,13 @@ class TrainContext(RankPlace):
         outcome = self._boundary.end_step(metrics)
         if outcome is None:
             return
+        if self._spot_check is not None and self._spot_check.due(self.step):
+            # The parameters' verdict first (a flipped bit in one rank's parameters makes its
+            # recompute differ too; the fingerprint names the step exactly), then the compute's,
+            # both before the step's checkpoint: committed only if they pass.
+            with _thread_position.waiting(_thread_position.ThreadPlace.EXCHANGE):
+                self._boundary.settle()
+            self._spot_check.check(self.step)
         if self._keeper.after_step(outcome):      # the group leaves the loop (committed first if it must)
             self._boundary.settle()   # this step's record, before the loop unwinds
             raise RescaleInterrupt()

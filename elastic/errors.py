@@ -83,19 +83,23 @@ class SilentCorruptionError(ElasticError):
     shard) did not: silent data corruption (elastic._worker.fingerprint). Every rank of the group
     raises it at the same step boundary; the controller replaces the ranks named (`ranks`, by a
     strict majority of their replicas; `suspects` when there was none) and rolls the run back to
-    a state from before `step`. No checkpoint is ever committed from `step` or later."""
+    a state from before `since`: `step` itself when the parameters disagreed at `step`; for the
+    compute spot check (elastic._worker.spot_check), the step after the last check that passed.
+    No checkpoint is ever committed from `since` or later."""
 
-    def __init__(self, message: str, *, step: int, ranks: tuple[int, ...] = (), suspects: tuple[int, ...] = ()):
+    def __init__(self, message: str, *, step: int, ranks: tuple[int, ...] = (), suspects: tuple[int, ...] = (),
+                 since: int | None = None):
         super().__init__(message)
         self.step, self.ranks, self.suspects = step, tuple(ranks), tuple(suspects)
+        self.since = step if since is None else since
 
     def __reduce__(self) -> tuple:
-        return _silent_corruption, (str(self), self.step, self.ranks, self.suspects)
+        return _silent_corruption, (str(self), self.step, self.ranks, self.suspects, self.since)
 
 
-def _silent_corruption(message: str, step: int, ranks: tuple[int, ...],
-                       suspects: tuple[int, ...]) -> SilentCorruptionError:
-    return SilentCorruptionError(message, step=step, ranks=ranks, suspects=suspects)
+def _silent_corruption(message: str, step: int, ranks: tuple[int, ...], suspects: tuple[int, ...],
+                       since: int | None = None) -> SilentCorruptionError:
+    return SilentCorruptionError(message, step=step, ranks=ranks, suspects=suspects, since=since)
 
 
 class UserCodeError(ElasticError):

@@ -51,7 +51,8 @@ class Failure:
     error_type: str | None = None
     error_message: str | None = None
     error_traceback: str | None = None
-    step: int | None = None    # sdc: the step whose fingerprints disagreed (the run goes back before it)
+    step: int | None = None    # sdc: the step whose fingerprints (or spot check) disagreed
+    since: int | None = None   # sdc: the run goes back to a state from before this step (default `step`)
 
     @property
     def is_user_error(self) -> bool:

@@ -112,6 +112,7 @@ def build_injectors(env: Env) -> dict[str, Injector]:
     from chaos.injectors.node import KillNodeInjector
     from chaos.injectors.partition import PartitionInjector
     from chaos.injectors.process import (
+        BadGradientInjector,
         BitFlipInjector,
         HangInjector,
         KillWorkerInjector,
@@ -126,5 +127,6 @@ def build_injectors(env: Env) -> dict[str, Injector]:
     )
     classes = (KillWorkerInjector, PreemptInjector, HangInjector, SlowInjector, KillNodeInjector,
                PartitionInjector, StorageOutageInjector, StorageStallInjector, CrashBeforeCommitInjector,
-               CorruptCheckpointInjector, LateCommitInjector, SecondRunInjector, BitFlipInjector)
+               CorruptCheckpointInjector, LateCommitInjector, SecondRunInjector, BitFlipInjector,
+               BadGradientInjector)
     return {cls.kind: cls(env) for cls in classes}

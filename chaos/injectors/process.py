@@ -1,5 +1,6 @@
 """Faults on worker processes by signal: kill (SIGKILL), preempt (SIGTERM), hang (SIGSTOP until
-the heal's SIGCONT) and slow (SIGSTOP/SIGCONT duty cycles until the heal)."""
+the heal's SIGCONT) and slow (SIGSTOP/SIGCONT duty cycles until the heal); and by request file
+(the job's --bitflip-requests): a flipped parameter bit (bitflip) or a wrong gradient (bad_gradient)."""
 from __future__ import annotations
 
 import os
@@ -7,9 +8,13 @@ import random
 import signal
 import threading
 
-from chaos.faults import BitFlip, Fault, Hang, KillWorker, Preempt, Slow
+from chaos.faults import BadGradient, BitFlip, Fault, Hang, KillWorker, Preempt, Slow
 from chaos.injectors import Active, Injector, Skip
 from chaos.procs import Proc
+
+# The word before a request's seed that asks for a wrong gradient: elastic._worker.fault_gate's
+# GRADIENT_REQUEST, which the worker reads (chaos imports nothing of the runtime's).
+GRADIENT_REQUEST = "gradient"
 
 
 def _detail(workers: list[dict], procs: list[Proc], sent: list[bool]) -> dict:
@@ -50,20 +55,31 @@ class BitFlipInjector(Injector):
     it and roll back."""
 
     kind = "bitflip"
+    fault_type: type[Fault] = BitFlip
+    request = ""          # what the request says before its seed (a bit flip: nothing)
 
     def invoke(self, fault: Fault, rng: random.Random) -> Active:
-        assert isinstance(fault, BitFlip)
+        assert isinstance(fault, self.fault_type)
         directory = getattr(self.env.job_spec, "bitflip_requests", None)
         if not directory:
             raise Skip("the job was started without --bitflip-requests")
-        workers = self.targets(fault.target, rng)
+        workers = self.targets(fault.target, rng)  # type: ignore[attr-defined]
         for w in workers:
             path = os.path.join(directory, f"pid-{w['pid']}")
             with open(path + ".tmp", "w") as f:
-                f.write(str(rng.getrandbits(64)))
+                f.write(f"{self.request} {rng.getrandbits(64)}".strip())
             os.replace(path + ".tmp", path)      # whole, or not there: the worker reads it once
         return Active(fault, {"ranks": [w["rank"] for w in workers], "pids": [w["pid"] for w in workers],
                               "requests": directory})
+
+
+class BadGradientInjector(BitFlipInjector):
+    """The same request, asking for a wrong gradient (GRADIENT_REQUEST): the worker's backward
+    computes it from its next step boundary on, until its generation ends."""
+
+    kind = "bad_gradient"
+    fault_type = BadGradient
+    request = GRADIENT_REQUEST
 
 
 class HangInjector(Injector):

@@ -104,7 +104,7 @@ class GenerationFormer:
         if not ok:
             return False, None
         # After a silent corruption the plan says why the survivors' live state was passed over.
-        after = f"silent corruption found at step {before}, rolled back: " if before is not None else ""
+        after = f"silent corruption, rolled back to before step {before}: " if before is not None else ""
         if isinstance(memory, RestorePlan):
             if latest is None or memory.step >= latest:
                 return True, dataclasses.replace(memory, reason=after + memory.reason)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from elastic._controller.hang_watch import WAITING
 from elastic._controller.slot_table import DEAD, WorkerView
 from elastic._controller.states import Recovering
 from elastic._protocol import WorkerPhase, WorkerReport
@@ -72,10 +73,14 @@ class RecoveryWatch:
             # it a few step times to notice, then replace it (cold) rather than wait out the
             # collective timeout. With no survivor out yet, the deadline is the timeout itself.
             # The lag is judged on the survivor's own answers: only an answer given after the
-            # grace that still says "running" proves it stuck. One that is merely slow to answer
-            # (a loaded machine) is left to the heartbeat timeout above.
+            # grace that still says "running", from a collective it has waited in for the grace
+            # at least, proves it stuck. One that is merely slow to answer (a loaded machine) is
+            # left to the heartbeat timeout above; one still computing, or held, is on its way to
+            # the broken collective, where it fails at once (on a loaded machine that took 2.5 s:
+            # a TP rank killed for it cost a warm recovery in CI), and the ranks waiting in a
+            # collective may be waiting for it: none is stuck while one still moves.
             grace_s = max(STUCK_GRACE_S, 3 * step_s)
-            stuck = [w for w in running if self._answered_running_after(views[w], grace_s)]
+            stuck = [w for w in running if self._stuck(views[w], grace_s)]
             if len(stuck) < len(running) and now < st.deadline:
                 return tick
             for wid in running:
@@ -107,10 +112,14 @@ class RecoveryWatch:
         rank = view.report.rank if view.report is not None else None
         tick.noted.append((cause, [] if rank is None else [rank]))
 
-    def _answered_running_after(self, view: WorkerView, grace_s: float) -> bool:
+    def _stuck(self, view: WorkerView, grace_s: float) -> bool:
         """Whether the survivor answered "still running the old generation" more than `grace_s`
-        after the first survivor left the broken group."""
+        after the first survivor left the broken group, from a place where it waits on the others
+        (a collective) and has been for `grace_s` at least."""
         if self._first_settled_at is None:
             return False
         answered_at = self._clock() - view.silent_s
-        return answered_at - self._first_settled_at >= grace_s
+        if answered_at - self._first_settled_at < grace_s:
+            return False
+        position = view.report.position if view.report is not None else None
+        return position is None or (position.place in WAITING and position.age_s >= grace_s)

@@ -64,7 +64,7 @@ class RecoveryCourse:
                                why=failure.message, step=failure.step)
         self._place()
         self.watch.begin()
-        before = failure.step if failure.cause == Cause.SDC else None
+        before = (failure.step if failure.since is None else failure.since) if failure.cause == Cause.SDC else None
         return Transition(Recovering(generation, recover.survivors, self.deadline(), restore_before=before),
                           recover.reason)
 

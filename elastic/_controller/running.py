@@ -228,11 +228,13 @@ def reported_failure(errored: dict[int, WorkerReport]) -> Failure:
     silent corruption names the ranks and the step of its verdict)."""
     report = next(iter(errored.values()))
     cause = CAUSE_OF_ERROR_KIND.get(report.error_kind or "user", Cause.USER_ERROR)
-    ranks, step = tuple(errored), None
+    ranks, step, since = tuple(errored), None, None
     if cause == Cause.SDC:
         ranks = tuple(getattr(report.error, "ranks", ())) + tuple(getattr(report.error, "suspects", ()))
         step = getattr(report.error, "step", None)
-    return Failure(cause, ranks, f"{report.error_type}: {report.error_message}", step=step, **_error_of(report))
+        since = getattr(report.error, "since", step)
+    return Failure(cause, ranks, f"{report.error_type}: {report.error_message}", step=step, since=since,
+                   **_error_of(report))
 
 
 def _error_of(report: WorkerReport) -> dict[str, Any]:

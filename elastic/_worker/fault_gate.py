@@ -25,6 +25,10 @@ suite: at each step boundary a worker looks for a request file named after its p
 a directory; the injector writes one (a seed), and the worker claims it, flips a bit of the
 mantissa or the sign of a parameter element the seed picks, and leaves a record of what it did.
 
+`BadGradientAt` (the entry BAD_GRADIENT_AT_KEY) corrupts one rank's gradient of one parameter in
+its backward, before the all-reduce, from a step on (or once): a compute fault the parameters'
+fingerprints cannot see, for elastic._worker.spot_check.
+
 `StuckAt` (the entry STUCK_AT_KEY) is the other hook: one rank's training thread stops moving
 after a step, as if the next step's compute hung (a hung kernel, a dead data service), while its
 process and its poll thread go on answering. Nothing releases it: the controller must find it
@@ -33,6 +37,7 @@ a replacement that trains through the same step again is not stuck too.
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -48,6 +53,8 @@ HOLD_AT_KEY = "elastic_hold_at"
 STUCK_AT_KEY = "elastic_stuck_at"
 BITFLIP_AT_KEY = "elastic_bitflip_at"
 BITFLIP_REQUESTS_KEY = "elastic_bitflip_requests"
+BAD_GRADIENT_AT_KEY = "elastic_bad_gradient_at"
+GRADIENT_REQUEST = "gradient"     # a BitFlipRequests request for a wrong gradient, not a flipped parameter
 SILENT_BITS = (*range(23), 31)    # a float32's mantissa and sign: a plausible number that trains on
 HOLD_LIMIT_S = 300.0    # the injector's whole run: a fault that never comes fails the run, not the test's timeout
 POLL_S = 0.01           # polling a file the injector creates; the hold ends within one poll of it
@@ -186,11 +193,68 @@ def _flip(local: Any, element: int, bit: int) -> None:
 
 
 @dataclass(frozen=True)
+class BadGradientAt:
+    """From the boundary after step `step` on, rank `rank`'s backward computes a wrong gradient
+    for its `param`-th parameter: bit `bit` of element `element` flipped, in every backward of
+    this process (`persistent`) or in the next one only, as a faulty unit would (a corrupt product
+    before the all-reduce, which hands it to every replica: elastic._worker.spot_check must find
+    it). Armed once: the first rank to get there creates `marker_file`, so a replacement that
+    trains through the same step again computes correctly. The fault lives on that generation's
+    parameter tensor (a tensor hook): a re-formed group's new model is clean."""
+
+    step: int
+    rank: int
+    marker_file: str
+    param: int = 0
+    element: int = 0
+    bit: int = 20
+    persistent: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("step", "rank", "param", "element", "bit"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "step" else 0):
+                raise ConfigError(f"BadGradientAt.{name} must be an int >= {1 if name == 'step' else 0}, "
+                                  f"got {value!r}")
+        if not isinstance(self.marker_file, str) or not self.marker_file:
+            raise ConfigError(f"BadGradientAt.marker_file must be a path, got {self.marker_file!r}")
+        if not isinstance(self.persistent, bool):
+            raise ConfigError(f"BadGradientAt.persistent must be a bool, got {self.persistent!r}")
+
+    def as_config(self) -> dict[str, BadGradientAt]:
+        """The `train_loop_config` entry that sets this fault."""
+        return {BAD_GRADIENT_AT_KEY: self}
+
+    def arm(self, rank: int, params: Callable[[], list[Any]]) -> None:
+        """On rank `rank` (the first time only): corrupt the parameter's gradients from now on."""
+        if rank != self.rank or not _first_time(self.marker_file):
+            return
+        fired = [False]
+
+        def corrupt(grad: Any) -> Any:
+            if fired[0] and not self.persistent:
+                return grad
+            fired[0] = True
+            return _flipped_copy(grad, element=self.element, bit=self.bit)
+
+        params()[self.param].register_hook(corrupt)
+
+
+def _flipped_copy(grad: Any, *, element: int, bit: int) -> Any:
+    """A gradient hook's corrupt result: a copy of `grad` with bit `bit` of element `element` flipped."""
+    bad = grad.clone()
+    _flip(local_data(bad), element, bit)
+    return bad
+
+
+@dataclass(frozen=True)
 class BitFlipRequests:
     """Flip a bit when asked: the file `directory`/pid-<this worker's pid> holds a seed (written
     by chaos's bitflip injector); the worker renames it to claim it, flips one bit the seed picks
     (a parameter with elements, an element, a bit of SILENT_BITS below its element size), and
-    writes what it flipped to pid-<pid>.done."""
+    writes what it flipped to pid-<pid>.done. A request that reads `gradient SEED` (chaos's
+    bad_gradient injector) flips that bit in the parameter's gradient instead, in every backward
+    of this generation from now on (BadGradientAt, persistent): a compute fault."""
 
     directory: str
 
@@ -209,14 +273,21 @@ class BitFlipRequests:
         except FileNotFoundError:
             return
         with open(claimed) as f:
-            rng = random.Random(f.read().strip())
-        held = [(i, local) for i, t in enumerate(params()) if (local := local_data(t)).numel()]
+            kind, _, seed = f.read().strip().rpartition(" ")
+        rng = random.Random(seed)
+        tensors = params()
+        held = [(i, local) for i, t in enumerate(tensors) if (local := local_data(t)).numel()
+                and (kind != GRADIENT_REQUEST or t.requires_grad)]
         index, local = rng.choice(held)
         element = rng.randrange(local.numel())
         bit = rng.choice([b for b in SILENT_BITS if b < 8 * local.element_size()])
-        _flip(local, element, bit)
+        if kind == GRADIENT_REQUEST:
+            tensors[index].register_hook(functools.partial(_flipped_copy, element=element, bit=bit))
+        else:
+            _flip(local, element, bit)
         with open(path + ".done", "w") as f:
-            json.dump({"step": step, "rank": rank, "param": index, "element": element, "bit": bit}, f)
+            json.dump({"step": step, "rank": rank, "kind": kind or "bitflip", "param": index, "element": element,
+                       "bit": bit}, f)
         os.remove(claimed)
 
 
@@ -234,7 +305,8 @@ def hold_after(step: int, loop_config: Any, settle: Callable[[], None] | None = 
     """At the boundary after step `step`: wait if the driver's loop config holds the run there,
     after `settle()` (which hands the step's record over for the controller); or stop moving
     there on the rank a StuckAt names; or flip a bit of the parameters (`params()`) on the rank a
-    BitFlipAt names, or on request (BitFlipRequests)."""
+    BitFlipAt names, or on request (BitFlipRequests); or corrupt the gradients of the rank a
+    BadGradientAt names."""
     if not isinstance(loop_config, Mapping):
         return
     # The rank, as the framework set it for this generation (torchrun's variable).
@@ -242,6 +314,9 @@ def hold_after(step: int, loop_config: Any, settle: Callable[[], None] | None = 
     flip = _entry(loop_config, BITFLIP_AT_KEY, BitFlipAt, "BitFlipAt(step, rank, marker_file).as_config()")
     if flip is not None and step == flip.step and params is not None:
         flip.flip(rank, params)
+    bad = _entry(loop_config, BAD_GRADIENT_AT_KEY, BadGradientAt, "BadGradientAt(step, rank, marker_file).as_config()")
+    if bad is not None and step == bad.step and params is not None:
+        bad.arm(rank, params)
     requests = _entry(loop_config, BITFLIP_REQUESTS_KEY, BitFlipRequests, "BitFlipRequests(directory).as_config()")
     if requests is not None and params is not None:
         requests.serve(step, rank, params)

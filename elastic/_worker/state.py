@@ -97,3 +97,4 @@ class WorkerState:
     outbox: Outbox = field(default_factory=Outbox)
     replicas: ReplicaStore = field(default_factory=ReplicaStore)
     grad_scaler: Any = None                    # fp16: the framework's torch.amp.GradScaler
+    spot_verified: int = 0                     # the newest step whose spot check passed (elastic._worker.spot_check)

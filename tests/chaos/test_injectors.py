@@ -307,3 +307,41 @@ def test_a_bitflip_request_is_served_once_by_the_worker_it_names(tmp_path, monke
     assert done["bit"] in (*range(23), 31)
     assert not (tmp_path / f"pid-{os.getpid()}").exists()
     assert BITFLIP_REQUESTS_KEY in config
+
+
+def test_a_bad_gradient_request_corrupts_every_backward_of_the_worker_it_names(tmp_path, monkeypatch):
+    """chaos's bad_gradient: the same request file, asking for a wrong gradient; the worker
+    (BitFlipRequests) hooks one parameter's gradient so that every backward from then on has one
+    bit flipped, and leaves the parameters alone."""
+    import json
+    import os
+    import random
+
+    import torch
+
+    from chaos.faults import BadGradient
+    from chaos.injectors.process import GRADIENT_REQUEST
+    from elastic._worker import fault_gate
+    from elastic._worker.fault_gate import BitFlipRequests, hold_after
+
+    assert GRADIENT_REQUEST == fault_gate.GRADIENT_REQUEST      # the word the worker reads
+    spec = type("Spec", (), {"bitflip_requests": str(tmp_path)})()
+    view = FakeView([os.getpid()])
+    build_injectors(Env(view=view, job_spec=spec))["bad_gradient"].invoke(BadGradient(), random.Random(0))
+    assert (tmp_path / f"pid-{os.getpid()}").read_text().startswith(GRADIENT_REQUEST + " ")
+    params = [torch.randn(7, 3, requires_grad=True), torch.randn(5, requires_grad=True)]
+    before = [p.detach().clone() for p in params]
+
+    def gradients() -> list[torch.Tensor]:
+        return list(torch.autograd.grad(sum((p * p).sum() for p in params), params))
+
+    clean = gradients()
+    monkeypatch.setenv("RANK", "0")
+    hold_after(5, BitFlipRequests(str(tmp_path)).as_config(), params=lambda: params)
+    done = json.loads((tmp_path / f"pid-{os.getpid()}.done").read_text())
+    assert done["kind"] == GRADIENT_REQUEST and done["step"] == 5
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))     # the parameters are untouched
+    for _ in range(2):                                                           # every backward, not once
+        wrong = [(i, int((a != b).sum())) for i, (a, b) in enumerate(zip(gradients(), clean, strict=True))
+                 if (a != b).any()]
+        assert wrong == [(done["param"], 1)]

@@ -1,9 +1,17 @@
-"""Silent data corruption on a real DDP run of 3 workers (elastic._worker.fingerprint): one bit of
-one parameter flipped in rank 1's memory after step 23 (the fault gate's BitFlipAt). Its replicas
-disagree at step 24; the checkpoint due at step 24 is never committed from that state; rank 1's
-worker is replaced and the group rolls back to the copy in memory of step 20 (the last agreeing
-one: the survivors' live state trained on the corrupt rank's gradient at step 24), redoes steps
-21-24, and ends on the fault-free run's model, bit for bit."""
+"""Silent data corruption on a real DDP run of 3 workers, two faults against one fault-free run:
+
+- Memory (elastic._worker.fingerprint): one bit of one parameter flipped in rank 1's memory after
+  step 23 (the fault gate's BitFlipAt). Its replicas disagree at step 24; the checkpoint due at
+  step 24 is never committed from that state; rank 1's worker is replaced and the group rolls back
+  to the copy in memory of step 20 (the last agreeing one: the survivors' live state trained on
+  the corrupt rank's gradient at step 24), redoes steps 21-24.
+- Compute (elastic._worker.spot_check): from step 14 on, rank 2's backward computes a wrong
+  gradient (BadGradientAt), which the all-reduce hands to every replica: the parameters agree, and
+  the spot check at step 16 finds it (checks every 4 steps: the one at 12 passed). Rank 2 is
+  replaced, the run goes back to the copy of step 10 (from before step 13), and the checkpoint due
+  at 16 is committed by the re-formed generation only.
+
+Both end on the fault-free run's model, bit for bit."""
 from __future__ import annotations
 
 import glob
@@ -14,11 +22,11 @@ import pytest
 
 import gpt
 from elastic import CheckpointConfig, ElasticTrainer, FailureConfig, ScalingConfig
-from elastic._worker.fault_gate import BitFlipAt
+from elastic._worker.fault_gate import BadGradientAt, BitFlipAt
 
 pytestmark = [pytest.mark.integration]
 
-STEPS, FLIP_AFTER = 30, 23
+STEPS, FLIP_AFTER, BAD_AFTER, SPOT_EVERY = 30, 23, 13, 4
 
 
 def fit(run_dir: str, extra: dict | None = None):
@@ -27,13 +35,21 @@ def fit(run_dir: str, extra: dict | None = None):
         total_steps=STEPS, seed=0,
         scaling=ScalingConfig(min_workers=3, max_workers=3, startup_wait_s=120),
         checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=8, in_memory_every_n_steps=10),
-        failure=FailureConfig(max_failures=3)).fit()
+        failure=FailureConfig(max_failures=3, spot_check_every_n_steps=SPOT_EVERY)).fit()
     assert result.ok, result.error_traceback
     return result, [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
 
 
-@pytest.mark.timeout(300)
-def test_a_flipped_bit_is_found_at_the_next_step_its_rank_replaced_and_the_run_ends_on_the_clean_model(
+def only_the_new_generation_committed(run_dir: str, step: int, generation: int) -> None:
+    """The checkpoint of `step` was written and committed by `generation` only: the corrupt one
+    never began its save (no data folder of generation 0)."""
+    step_dir = os.path.join(run_dir, "checkpoints", f"step_{step:08d}")
+    assert json.load(open(os.path.join(step_dir, "COMMITTED")))["generation"] == generation
+    assert sorted(glob.glob(os.path.join(step_dir, "g*"))) == [os.path.join(step_dir, f"g{generation:06d}")]
+
+
+@pytest.mark.timeout(420)
+def test_a_flipped_bit_and_a_wrong_gradient_are_found_their_rank_replaced_and_the_run_ends_on_the_clean_model(
         ray_session, tmp_path):
     clean, _ = fit(str(tmp_path / "clean" / "run"))
     run_dir = str(tmp_path / "flipped" / "run")
@@ -49,12 +65,23 @@ def test_a_flipped_bit_is_found_at_the_next_step_its_rank_replaced_and_the_run_e
     # not the checkpoint of step 16.
     assert recovery["rung"] == "memory" and recovery["step"] == 20, recovery
     assert recovery["lost_steps"] == 4 and recovery["to_world"] == 3, recovery
-    # The checkpoint of step 24 was written and committed by the re-formed generation only: the
-    # corrupt one never began its save (no data folder of generation 0).
-    step_dir = os.path.join(run_dir, "checkpoints", "step_00000024")
-    assert json.load(open(os.path.join(step_dir, "COMMITTED")))["generation"] == recovery["generation"] == 1
-    assert sorted(glob.glob(os.path.join(step_dir, "g*"))) == [os.path.join(step_dir, "g000001")]
+    only_the_new_generation_committed(run_dir, 24, recovery["generation"])
     # Each step once in metrics.jsonl, and the fault-free model, bit for bit.
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     assert faulted.summary["model_sha256"] == clean.summary["model_sha256"]
     assert faulted.summary["data_order_sha256"] == clean.summary["data_order_sha256"]
+
+    run_dir = str(tmp_path / "bad-gradient" / "run")
+    bad = BadGradientAt(step=BAD_AFTER, rank=2, marker_file=str(tmp_path / "bad-gradient.marker"), param=4,
+                        element=5, bit=21)
+    faulted, metrics = fit(run_dir, bad.as_config())
+    assert os.path.exists(bad.marker_file), "the gradient was never corrupted"
+    (recovery,) = faulted.summary["recoveries"]
+    (failure,) = recovery["failures"]
+    assert recovery["cause"] == "sdc" and failure["ranks"] == [2] and failure["step"] == 16, recovery
+    assert "in compute at step 16" in failure["why"] and "from before step 13" in failure["why"]
+    # Back to the copy of step 10 (the one of step 20 does not exist yet; the checkpoint of 8 is older).
+    assert recovery["rung"] == "memory" and recovery["step"] == 10 and recovery["lost_steps"] == 6, recovery
+    only_the_new_generation_committed(run_dir, 16, recovery["generation"])
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    assert faulted.summary["model_sha256"] == clean.summary["model_sha256"]

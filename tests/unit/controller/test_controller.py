@@ -215,6 +215,39 @@ def test_survivor_stuck_in_a_collective_is_replaced_cold():
     assert controller.recoveries.open.rung == "cold"
 
 
+def test_survivor_still_on_its_way_to_the_broken_collective_is_not_taken_for_stuck():
+    # Seen in CI on a loaded machine: a TP survivor was still computing the step (it would fail
+    # in the step's collective at once) 2.5 s after its peers left, and was killed as stuck: a
+    # cold recovery instead of a warm one. Only a wait in a collective, as long as the grace,
+    # proves a survivor stuck; while one still moves, the others may be waiting for it.
+    controller, group, clock, _ = make(capacity=4)
+    members = start(controller, group)
+    group.die(members[0])
+    controller.tick()
+    interrupt(group, [members[1]], 0, 7)
+    controller.tick()
+
+    def answers_from(place: ThreadPlace, age_s: float) -> None:
+        report = group.views[members[2]].report
+        group.views[members[2]].report = replace(report, position=PositionReport(
+            generation=0, place=place, step=7, nth=8, age_s=age_s))
+        group.views[members[2]].silent_s = 0.0
+
+    clock.advance(3.0)                         # past the grace, answering from its compute
+    answers_from(ThreadPlace.COMPUTING, 2.9)
+    controller.tick()
+    assert controller.state.state == RunState.RECOVERING and not group.killed[1:]
+    clock.advance(1.0)                         # now in the step's gradient sync, but only just
+    answers_from(ThreadPlace.SYNC, 0.5)
+    controller.tick()
+    assert controller.state.state == RunState.RECOVERING and not group.killed[1:]
+    clock.advance(2.0)                         # and still there, for longer than the grace: stuck
+    answers_from(ThreadPlace.SYNC, 2.5)
+    controller.tick()
+    assert any(w == members[2] and "broken collective" in why for w, why in group.killed)
+    assert controller.recoveries.open.rung == "cold"
+
+
 def test_survivor_slow_to_answer_is_not_taken_for_stuck_and_stays_warm():
     # On a loaded machine a survivor may answer late: without an answer given after the grace
     # there is no evidence it is stuck, so it is not replaced, and it comes back warm.

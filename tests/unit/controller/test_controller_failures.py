@@ -212,7 +212,7 @@ def test_silent_corruption_replaces_the_named_rank_rolls_back_and_a_node_named_t
         controller.tick()
     assert controller.state.state == RunState.RUNNING and controller.generation == 1
     (plan,) = {p.restore for p in group.generations[-1].values()}
-    assert plan.kind != "broadcast" and "silent corruption found at step 4" in plan.reason, plan
+    assert plan.kind != "broadcast" and "silent corruption, rolled back to before step 4" in plan.reason, plan
     members = controller.state.members
     corrupted(group, members, 1, step=9, named=(0,))     # a rank on the same node (the fakes' one node)
     controller.tick()
