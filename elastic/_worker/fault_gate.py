@@ -167,12 +167,7 @@ class BitFlipAt:
     bit: int = 20
 
     def __post_init__(self) -> None:
-        for name in ("step", "rank", "param", "element", "bit"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "step" else 0):
-                raise ConfigError(f"BitFlipAt.{name} must be an int >= {1 if name == 'step' else 0}, got {value!r}")
-        if not isinstance(self.marker_file, str) or not self.marker_file:
-            raise ConfigError(f"BitFlipAt.marker_file must be a path, got {self.marker_file!r}")
+        _check_bit_fault(self)
 
     def as_config(self) -> dict[str, BitFlipAt]:
         """The `train_loop_config` entry that sets this fault."""
@@ -182,6 +177,17 @@ class BitFlipAt:
         """On rank `rank` (the first time only): flip the bit in place."""
         if rank == self.rank and _first_time(self.marker_file):
             _flip(local_data(params()[self.param]), self.element, self.bit)
+
+
+def _check_bit_fault(fault: BitFlipAt | BadGradientAt) -> None:
+    """The fields a bit fault names: ints (step >= 1, the rest >= 0) and a marker file."""
+    kind = type(fault).__name__
+    for name in ("step", "rank", "param", "element", "bit"):
+        value = getattr(fault, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "step" else 0):
+            raise ConfigError(f"{kind}.{name} must be an int >= {1 if name == 'step' else 0}, got {value!r}")
+    if not isinstance(fault.marker_file, str) or not fault.marker_file:
+        raise ConfigError(f"{kind}.marker_file must be a path, got {fault.marker_file!r}")
 
 
 def _flip(local: Any, element: int, bit: int) -> None:
@@ -211,13 +217,7 @@ class BadGradientAt:
     persistent: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("step", "rank", "param", "element", "bit"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "step" else 0):
-                raise ConfigError(f"BadGradientAt.{name} must be an int >= {1 if name == 'step' else 0}, "
-                                  f"got {value!r}")
-        if not isinstance(self.marker_file, str) or not self.marker_file:
-            raise ConfigError(f"BadGradientAt.marker_file must be a path, got {self.marker_file!r}")
+        _check_bit_fault(self)
         if not isinstance(self.persistent, bool):
             raise ConfigError(f"BadGradientAt.persistent must be a bool, got {self.persistent!r}")
 

@@ -17,7 +17,7 @@ from elastic._worker.spot_check import SPOT_RTOL, agreeing_classes, surrogate_lo
 
 
 def _row(lo: float, hi: float, *stats: float) -> list[float]:
-    return [lo, hi, 0.0, *stats]
+    return [lo, hi, 0.0, 1.0, *stats]
 
 
 def test_exact_rows_agree_only_on_equal_fingerprints_and_the_majority_names_the_odd_rank():
