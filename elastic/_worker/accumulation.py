@@ -12,6 +12,8 @@ any W, only the order of the sums differs.
 """
 from __future__ import annotations
 
+import functools
+import types
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +24,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+_HOLDER = "_elastic_accumulation"     # the optimizer's attribute: [its Accumulation, its real zero_grad]
 
 
 def new_accumulation(rule: Any, world_size: int) -> Accumulation | None:
@@ -124,8 +127,12 @@ def set_gradient_sync(model: nn.Module, sync: bool) -> None:
 def wrap_optimizer(optimizer: torch.optim.Optimizer, accumulation: Accumulation) -> None:
     """Make `optimizer.step()`/`zero_grad()` no-ops except on the final micro-step, where step()
     first averages the accumulated gradients. Patched on the instance (identity, isinstance and
-    state_dict unchanged); preparing the same optimizer again only points it at `accumulation`."""
-    holder: list[Any] | None = optimizer.__dict__.get("_elastic_accumulation")
+    state_dict unchanged) as bound methods: torch's LR schedulers wrap `optimizer.step` through
+    its `__func__`, so a plain function there made a scheduler built after this crash
+    ("'function' object has no attribute '__func__'"). The schedulers themselves step on real
+    optimizer steps only (`hold_schedulers`). Preparing the same optimizer again only points it
+    at `accumulation`."""
+    holder: list[Any] | None = optimizer.__dict__.get(_HOLDER)
     if holder is not None:
         holder[0] = accumulation
         accumulation._clear_grads.append(holder[1])
@@ -134,22 +141,50 @@ def wrap_optimizer(optimizer: torch.optim.Optimizer, accumulation: Accumulation)
     real_step, real_zero_grad = optimizer.step, optimizer.zero_grad
     accumulation._clear_grads.append(real_zero_grad)
 
-    def step(*args: Any, **kwargs: Any) -> Any:
+    def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         acc = holder[0]
         if not acc.final:
             return None
-        acc.scale_gradients(p for group in optimizer.param_groups for p in group["params"])
+        acc.scale_gradients(p for group in self.param_groups for p in group["params"])
         acc.stepped = True
         return real_step(*args, **kwargs)
 
-    def zero_grad(*args: Any, **kwargs: Any) -> None:
+    def zero_grad(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
         acc = holder[0]
         # With accumulation, only a zero_grad after the real step frees memory early; the
         # gradients of this step's micro-batches must survive until then.
         if acc.steps == 1 or acc.stepped:
             real_zero_grad(*args, **kwargs)
 
-    optimizer.__dict__["_elastic_accumulation"] = holder
+    if getattr(real_step, "_wrapped_by_lr_sched", False):
+        # A scheduler built before wrapped the step (to see that it ran): it still does, inside
+        # this one, and must not take this one for a step patched behind its back (its warning).
+        step._wrapped_by_lr_sched = True    # type: ignore[attr-defined]
+    optimizer.__dict__[_HOLDER] = holder
     # Patched on the instance on purpose (see the docstring): mypy forbids assigning to a method.
-    optimizer.step = step              # type: ignore[method-assign]
-    optimizer.zero_grad = zero_grad    # type: ignore[method-assign]
+    optimizer.step = types.MethodType(step, optimizer)              # type: ignore[method-assign]
+    optimizer.zero_grad = types.MethodType(zero_grad, optimizer)    # type: ignore[method-assign]
+    hold_schedulers()
+
+
+def hold_schedulers() -> None:
+    """Make torch's LR schedulers (`LRScheduler`, `ReduceLROnPlateau`) step only on a real
+    optimizer step of an optimizer this module wrapped: the loop body runs per micro-batch and
+    calls `scheduler.step()` each time, which would run warmup and decay `accum` times too fast.
+    An LRScheduler's first step, at its construction (`_step_count` 0), always runs. Once per
+    process, on the classes; a subclass that overrides `step` with its own logic is not held."""
+    from torch.optim import lr_scheduler
+    for cls in (lr_scheduler.LRScheduler, lr_scheduler.ReduceLROnPlateau):
+        original = cls.__dict__["step"]
+        if getattr(original, "held_between_micro_steps", False):
+            continue
+
+        def step(self: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            holder = getattr(getattr(self, "optimizer", None), "__dict__", {}).get(_HOLDER)
+            if holder is not None and not holder[0].final and getattr(self, "_step_count", 1) > 0:
+                return None
+            return _original(self, *args, **kwargs)
+
+        functools.update_wrapper(step, original)
+        step.held_between_micro_steps = True    # type: ignore[attr-defined]
+        cls.step = step    # type: ignore[method-assign]

@@ -35,10 +35,11 @@ A mismatch raises SilentCorruptionError on every rank, at the same step. The cor
 entered the model at any step since the last check passed (it reaches every replica through the
 all-reduce), so the run rolls back to a state from before the step after it (`since`): a memory
 copy or checkpoint from no later than the last passed check. A scheduled checkpoint, and the
-final one, is committed only at a step whose check passed; the commit a group takes when it leaves
-(a preemption notice, `elastic stop`) follows the parameters' verdict alone. What this finds: a fault that persists across steps (a bad unit, a
-degraded part), within spot_check_every_n_steps steps. A one-off fault in a step that is not
-checked trains on unseen, as it would in any framework that does not recompute every step.
+final one, is committed only at a step whose check passed; the commit a group takes when it
+leaves (a preemption notice, `elastic stop`) follows the parameters' verdict alone. What this
+finds: a fault that persists across steps (a bad unit, a degraded part), within
+spot_check_every_n_steps steps. A one-off fault in a step that is not checked trains on unseen,
+as it would in any framework that does not recompute every step.
 
 Where it runs: DDP without tensor or pipeline parallelism (every rank a whole replica, and the
 module callable alone). Under FSDP, HSDP, TP and PP a rank's forward is a collective with its

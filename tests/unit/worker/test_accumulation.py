@@ -209,3 +209,49 @@ def test_fsdp2_reduce_scatters_only_on_the_final_micro_step(one_rank_group, monk
     monkeypatch.setattr(param_group, "foreach_reduce", lambda *a, **k: calls.append(1) or real(*a, **k))
     model = fully_shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1,)))
     assert [len(calls) for _ in run_micro_steps(model)] == [0, 0, 1]
+
+
+def schedule_run(accum: int, built: str, steps: int = 4, plateau: bool = False):
+    """`train`'s loop with a torch LR scheduler stepped in the loop body (per micro-batch, as the
+    body runs), built before or after the optimizer is wrapped: (its LR per optimizer step, its
+    last_epoch, the parameters)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    acc = Accumulation(accum)
+
+    def build():
+        if plateau:
+            return torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0)
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 3))
+    sched = build() if built == "before" else None
+    wrap_optimizer(opt, acc)
+    if sched is None:
+        sched = build()
+    data = torch.randn(steps, 12, 4)
+    lrs = []
+    for s in range(steps):
+        for m, x in enumerate(data[s].chunk(accum)):
+            acc.begin_micro(m, model)
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            sched.step(1.0) if plateau else sched.step()     # a constant metric: the plateau halves each step
+            opt.zero_grad()
+            acc.defer_report(loss.item())
+        lrs.append(opt.param_groups[0]["lr"])
+    return lrs, sched.last_epoch, [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("built", ["before", "after"])
+@pytest.mark.parametrize("plateau", [False, True])
+def test_a_torch_scheduler_steps_once_per_optimizer_step_in_either_build_order(built, plateau):
+    # Issue 34: built after the optimizer was prepared, LambdaLR crashed ("'function' object has
+    # no attribute '__func__'"); built before, it stepped per micro-batch, accum times too fast.
+    lrs, last_epoch, params = schedule_run(1, built, plateau=plateau)
+    assert last_epoch == 4
+    for accum in (2, 3):
+        got_lrs, got_epoch, got_params = schedule_run(accum, built, plateau=plateau)
+        assert got_epoch == last_epoch and got_lrs == lrs, (accum, got_lrs, lrs)
+        for a, b in zip(got_params, params, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
