@@ -1,7 +1,8 @@
 """The operator CLI, `elastic` (or `python -m elastic`): look at a run from outside.
 
     elastic status URL [--watch] [--json]   live view of <URL>/status.json; exit 0, 1 when the
-                                   run failed, 2 no run there or a storage error
+                                   run failed, 2 no run there or a storage error, 3 a live state
+                                   not updated for 60 s (the run is probably dead)
     elastic report URL [--json] [--plot [PATH]]   the summary and the recoveries table of a
                                    finished run; exit 0 finished, 1 otherwise, 2 no summary or a
                                    storage error; --plot draws loss, world size and LR over time
@@ -96,8 +97,10 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    """Exit 0; 1 when the run failed (status.json's state "failed"); 2 no run there."""
-    from checkpointing.lease import FINAL_STATES
+    """Exit 0; 1 when the run failed (status.json's state "failed"); 2 no run there; 3 the run
+    says it is live but status.json has not been rewritten for DEFAULT_STALE_AFTER_S: probably
+    dead (a live controller rewrites it every second or so)."""
+    from checkpointing.lease import DEFAULT_STALE_AFTER_S, FINAL_STATES
     options = _parse_options(args.option)
     while True:
         status = _read_json(args.url, "status.json", options)
@@ -108,8 +111,16 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(json.dumps(status), flush=True)
         else:
             print(_status_line(status), flush=True)
-        if not args.watch or status.get("state") in FINAL_STATES:
-            return 1 if status.get("state") == "failed" else 0
+        state, updated = status.get("state"), status.get("updated_at")
+        if state not in FINAL_STATES and isinstance(updated, (int, float)) and \
+                time.time() - updated > DEFAULT_STALE_AFTER_S:
+            print(f"status.json says {state!r} but was last updated {time.time() - updated:.0f}s ago (a live run "
+                  f"rewrites it every second or so): the run is probably dead (its driver, its Ray or its job was "
+                  f"stopped before it could write its end). Run it again with the same storage to resume from "
+                  f"its last checkpoint; `elastic report` shows what it recorded.", file=sys.stderr)
+            return 3
+        if not args.watch or state in FINAL_STATES:
+            return 1 if state == "failed" else 0
         time.sleep(args.interval)
 
 

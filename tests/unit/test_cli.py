@@ -1,5 +1,6 @@
 """The operator CLI reads a run's files from its storage URL."""
 import json
+import time
 
 import pytest
 
@@ -33,7 +34,7 @@ def test_status_and_missing_files(tmp_path, capsys):
     assert "no status.json" in capsys.readouterr().err
     (tmp_path / "status.json").write_text(json.dumps({
         "state": "running", "step": 7, "world_size": 2, "generation": 1, "last_committed_step": 5,
-        "updated_at": 0, "workers": [{"rank": 0, "pid": 11, "node_id": "n", "actor_id": "a"}]}))
+        "updated_at": time.time(), "workers": [{"rank": 0, "pid": 11, "node_id": "n", "actor_id": "a"}]}))
     assert main(["status", str(tmp_path)]) == 0
     assert "running  step 7  world 2" in capsys.readouterr().out
 

@@ -1,6 +1,7 @@
 """`elastic status`, `elastic report` and `elastic stop` exit non-zero on a missing run, a storage error (one
 line, no traceback) or a failed run; both take --option; status takes --json."""
 import json
+import time
 
 import pytest
 
@@ -11,7 +12,7 @@ from checkpointing.storage import Storage
 pytestmark = pytest.mark.timeout(30)
 
 STATUS = {"state": "running", "step": 7, "world_size": 2, "generation": 1, "last_committed_step": 5,
-          "updated_at": 0, "workers": []}
+          "updated_at": time.time(), "workers": []}
 
 
 def unreachable(self, path):
@@ -50,6 +51,17 @@ def test_status_exits_1_for_a_failed_run_and_prints_json(tmp_path, capsys, state
     (tmp_path / "status.json").write_text(json.dumps(STATUS | {"state": state}))
     assert cli.main(["status", str(tmp_path), "--json"]) == code
     assert json.loads(capsys.readouterr().out)["state"] == state
+
+
+@pytest.mark.parametrize("watch", [[], ["--watch", "--interval", "0.01"]])
+def test_status_of_a_live_state_not_updated_for_a_minute_says_the_run_is_probably_dead(tmp_path, capsys, watch):
+    # Issue 34: after `ray job stop` the dead run still read "running", exit 0.
+    (tmp_path / "status.json").write_text(json.dumps(STATUS | {"updated_at": time.time() - 61}))
+    assert cli.main(["status", str(tmp_path), *watch]) == 3
+    assert "probably dead" in capsys.readouterr().err
+    # A finished run's status is old by design: nothing to say.
+    (tmp_path / "status.json").write_text(json.dumps(STATUS | {"state": "finished", "updated_at": 0}))
+    assert cli.main(["status", str(tmp_path), *watch]) == 0
 
 
 def test_status_watch_ends_with_the_failed_runs_code(tmp_path, capsys):
