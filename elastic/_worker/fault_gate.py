@@ -153,11 +153,11 @@ class StuckAt:
 
 
 @dataclass(frozen=True)
-class BitFlipAt:
-    """After step `step` (steps counted from 1), rank `rank` flips bit `bit` of element `element`
-    of its `param`-th parameter (its local data), once: the first rank to get there creates
-    `marker_file`, which disarms the hook for every later generation and process. The default
-    bit is a mantissa bit of a float32: a small, plausible-looking error that trains on."""
+class _BitFault:
+    """Where a one-bit fault lands: after step `step` (counted from 1), on rank `rank`, bit `bit`
+    of element `element` of its `param`-th parameter; `marker_file` (a path every worker sees)
+    disarms it once fired. The default bit is a mantissa bit of a float32: a small,
+    plausible-looking error that trains on."""
 
     step: int
     rank: int
@@ -167,7 +167,20 @@ class BitFlipAt:
     bit: int = 20
 
     def __post_init__(self) -> None:
-        _check_bit_fault(self)
+        kind = type(self).__name__
+        for name in ("step", "rank", "param", "element", "bit"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "step" else 0):
+                raise ConfigError(f"{kind}.{name} must be an int >= {1 if name == 'step' else 0}, got {value!r}")
+        if not isinstance(self.marker_file, str) or not self.marker_file:
+            raise ConfigError(f"{kind}.marker_file must be a path, got {self.marker_file!r}")
+
+
+@dataclass(frozen=True)
+class BitFlipAt(_BitFault):
+    """After step `step`, rank `rank` flips the bit in its parameter's local data, once: the
+    first rank to get there creates `marker_file`, which disarms the hook for every later
+    generation and process."""
 
     def as_config(self) -> dict[str, BitFlipAt]:
         """The `train_loop_config` entry that sets this fault."""
@@ -179,17 +192,6 @@ class BitFlipAt:
             _flip(local_data(params()[self.param]), self.element, self.bit)
 
 
-def _check_bit_fault(fault: BitFlipAt | BadGradientAt) -> None:
-    """The fields a bit fault names: ints (step >= 1, the rest >= 0) and a marker file."""
-    kind = type(fault).__name__
-    for name in ("step", "rank", "param", "element", "bit"):
-        value = getattr(fault, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "step" else 0):
-            raise ConfigError(f"{kind}.{name} must be an int >= {1 if name == 'step' else 0}, got {value!r}")
-    if not isinstance(fault.marker_file, str) or not fault.marker_file:
-        raise ConfigError(f"{kind}.marker_file must be a path, got {fault.marker_file!r}")
-
-
 def _flip(local: Any, element: int, bit: int) -> None:
     """Flip bit `bit` of element `element` of a parameter's local data (fingerprint.local_data)."""
     import torch
@@ -199,25 +201,19 @@ def _flip(local: Any, element: int, bit: int) -> None:
 
 
 @dataclass(frozen=True)
-class BadGradientAt:
+class BadGradientAt(_BitFault):
     """From the boundary after step `step` on, rank `rank`'s backward computes a wrong gradient
-    for its `param`-th parameter: bit `bit` of element `element` flipped, in every backward of
-    this process (`persistent`) or in the next one only, as a faulty unit would (a corrupt product
-    before the all-reduce, which hands it to every replica: elastic._worker.spot_check must find
-    it). Armed once: the first rank to get there creates `marker_file`, so a replacement that
-    trains through the same step again computes correctly. The fault lives on that generation's
-    parameter tensor (a tensor hook): a re-formed group's new model is clean."""
+    for its `param`-th parameter: the bit flipped, in every backward of this process
+    (`persistent`) or in the next one only, as a faulty unit would (a corrupt product before the
+    all-reduce, which hands it to every replica: elastic._worker.spot_check must find it). Armed
+    once: the first rank to get there creates `marker_file`, so a replacement that trains through
+    the same step again computes correctly. The fault lives on that generation's parameter tensor
+    (a tensor hook): a re-formed group's new model is clean."""
 
-    step: int
-    rank: int
-    marker_file: str
-    param: int = 0
-    element: int = 0
-    bit: int = 20
     persistent: bool = True
 
     def __post_init__(self) -> None:
-        _check_bit_fault(self)
+        super().__post_init__()
         if not isinstance(self.persistent, bool):
             raise ConfigError(f"BadGradientAt.persistent must be a bool, got {self.persistent!r}")
 

@@ -12,7 +12,13 @@ from checkpointing.storage import Storage
 pytestmark = pytest.mark.timeout(30)
 
 STATUS = {"state": "running", "step": 7, "world_size": 2, "generation": 1, "last_committed_step": 5,
-          "updated_at": time.time(), "workers": []}
+          "workers": []}
+
+
+def fresh(**fields) -> str:
+    """A status.json as a live controller writes it: `updated_at` now (not at import: a suite
+    that reaches this test minutes later would read a live state as stale)."""
+    return json.dumps(STATUS | {"updated_at": time.time()} | fields)
 
 
 def unreachable(self, path):
@@ -48,7 +54,7 @@ def test_a_torn_status_file_is_exit_2(tmp_path, capsys):
 
 @pytest.mark.parametrize("state, code", [("running", 0), ("finished", 0), ("failed", 1), ("stopped", 0)])
 def test_status_exits_1_for_a_failed_run_and_prints_json(tmp_path, capsys, state, code):
-    (tmp_path / "status.json").write_text(json.dumps(STATUS | {"state": state}))
+    (tmp_path / "status.json").write_text(fresh(state=state))
     assert cli.main(["status", str(tmp_path), "--json"]) == code
     assert json.loads(capsys.readouterr().out)["state"] == state
 
@@ -56,16 +62,16 @@ def test_status_exits_1_for_a_failed_run_and_prints_json(tmp_path, capsys, state
 @pytest.mark.parametrize("watch", [[], ["--watch", "--interval", "0.01"]])
 def test_status_of_a_live_state_not_updated_for_a_minute_says_the_run_is_probably_dead(tmp_path, capsys, watch):
     # Issue 34: after `ray job stop` the dead run still read "running", exit 0.
-    (tmp_path / "status.json").write_text(json.dumps(STATUS | {"updated_at": time.time() - 61}))
+    (tmp_path / "status.json").write_text(fresh(updated_at=time.time() - 61))
     assert cli.main(["status", str(tmp_path), *watch]) == 3
     assert "probably dead" in capsys.readouterr().err
     # A finished run's status is old by design: nothing to say.
-    (tmp_path / "status.json").write_text(json.dumps(STATUS | {"state": "finished", "updated_at": 0}))
+    (tmp_path / "status.json").write_text(fresh(state="finished", updated_at=0))
     assert cli.main(["status", str(tmp_path), *watch]) == 0
 
 
 def test_status_watch_ends_with_the_failed_runs_code(tmp_path, capsys):
-    (tmp_path / "status.json").write_text(json.dumps(STATUS | {"state": "failed"}))
+    (tmp_path / "status.json").write_text(fresh(state="failed"))
     assert cli.main(["status", str(tmp_path), "--watch", "--interval", "0.01"]) == 1
 
 
@@ -87,10 +93,9 @@ def test_option_values_are_typed_and_reach_the_storage(tmp_path, monkeypatch, ca
         seen.append(storage_options)
         real(self, url, None)
     monkeypatch.setattr(Storage, "__init__", spy)
-    (tmp_path / name).write_text(json.dumps(STATUS | {"status": "finished", "final_step": 1, "total_steps": 1,
-                                                      "wall_s": 1.0, "goodput": 1, "resumed_from": None,
-                                                      "loss_first": 1, "loss_last": 1, "model_sha256": None,
-                                                      "world_size_history": [], "checkpoints": []}))
+    (tmp_path / name).write_text(fresh(status="finished", final_step=1, total_steps=1, wall_s=1.0, goodput=1,
+                                       resumed_from=None, loss_first=1, loss_last=1, model_sha256=None,
+                                       world_size_history=[], checkpoints=[]))
     assert cli.main([command, str(tmp_path), "--option", "anon=false", "--option", "endpoint_url=http://h:9000",
                      "--option", "config_kwargs={\"connect_timeout\": 5}"]) == 0
     assert seen and all(options == {"anon": False, "endpoint_url": "http://h:9000",
