@@ -541,8 +541,9 @@ class FailureConfig:
     committed from such a step, so retention never deletes the last good one for it."""
 
     sdc_check: bool = True
-    """Compare the replicas' parameters after every step (silent data corruption): each rank's
-    64-bit fingerprint of its parameters rides the step's exchange, and ranks that differ from
+    """Compare the replicas' parameters at every step (silent data corruption): each rank's
+    64-bit fingerprint of its parameters, taken before the step's update (and after it at the
+    steps whose state is kept), rides the step's exchange, and ranks that differ from
     their replicas are replaced, the run rolled back to a step whose fingerprints agreed (the
     newest in-memory copy from before it, else the newest checkpoint). Needs replicas (DDP, HSDP,
     TP/PP with 2 or more data-parallel replicas); under FSDP without replicas nothing is compared.

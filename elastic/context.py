@@ -305,6 +305,17 @@ class TrainContext(RankPlace):
                 progress.base_lr = rule.base_lr if rule.base_lr is not None else first
         if self._boundary.accumulation is not None:
             wrap_optimizer(optimizer, self._boundary.accumulation)
+        if first_prepared:
+            # The parameters' fingerprint before each update (elastic._worker.step_boundary): a
+            # pre-hook of the optimizer's own step runs on real steps only (not on an accumulation's
+            # skipped micro-steps). One per optimizer object: a loop that prepares the same one
+            # again in a new generation replaces the old generation's.
+            previous = optimizer.__dict__.pop("_elastic_before_update", None)
+            if previous is not None:
+                previous.remove()
+            boundary = self._boundary
+            optimizer.__dict__["_elastic_before_update"] = optimizer.register_step_pre_hook(
+                lambda *_: boundary.before_update())
         return optimizer
 
     def prepare_data(self, dataset: Any, batch_size: int, *, shuffle: bool = True,
@@ -342,6 +353,7 @@ class TrainContext(RankPlace):
             # restored, compared between the same positions of the units (elastic._worker.fingerprint).
             self._boundary.fingerprinted = self._parameters
             self._boundary.replica_unit = self._mesh.unit
+            self._boundary.clean_through = self.step     # restored alike on every replica
         # Compute corruption: the first prepared model's spot check (elastic._worker.spot_check).
         if self._spot_check is not None:
             self._spot_check.close()

@@ -5,9 +5,20 @@ After an optimizer step every data-parallel replica holds bit-identical paramete
 rank; under TP or PP, the same place of every replica; under HSDP, the same position of every
 shard group). A bit flipped in one rank's memory, or a wrong update computed there, breaks that
 equality and, in a few steps, trains every replica on it through the gradient all-reduce. So each
-rank folds its parameters into a 64-bit fingerprint at every step's `report()` and the step's
-exchange (elastic._worker.step_exchange: the all-gather the boundary does anyway) carries it, as
-two 32-bit halves, each exact in the exchange's float64 slots. No extra collective.
+rank folds its parameters into a 64-bit fingerprint at every step and the step's exchange
+(elastic._worker.step_exchange: the all-gather the boundary does anyway) carries it, as two
+32-bit halves, each exact in the exchange's float64 slots. No extra collective.
+
+When. Before the step's update (a step pre-hook of the first prepared optimizer): the parameters
+as that step's forward and backward used them. Taken after the update only, a flipped low bit
+could be gone by then, rounded away by the update after the forward and backward had used it,
+and the run trained on unseen (SDC2 over all 32 bits, BENCHMARKS.md: a weight's bit 0). After the
+update too at the steps whose state is kept (a checkpoint, a copy in memory, the final step) and
+where no optimizer was prepared, so that what is kept is what the replicas agreed on; a commit
+taken at another step (a group that leaves on a notice) compares the state first
+(StepBoundary.verify_leaving_state). `judge_step` says, on a verdict, from which step on the state
+may be corrupt: agreeing before the update, the replicas held alike the state after the step
+before; agreeing after it, the state after this one.
 
 The fingerprint. Each parameter's local data (a DTensor's local shard) is read as raw bytes, 8 at
 a time as int64 words (the bit patterns, not the values: -0.0 and 0.0 differ, a NaN's payload
@@ -32,7 +43,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -113,7 +124,7 @@ class Verdict:
         return tuple(sorted(self.named + self.suspects))
 
 
-def judge(keys: list[tuple[float, float]], unit: int, step: int) -> Verdict | None:
+def judge(keys: Sequence[tuple[float, ...]], unit: int, step: int) -> Verdict | None:
     """The verdict on one step's fingerprints (`keys`, by rank), for units of `unit` ranks whose
     same positions hold the same state; None when every position agrees (or nothing is held
     twice)."""
@@ -135,3 +146,22 @@ def judge(keys: list[tuple[float, float]], unit: int, step: int) -> Verdict | No
     if not named and not suspects:
         return None
     return Verdict(step, tuple(named), tuple(suspects))
+
+
+def judge_step(*, after: list[tuple[float, float]], before: list[tuple[float, float]], unit: int, step: int,
+               clean_through: int) -> tuple[Verdict | None, int]:
+    """One step's verdict from its two fingerprints by rank, each (0, 0) where not taken: `after`
+    the step's update, `before` it (what its forward and backward used); and the newest step
+    whose state the replicas held alike, given the one known so far (`clean_through`). A rank
+    that differs in either is named. Agreeing before the update, the replicas held alike the
+    state after step - 1; agreeing after it, the state after `step`. So on a verdict the first
+    step that may be corrupt is the returned step + 1: a flip found before the update came after
+    the newest state known alike (it may be gone by the update, rounded away, after this step's
+    forward and backward used it); one found only after it came in the update."""
+    taken = [k != (0.0, 0.0) for k in before], [k != (0.0, 0.0) for k in after]
+    if any(taken[0]) and judge(before, unit, step) is None:
+        clean_through = max(clean_through, step - 1)
+    verdict = judge([a + b for a, b in zip(after, before, strict=True)], unit, step)
+    if verdict is None and any(taken[1]):
+        clean_through = step
+    return verdict, clean_through

@@ -114,6 +114,8 @@ class StateKeeper:
         issued already (a scheduled one at this step): then it is waited for and checked alike."""
         session, step = self._worker.checkpoints, self._boundary.step
         if session.last_saved_step != step:
+            # Not a scheduled step: its exchange may carry no fingerprint after the update.
+            self._boundary.verify_leaving_state()
             self.save(wait=True)
         elif session.manager is not None:
             started = time.monotonic()
@@ -147,6 +149,8 @@ class StateKeeper:
         self._boundary.settle()   # the last step's record
         session, step = self._worker.checkpoints, self._boundary.step
         if session.last_saved_step != step:
+            # Not a scheduled step: its exchange may carry no fingerprint after the update.
+            self._boundary.verify_leaving_state()
             self.save(wait=True)
         if session.manager is not None:
             session.manager.wait()

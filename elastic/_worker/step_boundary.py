@@ -31,10 +31,11 @@ step_exchange). The group decides on it one step late, one logic for both backen
 - A non-finite loss is found when its exchange is collected: the error names step s and every
   rank raises it at the same point (the same exchange, collected at the same step).
 - Silent corruption likewise (FailureConfig.sdc_check): the exchange carries each rank's
-  fingerprint of its parameters after the step, and when the replicas of a shard disagree every
-  rank raises the same SilentCorruptionError, naming the step and the ranks, where the exchange
-  is collected: at the next step's end, or before a checkpoint or an in-memory copy of the step,
-  which is so never taken from a step whose replicas disagreed.
+  fingerprint of its parameters before the step's update (and after it at the steps whose state
+  is kept: elastic._worker.fingerprint), and when the replicas of a shard disagree every rank
+  raises the same SilentCorruptionError, naming the step, the ranks and the first step that may
+  be corrupt, where the exchange is collected: at the next step's end, or before a checkpoint or
+  an in-memory copy of the step, which is so never taken from a step whose replicas disagreed.
 """
 from __future__ import annotations
 
@@ -70,9 +71,12 @@ MAX_METRICS = 32   # numeric report() keywords besides loss: fixed slots of the 
 RESERVED_METRICS = frozenset({"step", "world_size", "time", "global_batch", "accum_steps", "samples_seen",
                               "kind", "generation"})
 # loss, stop flag, preemption flag, compute seconds, hash of the metric names, the parameters'
-# fingerprint (its low and high 32 bits: elastic._worker.fingerprint)
-_HEADER = 7
-_FINGERPRINT = slice(5, 7)
+# fingerprint after the step's update and before it (each as its low and high 32 bits:
+# elastic._worker.fingerprint; 0 where not taken)
+_HEADER = 9
+_FINGERPRINTS = slice(5, 9)
+_AFTER_UPDATE = slice(5, 7)
+_BEFORE_UPDATE = slice(7, 9)
 _COMMIT = 2.0      # the preemption flag's value when the rank's leave asks for a commit (`elastic stop`)
 
 
@@ -131,6 +135,23 @@ class StepBoundary:
         # and the units whose same positions must agree (None: nothing is compared).
         self.fingerprinted: Callable[[], Iterable[torch.Tensor]] | None = None
         self.replica_unit: int | None = None
+        self.clean_through = 0          # the newest step whose state every replica held alike (ctx.restore sets it)
+        self._before_update: torch.Tensor | None = None   # this step's fingerprint before its update
+
+    def before_update(self) -> None:
+        """The first prepared optimizer is about to apply this step's update (its step pre-hook):
+        fingerprint the parameters as the step's forward and backward used them."""
+        if self.checks_fingerprints:
+            assert self.fingerprinted is not None
+            self._before_update = _fingerprint.fingerprint(self.fingerprinted())
+
+    def _after_update_due(self, step: int) -> bool:
+        """Whether step `step`'s exchange carries the fingerprint after its update too: at the
+        steps whose state is kept (a checkpoint, a copy in memory, the final one), so that what
+        is kept is what the replicas agreed on."""
+        every, in_memory = self._spec.checkpoint.every_n_steps, self._spec.in_memory_every
+        return (step == self.total_steps or (every is not None and step % every == 0)
+                or (in_memory is not None and step % in_memory == 0))
 
     @property
     def checks_fingerprints(self) -> bool:
@@ -199,15 +220,20 @@ class StepBoundary:
         # Fixed size (MAX_METRICS slots), whatever the names: ranks that disagree are caught by
         # the names' hash. Tensor values stay on their device until the exchange is collected.
         host = [0.0] * (_HEADER + MAX_METRICS)
-        host[1:_FINGERPRINT.start] = [float(stop), leave, self.timer.compute_s(),
+        host[1:_FINGERPRINTS.start] = [float(stop), leave, self.timer.compute_s(),
                                       float(mix_seed("metrics", names) & ((1 << 52) - 1))]
         on_device: dict[int, torch.Tensor] = {}
+        before, self._before_update = self._before_update, None
         if self.checks_fingerprints:
             assert self.fingerprinted is not None
-            folded = _fingerprint.fingerprint(self.fingerprinted())
-            if folded is not None:
-                on_device.update(zip(range(_FINGERPRINT.start, _FINGERPRINT.stop), _fingerprint.halves(folded),
-                                     strict=True))
+            # Before the update (the optimizer's pre-hook took it): what this step's forward and
+            # backward used. After it: at the steps whose state is kept, and wherever no prepared
+            # optimizer took the one before (every rank alike: the same code path).
+            after = _fingerprint.fingerprint(self.fingerprinted()) \
+                if before is None or self._after_update_due(progress.step) else None
+            for where, folded in ((_AFTER_UPDATE, after), (_BEFORE_UPDATE, before)):
+                if folded is not None:
+                    on_device.update(zip(range(where.start, where.stop), _fingerprint.halves(folded), strict=True))
         loss_value: float | torch.Tensor = accumulation.mean_loss() if accumulation is not None else \
             (loss if isinstance(loss, torch.Tensor) else as_float(loss) or 0.0)
         for slot, value in ((0, loss_value), *((_HEADER + i, v) for i, v in enumerate(values))):
@@ -312,15 +338,39 @@ class StepBoundary:
             samples_seen=progress.samples_seen, global_batch=self._global_batch,
             metrics=dict(zip(names, values, strict=True)), generation=self._plan.generation, kind="log"))
 
+    def _judge_fingerprints(self, shared: torch.Tensor, step: int) -> tuple[_fingerprint.Verdict | None, int]:
+        """The verdict on step `step`'s two fingerprints (elastic._worker.fingerprint.judge_step),
+        and the first step that may be corrupt; keeps the newest step known clean."""
+        assert self.replica_unit is not None
+        rows = shared[:, _FINGERPRINTS].tolist()
+        verdict, self.clean_through = _fingerprint.judge_step(
+            after=[tuple(r[:2]) for r in rows], before=[tuple(r[2:]) for r in rows], unit=self.replica_unit,
+            step=step, clean_through=self.clean_through)
+        return verdict, self.clean_through + 1
+
+    def verify_leaving_state(self) -> None:
+        """Collective, at the step the group leaves from before a commit that is not scheduled
+        (its exchange may carry no fingerprint after the update): the replicas compare their
+        state now; SilentCorruptionError when they disagree."""
+        self.settle()           # this step's own verdict first (before its update)
+        if not self.checks_fingerprints or self.world_size == 1:
+            return
+        assert self.fingerprinted is not None
+        folded = _fingerprint.fingerprint(self.fingerprinted())
+        row = {} if folded is None else dict(zip(range(_AFTER_UPDATE.start, _AFTER_UPDATE.stop),
+                                                 _fingerprint.halves(folded), strict=True))
+        table = step_exchange.post([0.0] * _HEADER, row, device=self._comm_device, world_size=self.world_size).collect()
+        verdict, since = self._judge_fingerprints(table, self.step)
+        if verdict is not None:
+            raise _corruption_error(verdict, self.replica_unit or 1, self.world_size, since)
+
     def _keep_record(self, step: _Step, shared: torch.Tensor, *, check: bool = True) -> float | None:
         """The record of `step` from its exchange's table (one row per rank that answered); its
         mean loss (None: no loss reported)."""
         names, ranks = step.names, shared.shape[0]
-        verdict = None
+        verdict, since = None, step.step
         if check and ranks == self.world_size and self.checks_fingerprints:
-            assert self.replica_unit is not None
-            keys = [tuple(row) for row in shared[:, _FINGERPRINT].tolist()]
-            verdict = _fingerprint.judge(keys, self.replica_unit, step.step)
+            verdict, since = self._judge_fingerprints(shared, step.step)
         if check and bool((shared[:, 4] != shared[0, 4]).any()):
             raise StateError(f"ctx.report() at step {step.step}: the ranks reported different metric names "
                              f"(rank {self.rank}: {list(names)}); report the same names on every rank, and "
@@ -357,7 +407,7 @@ class StepBoundary:
             self._worker.outbox.news.set()
         if verdict is not None:
             # Every rank raises the same error (the fingerprints are all-gathered).
-            raise _corruption_error(verdict, self.replica_unit or 1, self.world_size)
+            raise _corruption_error(verdict, self.replica_unit or 1, self.world_size, since)
         if check and mean_loss is not None and not math.isfinite(mean_loss):
             self._worker.checkpoints.nonfinite_step = step.step
             if self._spec.failure.on_nonfinite_loss == "fail":
@@ -373,7 +423,7 @@ def _nonfinite_error(step: int, mean_loss: float, ranks: int) -> NonFiniteLossEr
         f"FailureConfig.on_nonfinite_loss='ignore' trains on")
 
 
-def _corruption_error(verdict: _fingerprint.Verdict, unit: int, world: int) -> SilentCorruptionError:
+def _corruption_error(verdict: _fingerprint.Verdict, unit: int, world: int, since: int) -> SilentCorruptionError:
     replicas = world // unit
     if verdict.named:
         who = f"rank(s) {list(verdict.named)} differ from the majority of their {replicas} replicas"
@@ -384,8 +434,8 @@ def _corruption_error(verdict: _fingerprint.Verdict, unit: int, world: int) -> S
         who += f"; rank(s) {list(verdict.suspects)} disagree with no majority"
     return SilentCorruptionError(
         f"silent data corruption at step {verdict.step}: the parameters' fingerprints of the replicas disagree "
-        f"({who}). The run goes back to a state from before step {verdict.step}; nothing from step "
-        f"{verdict.step} on is committed", step=verdict.step, ranks=verdict.named, suspects=verdict.suspects)
+        f"({who}). The run goes back to a state from before step {since}; nothing from step {since} on is "
+        f"committed", step=verdict.step, since=since, ranks=verdict.named, suspects=verdict.suspects)
 
 
 class _Step(NamedTuple):

@@ -1,6 +1,7 @@
-"""Rank programs of tests/unit/worker/test_spot_check.py, run by `ckpt_ranks.run_ranks` (a gloo group of
-local processes, no Ray): real TrainContexts under DDP with the compute spot check, clean and
-with one rank's gradient corrupted before the all-reduce (fault_gate.BadGradientAt)."""
+"""Rank programs of tests/unit/worker/test_spot_check.py and test_fingerprint.py, run by
+`ckpt_ranks.run_ranks` (a gloo group of local processes, no Ray): real TrainContexts under DDP
+with the compute spot check, clean and with one rank's gradient corrupted before the all-reduce
+(fault_gate.BadGradientAt); and a flipped parameter bit that the next update rounds away."""
 from __future__ import annotations
 
 import os
@@ -10,7 +11,7 @@ import torch
 from torch import nn
 
 from elastic._protocol import GenerationPlan, RestorePlan, RunSpec
-from elastic._worker.fault_gate import BadGradientAt
+from elastic._worker.fault_gate import BadGradientAt, BitFlipAt
 from elastic._worker.state import WorkerState
 from elastic.config import CheckpointConfig, FailureConfig, LRScalingConfig, ScalingConfig
 from elastic.context import TrainContext
@@ -42,7 +43,24 @@ class Points(torch.utils.data.Dataset):
         return torch.randn(8, generator=torch.Generator().manual_seed(i))
 
 
-def _run(rank: int, world: int, *, every: int | None, steps: int, loop_config: dict | None) -> dict:
+class CoarseSGD(torch.optim.Optimizer):
+    """SGD whose update rounds each weight to bfloat16's precision: a flipped low bit of a weight
+    is gone after the update (as a real update's rounding can lose one), while the step's
+    forward and backward used it."""
+
+    def __init__(self, params, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.copy_((p - group["lr"] * p.grad).bfloat16().float())
+
+
+def _run(rank: int, world: int, *, every: int | None, steps: int, loop_config: dict | None,
+         coarse: bool = False, prepare_optimizer: bool = True) -> dict:
     os.environ["RANK"] = str(rank)          # the fault gate reads the rank as the worker sets it
     spec = RunSpec(user_code=b"", total_steps=100, seed=0,
                    scaling=ScalingConfig(strategy="ddp", min_workers=world),
@@ -57,7 +75,9 @@ def _run(rank: int, world: int, *, every: int | None, steps: int, loop_config: d
                        stop_requested=threading.Event(), preempted=threading.Event(), device=torch.device("cpu"))
     torch.manual_seed(1)
     model = ctx.prepare_model(Net())
-    optimizer = ctx.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    optimizer = CoarseSGD(model.parameters(), lr=1e-2) if coarse else torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if prepare_optimizer:
+        ctx.prepare_optimizer(optimizer)
     ctx.restore(model=model, optimizer=optimizer)
     error = None
     try:
@@ -85,3 +105,14 @@ def cases(rank: int, world: int, marker: str) -> dict:
     return {"checked": _run(rank, world, every=2, steps=6, loop_config=None),
             "unchecked": _run(rank, world, every=None, steps=6, loop_config=None),
             "bad": _run(rank, world, every=2, steps=6, loop_config=bad.as_config())}
+
+
+def rounded_away(rank: int, world: int, marker: str) -> dict:
+    """Bit 0 of a weight flipped on rank 1 after step 2, under CoarseSGD: the flip is gone after
+    step 3's update, which used it. With the optimizer prepared (its step pre-hook fingerprints
+    the parameters before the update) and without (only after the update: unseen)."""
+    def flip(tag: str) -> dict:
+        return BitFlipAt(step=2, rank=1, marker_file=f"{marker}.{tag}", param=0, element=5, bit=0).as_config()
+    return {"prepared": _run(rank, world, every=None, steps=5, loop_config=flip("prepared"), coarse=True),
+            "unprepared": _run(rank, world, every=None, steps=5, loop_config=flip("unprepared"), coarse=True,
+                               prepare_optimizer=False)}

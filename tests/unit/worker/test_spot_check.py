@@ -70,3 +70,4 @@ def test_checks_change_nothing_and_a_wrong_gradient_is_found_at_the_next_check(t
         assert bad["error"]["step"] == 4 and bad["error"]["ranks"] == [1] and bad["error"]["suspects"] == []
         assert bad["error"]["since"] == 3 and bad["verified"] == 2
         assert "in compute at step 4" in bad["error"]["message"]
+
