@@ -14,8 +14,8 @@ as that step's forward and backward used them. Taken after the update only, a fl
 could be gone by then, rounded away by the update after the forward and backward had used it,
 and the run trained on unseen (SDC2 over all 32 bits, BENCHMARKS.md: a weight's bit 0). After the
 update too at the steps whose state is kept (a checkpoint, a copy in memory, the final step) and
-where no optimizer was prepared, so that what is kept is what the replicas agreed on; a commit
-taken at another step (a group that leaves on a notice) compares the state first
+where no optimizer was prepared, so that what is kept is what the replicas agreed on; a group
+that leaves the loop (a rescale, a notice) compares the state it leaves with first
 (StepBoundary.verify_leaving_state). `judge_step` says, on a verdict, from which step on the state
 may be corrupt: agreeing before the update, the replicas held alike the state after the step
 before; agreeing after it, the state after this one.

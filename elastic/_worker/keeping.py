@@ -69,6 +69,10 @@ class StateKeeper:
         leaving = outcome.stop or outcome.preempted > 0
         if leaving:
             outcome = self._boundary.recount(outcome)
+            # The state the group leaves with (copied, committed or broadcast to the next
+            # generation) is compared after its update: this step's exchange may carry only the
+            # fingerprint from before it.
+            self._boundary.verify_leaving_state()
         if in_memory is not None and (step % in_memory == 0 or leaving) and step < total:
             # FSDP's copies (every rank at the same steps: the swap is a collective); a group that
             # leaves together takes them at the step it leaves from, which the next one restores.
@@ -114,8 +118,6 @@ class StateKeeper:
         issued already (a scheduled one at this step): then it is waited for and checked alike."""
         session, step = self._worker.checkpoints, self._boundary.step
         if session.last_saved_step != step:
-            # Not a scheduled step: its exchange may carry no fingerprint after the update.
-            self._boundary.verify_leaving_state()
             self.save(wait=True)
         elif session.manager is not None:
             started = time.monotonic()
@@ -149,8 +151,6 @@ class StateKeeper:
         self._boundary.settle()   # the last step's record
         session, step = self._worker.checkpoints, self._boundary.step
         if session.last_saved_step != step:
-            # Not a scheduled step: its exchange may carry no fingerprint after the update.
-            self._boundary.verify_leaving_state()
             self.save(wait=True)
         if session.manager is not None:
             session.manager.wait()

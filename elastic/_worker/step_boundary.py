@@ -349,9 +349,9 @@ class StepBoundary:
         return verdict, self.clean_through + 1
 
     def verify_leaving_state(self) -> None:
-        """Collective, at the step the group leaves from before a commit that is not scheduled
-        (its exchange may carry no fingerprint after the update): the replicas compare their
-        state now; SilentCorruptionError when they disagree."""
+        """Collective, at the step the group leaves from (its exchange may carry no fingerprint
+        after the update): the replicas compare their state now, the one the group keeps, commits
+        or hands to the next generation; SilentCorruptionError when they disagree."""
         self.settle()           # this step's own verdict first (before its update)
         if not self.checks_fingerprints or self.world_size == 1:
             return
