@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("elastic.callbacks")
 
+LOG_KEYS_KEPT = 1024     # log lines remembered for the events a replacing controller sends again
+
 HOOKS = ("on_step", "on_log", "on_recovery", "on_checkpoint", "on_end")
 _HOOK_OF = {FeedKind.STEP: "on_step", FeedKind.LOG: "on_log", FeedKind.RECOVERY: "on_recovery",
             FeedKind.CHECKPOINT: "on_checkpoint"}
@@ -83,21 +85,59 @@ class CallbackRunner:
         self._callbacks = tuple(callbacks)
         self._delivered = 0                       # number of the newest event delivered
         self._errors: dict[int, int] = {}         # callback index -> errors raised
+        # What was delivered, for the events a replacing controller sends again (its feed replays
+        # the steps after its journal: elastic._controller.feed.RESTART_GAP).
+        self._step = 0                            # the newest step delivered (a recovery: the step it restored)
+        self._logs: dict[tuple, None] = {}        # (step, line keys) of the log lines delivered since
+        self._commit = 0                          # the newest commit delivered
+        self._recoveries: set[Any] = set()        # the recoveries delivered (by detection time)
 
     @property
     def delivered(self) -> int:
         return self._delivered
 
     def poll(self, fetch: Callable[[int], list[Event]]) -> int:
-        """Deliver what `fetch(after)` returns after the last delivered event; returns how many."""
+        """Deliver what `fetch(after)` returns after the last delivered event; returns how many
+        new events it took (delivered, or skipped as told already)."""
         count = 0
         for number, kind, payload in fetch(self._delivered):
             if number <= self._delivered:
                 continue           # delivered already (an answer that crossed a retry)
             self._delivered = number
-            self._call(_HOOK_OF[FeedKind(kind)], payload)
             count += 1
+            if not self._repeated(FeedKind(kind), payload):
+                self._call(_HOOK_OF[FeedKind(kind)], payload)
         return count
+
+    def _repeated(self, kind: FeedKind, payload: dict[str, Any]) -> bool:
+        """Whether the event tells what was delivered already (a replacing controller's replay):
+        a step at or before the newest one (a recovery's redone steps come after it, and it moves
+        the newest back to the step it restored), a log line of a step and keys delivered since,
+        a commit or a recovery delivered."""
+        step = payload.get("step", 0)
+        if kind == FeedKind.STEP:
+            if step <= self._step:
+                return True
+            self._step = step
+        elif kind == FeedKind.LOG:
+            key = (step, tuple(sorted(payload)))
+            if key in self._logs:
+                return True
+            self._logs[key] = None
+            while len(self._logs) > LOG_KEYS_KEPT:
+                del self._logs[next(iter(self._logs))]
+        elif kind == FeedKind.CHECKPOINT:
+            if step <= self._commit:
+                return True
+            self._commit = step
+        elif kind == FeedKind.RECOVERY:
+            detected = payload.get("detected_at")
+            if detected is not None and detected in self._recoveries:
+                return True
+            self._recoveries.add(detected)
+            self._step = min(self._step, step)
+            self._logs = {key: None for key in self._logs if key[0] <= step}
+        return False
 
     def drain(self, fetch: Callable[[int], list[Event]]) -> None:
         """Deliver every event left (the run has ended: no new ones come)."""

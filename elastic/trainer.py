@@ -1,7 +1,11 @@
 """ElasticTrainer: the public entry point. Validates, starts the controller actor, waits.
 
-The controller runs in its own Ray actor (no CPU reserved) and owns the worker actors, so the
-workers share its fate: if the driver goes, the whole run goes with it and nothing is left behind.
+The controller runs in its own Ray actor (no CPU reserved). The workers belong to the run, not to
+the controller's process (detached and named: elastic._controller.run_names): when that process
+dies, Ray restarts the actor (CONTROLLER_RESTARTS times), the new controller adopts the live
+workers (elastic._controller.adoption) and the driver's wait goes on with it. The controller
+belongs to the driver: if the driver goes, the controller goes with it, and its workers end
+themselves once no controller has polled them for run_names.ORPHAN_AFTER_S.
 """
 from __future__ import annotations
 
@@ -33,6 +37,10 @@ from elastic.schemas import dumps, status_doc
 from elastic.stop_request import clear_stop
 
 log = logging.getLogger("elastic.trainer")
+
+# How often Ray restarts a lost controller within one fit(). Each restart adopts the run's live
+# workers; a controller that keeps dying (its node's memory, a bug hit at every start) ends the run.
+CONTROLLER_RESTARTS = 10
 
 
 def actor_environment(environ: Mapping[str, str]) -> tuple[dict[str, Any] | None, dict[str, str]]:
@@ -269,7 +277,10 @@ class ElasticTrainer:
             runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), LOG_LEVEL_ENV: self.logging_config.level}
         started = time.time()
         actor = ray.remote(ControllerActor).options(
-            num_cpus=0, max_concurrency=4, max_restarts=0, runtime_env=runtime_env,
+            # A lost controller's process is restarted in its place, and the driver's calls (its
+            # run() included) are resubmitted to the new one (max_task_retries): see the module.
+            num_cpus=0, max_concurrency=4, max_restarts=CONTROLLER_RESTARTS, max_task_retries=-1,
+            runtime_env=runtime_env,
             # Beside the driver, hard: a soft preference was ignored on a CPU-less head node (seen
             # with ray.cluster_utils.Cluster), and the controller must not live on a node the
             # run may lose. If the driver's node goes, the run goes with it anyway.
@@ -292,6 +303,7 @@ class ElasticTrainer:
                 ray.kill(actor, no_restart=True)
             except Exception:   # a dead actor, or a Ray going down
                 log.debug("could not kill the controller actor", exc_info=True)
+            self._reap()
         result = Result(status=outcome["status"], final_step=outcome["final_step"], storage=self.checkpoint.storage,
                         summary=outcome["summary"], error=outcome["error"], error_traceback=outcome["traceback"],
                         metrics=RunMetrics(**outcome["metrics"]),
@@ -299,6 +311,21 @@ class ElasticTrainer:
         if runner is not None:
             runner.end(result)
         return result
+
+    def _reap(self) -> None:
+        """The run's workers and placement groups that its controller left (one lost for good:
+        a finished run's controller removed its own), and its journal."""
+        from elastic._controller.journal import Journal, RayJournal
+        from elastic._controller.run_names import reap
+        if self._run_id is None:
+            return
+        try:
+            killed = reap(self._run_id)
+            if killed:
+                log.warning("killed %d workers the run's lost controller left", killed)
+            Journal(RayJournal(self._run_id)).close()
+        except Exception:   # a Ray going down takes them with it
+            log.debug("could not reap the run's workers", exc_info=True)
 
     def _close_progress(self) -> None:
         """The display's `close()`, when it has one (elastic.progress.ProgressDisplay: the bar

@@ -8,10 +8,13 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from elastic._controller.adoption import judge, restart_record
 from elastic._controller.background_read import BackgroundRead
 from elastic._controller.commit_watch import CommitWatch
 from elastic._controller.controller import Controller, run_loop
 from elastic._controller.feed import Event, RunFeed
+from elastic._controller.journal import Journal, JournalEntry, RayJournal
+from elastic._controller.run_names import RunNames
 from elastic._controller.run_record import RunRecorder
 from elastic._controller.states import RunState
 from elastic._controller.worker_group import RayWorkerGroup
@@ -103,6 +106,11 @@ class CheckpointView:
         self._stop.close()
 
 
+def ray_node_id() -> str:
+    import ray
+    return ray.get_runtime_context().get_node_id()
+
+
 def run_status(finished: bool, step: int, total_steps: int) -> str:
     """summary.json's status: a loop that returned before total_steps stopped early, which is
     not a finish (a later resume trains on to total_steps)."""
@@ -114,6 +122,7 @@ def run_status(finished: bool, step: int, total_steps: int) -> str:
 class ControllerActor:
     # What run() closes at the end; defaults for an actor a test builds without __init__.
     _lease: LeaseKeeper | None = None
+    _journal: Journal | None = None
     _closers: tuple[Callable[[], None], ...] = ()
 
     def __init__(self, spec: RunSpec, config: dict[str, Any], failure_policy, scaling_policy, feed: bool = False,
@@ -145,11 +154,40 @@ class ControllerActor:
         commits.start()
         self._closers = (commits.close, self._checkpoints.close)
         self._run_id, self._url, self._options = run_id, checkpoint.storage, options
-        self._controller = Controller(
-            RayWorkerGroup(spec), self._recorder, self._checkpoints, scaling=scaling,
-            failure=failure, total_steps=total_steps, failure_policy=failure_policy, scaling_policy=scaling_policy,
-            commits=commits, lease=self._lease)
         self._started = time.time()
+        # A run's workers belong to the run, not to this process: named, detached, and adopted by
+        # the controller Ray restarts in this actor's place if this process dies (adoption).
+        names = RunNames(run_id) if run_id is not None else None
+        self._journal = Journal(RayJournal(run_id)) if run_id is not None else None
+        # A run id is new with each fit(): a journal entry or a named worker of it means that this
+        # process replaces a lost controller of the run (Ray restarted the actor).
+        resumed = self._journal.read() if self._journal is not None else None
+        replacing = resumed is not None or (names is not None and bool(names.workers()))
+        group = RayWorkerGroup(spec, names=names)
+        self._controller = Controller(
+            group, self._recorder, self._checkpoints, scaling=scaling,
+            failure=failure, total_steps=total_steps, failure_policy=failure_policy, scaling_policy=scaling_policy,
+            commits=commits, lease=self._lease, journal=self._journal, resumed=resumed)
+        self._recorder.controller_is(os.getpid(), ray_node_id(), self._started)
+        if replacing:
+            self._take_over(group, resumed)
+
+    def _take_over(self, group: RayWorkerGroup, entry: JournalEntry | None) -> None:
+        """Replace the lost controller: adopt its workers (adoption), record the restart."""
+        after = entry.record.metrics_step if entry is not None else 0
+        found = group.adopt(after_step=after, next_wid=entry.next_wid if entry is not None else 0)
+        adoption = judge(entry, {wid: report for wid, (report, _) in found.items()})
+        now = time.time()
+        # The lost controller's last sign of life: its journal's newest entry, or its last poll.
+        lost_at = max([entry.written_at if entry is not None else 0.0]
+                      + [now - since for _, since in found.values()])
+        self._controller.take_over(adoption, entry)
+        record = restart_record(adoption, lost_at=lost_at, adopted_at=time.time(), pid=os.getpid(),
+                                node=ray_node_id())
+        self._recorder.on_controller_restart(record)
+        logging.getLogger("elastic.controller").warning(
+            "this controller replaced a lost one, %.1fs without a controller: %s", record["without_controller_s"],
+            adoption.reason)
 
     def run(self) -> dict[str, Any]:
         controller = self._controller
@@ -184,6 +222,8 @@ class ControllerActor:
                                         last_committed_step=checkpoints[-1] if checkpoints else None)
         except Exception:   # the outcome must reach the driver: fit() returns, never raises
             logging.getLogger("elastic.controller").exception("could not write the final status.json")
+        if self._journal is not None:
+            self._journal.close()        # the run ended: nothing is left to adopt
         if self._lease is not None:
             self._lease.close()          # renewed up to here: the final status.json says the run ended
         if self._run_id is not None:

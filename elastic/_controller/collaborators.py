@@ -26,6 +26,11 @@ class WorkerGroup(Protocol):
     def request_preemption(self, wids: list[int]) -> None: ...
     def kill(self, wid: int, reason: str) -> None: ...
     def shutdown(self, graceful: bool = True) -> None: ...
+    @property
+    def next_wid(self) -> int:
+        """The id the next worker slot gets (the controller's journal keeps it)."""
+    def bury(self, wid: int, reason: str) -> None:
+        """A replacing controller's: a worker the lost one had, found gone (a dead slot)."""
 
 
 class CheckpointView(Protocol):

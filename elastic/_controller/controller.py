@@ -17,12 +17,14 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from elastic._controller.adoption import Adoption, AdoptionKind
 from elastic._controller.bad_nodes import BadNodes
 from elastic._controller.collaborators import CheckpointView, LeaseHold, WorkerGroup
 from elastic._controller.commit_watch import CommitWatch
 from elastic._controller.failure_budget import FailureBudget
 from elastic._controller.forming import GenerationFormer
 from elastic._controller.intake import ReportIntake
+from elastic._controller.journal import Journal, JournalEntry
 from elastic._controller.ledgers import RecoveryLedger, StepLedger
 from elastic._controller.recovery_course import RecoveryCourse
 from elastic._controller.running import AllFinished, Fault, RunningWatch
@@ -73,36 +75,50 @@ class Controller:
                  failure_policy: FailurePolicy | None = None, scaling_policy: ScalingPolicy | None = None,
                  clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
                  callbacks: tuple[Callable[[RunState, RunState, str], None], ...] = (),
-                 commits: CommitWatch | None = None, lease: LeaseHold | None = None):
+                 commits: CommitWatch | None = None, lease: LeaseHold | None = None,
+                 journal: Journal | None = None, resumed: JournalEntry | None = None):
+        """`journal`: where this controller keeps its account of the run for a replacement;
+        `resumed`: the account of a lost controller this one replaces (its journal's newest
+        entry): its ledgers, budget and record go on here, and `take_over` adopts its workers."""
         self.group, self.recorder, self.checkpoints = group, recorder, checkpoints
         self.lease = lease
         self.scaling, self.failure, self.total_steps = scaling, failure, total_steps
         self.scaling_policy = scaling_policy or ScalingPolicy()
         self.clock, self.wall_clock = clock, wall_clock
         self.callbacks = callbacks
+        self.journal = journal
         self.state: AnyState = Scheduling(since=clock())
-        self.model_sha256: str | None = None
+        self.model_sha256: str | None = resumed.model_sha256 if resumed else None
         self.views: dict[int, WorkerView] = {}
-        self.history: list[tuple[str, str, str]] = []
-        self.budget = FailureBudget(failure_policy or FailurePolicy(), failure, clock)
+        self.history: list[tuple[str, str, str]] = resumed.history if resumed else []
+        self.budget = resumed.budget if resumed else FailureBudget(failure_policy or FailurePolicy(), failure, clock)
+        if resumed is not None and failure_policy is not None:
+            self.budget.policy = failure_policy
         self.storage = StorageRetry(self.budget, clock, failure.rendezvous_timeout_s)
         self.stragglers = StragglerDetector(window=failure.straggler_window,
                                             threshold=failure.straggler_threshold or float("inf"),
                                             min_excess_s=failure.straggler_min_excess_s)
-        self.steps = StepLedger()
+        self.steps = resumed.steps if resumed else StepLedger()
         self.start_gate, self.running = StartGate(scaling, failure.rendezvous_timeout_s), RunningWatch(clock)
-        self.recoveries = RecoveryLedger(clock, wall_clock)
+        self.recoveries = resumed.recoveries if resumed else RecoveryLedger(clock, wall_clock)
         self.intake = ReportIntake(recorder, self.steps, self.recoveries, self.stragglers, failure)
         # The actor's commit watch looks on a thread of its own; without one, looks are inline (fakes).
         self.status = StatusReport(recorder, commits or CommitWatch(checkpoints, clock, background=False),
                                    tp=scaling.tensor_parallel_size, pp=scaling.pipeline_parallel_size)
         self.slots = Slots(scaling)
-        self.bad_nodes = BadNodes()
+        self.bad_nodes = resumed.bad_nodes if resumed else BadNodes()
         self.former = GenerationFormer(group, checkpoints, self._storage, failure=failure, clock=clock,
                                        unit=scaling.unit_size)
         self.recovery = RecoveryCourse(group, self.recoveries, self.former, self.slots, self.budget, scaling=scaling,
                                        failure=failure, total_steps=total_steps, clock=clock, kill=self._kill,
                                        place=self._place_slots)
+        if resumed is not None:
+            recorder.restore_journal(resumed.record)
+            self.intake.continue_from(resumed.intake)
+            self.former.generation = resumed.generation
+            self.status.last_committed, self.status.world_size = resumed.last_committed, resumed.world_size
+            if self.bad_nodes.bad:
+                group.avoid_nodes(self.bad_nodes.bad)
 
     @property
     def done(self) -> bool:
@@ -311,6 +327,37 @@ class Controller:
     def _write_status(self, force: bool) -> None:
         self.status.write(force=force, state=self.state.state, generation=self.generation, step=self.step,
                           members=self._current_members(), views=self.views, bad_nodes=self.bad_nodes.bad)
+        if self.journal is not None and not self.done and self.journal.due(force):
+            self.journal.write(self.journal_entry())
+
+    # ---- a replacement's -----------------------------------------------------------------
+    def journal_entry(self) -> JournalEntry:
+        """This controller's account of the run now (see elastic._controller.journal)."""
+        return JournalEntry(
+            written_at=self.wall_clock(), state=self.state, generation=self.generation,
+            intake=self.intake.position(), next_wid=self.group.next_wid, record=self.recorder.journal_state(),
+            steps=self.steps, recoveries=self.recoveries, budget=self.budget, bad_nodes=self.bad_nodes,
+            history=self.history, model_sha256=self.model_sha256, last_committed=self.status.last_committed,
+            world_size=self.status.world_size)
+
+    def take_over(self, adoption: Adoption, entry: JournalEntry | None) -> None:
+        """Go on from the lost controller's state (its journal's `entry`) with the workers adopted
+        (adoption.judge): its generation keeps running, or, caught in the middle of a change, the
+        run restarts its workers from storage (see adoption)."""
+        was = entry.state.state.value if entry is not None else RunState.SCHEDULING.value
+        for wid in adoption.lost:
+            self.group.bury(wid, "lost while no controller was there")
+        for wid in adoption.replaced:
+            self.group.kill(wid, f"found by a replacing controller while {was}: replaced")
+        if adoption.kind == AdoptionKind.RUNNING and entry is not None and isinstance(entry.state, Running):
+            self.state = entry.state
+            self.running.begin()
+            self.stragglers.reset(len(entry.state.members))
+        else:
+            self.state = Scheduling(since=self.clock())
+        self.history.append((was, self.state.state.value, adoption.reason))
+        log.info("controller: took over in state %s (%s)", self.state.state.value, adoption.reason)
+        self._write_status(force=True)
 
     def _current_members(self) -> list[int]:
         """Workers of the newest generation: its members, or its survivors while recovering."""

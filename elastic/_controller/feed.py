@@ -23,6 +23,11 @@ class FeedKind(enum.StrEnum):
 Event = tuple[int, FeedKind, dict[str, Any]]   # (number, kind, payload); numbers start at 1
 
 MAX_EVENTS_PER_CALL = 10_000     # a driver that fell behind catches up over several calls
+# A replacing controller's feed numbers its events from this far past its journal's: above any
+# number the lost controller gave after its journal was written, so the driver skips none of them.
+# Their events may repeat what the driver had (the replayed steps): the driver's end of the feed
+# (elastic.callbacks.CallbackRunner) delivers each step once.
+RESTART_GAP = 1 << 32
 
 
 class RunFeed:
@@ -35,6 +40,17 @@ class RunFeed:
         with self._lock:
             self._events.append((self._next, kind, payload))
             self._next += 1
+
+    @property
+    def next(self) -> int:
+        """The next event's number."""
+        with self._lock:
+            return self._next
+
+    def continue_after(self, journal_next: int) -> None:
+        """This feed replaces a lost controller's, whose journal had reached `journal_next` (see RESTART_GAP)."""
+        with self._lock:
+            self._next = max(self._next, journal_next + RESTART_GAP)
 
     def after(self, number: int) -> list[Event]:
         """The events after `number` (the newest one the driver has); those up to it are dropped."""

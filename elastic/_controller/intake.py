@@ -13,7 +13,7 @@ It records; it decides nothing and acts on no worker (the controller does both).
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from elastic._controller.ledgers import RecoveryLedger, StepLedger
@@ -42,6 +42,16 @@ def carries_compute_times(step: int, world_size: int) -> bool:
     return every <= 1 or step % every == 0
 
 
+@dataclass(frozen=True)
+class IntakePosition:
+    """Where the intake stands (the controller's journal keeps it for a replacing controller)."""
+
+    step: int
+    first_generation: int
+    start_step: int
+    confirmed_generation: int | None
+
+
 class ReportIntake:
     """Turns worker reports into the run's record. `step` is the newest step the run keeps."""
 
@@ -61,6 +71,14 @@ class ReportIntake:
         # (a corrupt checkpoint makes it older than the newest manifest the controller planned with).
         self.start_step = 0
         self._confirmed_generation: int | None = None
+
+    def position(self) -> IntakePosition:
+        return IntakePosition(self.step, self.first_generation, self.start_step, self._confirmed_generation)
+
+    def continue_from(self, position: IntakePosition) -> None:
+        """A replacing controller's intake goes on from its predecessor's position (its journal's)."""
+        self.step, self.first_generation = position.step, position.first_generation
+        self.start_step, self._confirmed_generation = position.start_step, position.confirmed_generation
 
     def resume(self, first_generation: int, step: int | None) -> None:
         """The run continues a previous one on its storage: its first generation is

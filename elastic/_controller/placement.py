@@ -38,6 +38,7 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from elastic._controller.ray_calls import answered, first_line
+from elastic._controller.run_names import NAMESPACE, ORPHAN_AFTER_S, RunNames
 from elastic._controller.slot_table import PENDING, STARTING, Slot, SlotTable
 from elastic._protocol import RunSpec
 from elastic._worker.worker import TrainWorker
@@ -58,8 +59,10 @@ class StartFailure(NamedTuple):
 class Placements:
     """The placements and starts of the run's worker slots (filed in the slot table)."""
 
-    def __init__(self, spec: RunSpec, slots: SlotTable, clock: Callable[[], float]):
-        self._spec, self._slots, self._clock = spec, slots, clock
+    def __init__(self, spec: RunSpec, slots: SlotTable, clock: Callable[[], float], names: RunNames | None = None):
+        """`names`: the run's (run_names): its workers and placement groups are detached and named,
+        and outlive this controller. None: they are this controller's and die with it."""
+        self._spec, self._slots, self._clock, self._names = spec, slots, clock, names
         self._scaling, self._start_timeout_s = spec.scaling, spec.failure.rendezvous_timeout_s
         resources = dict(spec.scaling.resources_per_worker)
         if spec.scaling.use_gpu:
@@ -71,7 +74,10 @@ class Placements:
         # Ray labels every node with its id (ray.io/node-id): a selector excludes the bad ones.
         avoid = {"bundle_label_selector": [{"ray.io/node-id": f"!in({','.join(self.avoid)})"}] * bundles} \
             if self.avoid else {}
-        return placement_group([dict(self.bundle) for _ in range(bundles)], strategy=strategy, **avoid)
+        name = self._names.placement_group() if self._names else ""
+        named = {"name": name, "lifetime": "detached"} if name else {}
+        return placement_group([dict(self.bundle) for _ in range(bundles)], strategy=strategy, **avoid,
+                               **named), name
 
     def scale_to(self, n: int) -> None:
         """Keep `n` worker slots alive or pending; start placements for the missing ones."""
@@ -79,25 +85,26 @@ class Placements:
         tp = self._scaling.tensor_parallel_size
         if tp == 1:
             for _ in range(missing):
-                pg = self._placement_group(1, "PACK")
-                self._slots.open(pg, pg.ready())
+                pg, name = self._placement_group(1, "PACK")
+                self._slots.open(pg, pg.ready(), pg_name=name)
             return
         # Replacements first go where their peers wait: the free bundles of live replicas' groups.
         refills = self._slots.free_bundles(tp)[:max(0, missing)]
-        for pg, bundle in refills:
-            self._slots.open(pg, pg.ready(), bundle)     # one ready reference each: ray.wait takes no duplicates
+        for pg, bundle, name in refills:
+            # One ready reference each: ray.wait takes no duplicates.
+            self._slots.open(pg, pg.ready(), bundle, pg_name=name)
         # The rest in whole replicas. Counts of ranks are multiples of T (ScalingConfig), but a
         # recovery's target (the workers alive) and an unlimited run's probe (one more than placed)
         # need not be: a part of a replica could never join a group, so the count is rounded up
         # (an unlimited run probes for one more replica).
         for _ in range(-(-(missing - len(refills)) // tp)):
-            pg = self._placement_group(tp, "STRICT_PACK")
+            pg, name = self._placement_group(tp, "STRICT_PACK")
             for bundle in range(tp):
-                self._slots.open(pg, pg.ready(), bundle)
+                self._slots.open(pg, pg.ready(), bundle, pg_name=name)
 
     def refs(self) -> list[ObjectRef]:
         """What a placement or a start answers on (WorkerGroup.wait waits on it)."""
-        refs = [s.pg_ready for s in self._slots.in_status(PENDING)]
+        refs = [s.pg_ready for s in self._slots.in_status(PENDING) if s.pg_ready is not None]
         return refs + [s.info_ref for s in self._slots.in_status(STARTING) if s.info_ref is not None]
 
     def advance(self, now: float) -> list[StartFailure]:
@@ -133,11 +140,17 @@ class Placements:
         resources = dict(self.bundle)
         cpus = resources.pop("CPU", 0.0)
         gpus = resources.pop("GPU", 0.0)
+        assert slot.pg is not None, "a slot placed has its placement group"
+        named: dict[str, Any] = {}
+        if self._names is not None:
+            named = {"name": self._names.worker(slot.wid, slot.bundle, slot.pg_name), "namespace": NAMESPACE,
+                     "lifetime": "detached"}
         actor_cls = ray.remote(TrainWorker).options(
             num_cpus=cpus, num_gpus=gpus, resources=resources or None, max_concurrency=8,
-            max_restarts=0, name=None,
+            max_restarts=0, **named,
             scheduling_strategy=PlacementGroupSchedulingStrategy(slot.pg, placement_group_bundle_index=slot.bundle))
-        actor: Any = actor_cls.remote(self._spec)      # Ray resolves its methods by name
+        # Ray resolves its methods by name
+        actor: Any = actor_cls.remote(self._spec, ORPHAN_AFTER_S if self._names is not None else None)
         self._slots.launched(slot, actor, actor.info.remote(), placed_at)
 
     def _warn_if_stuck(self, slot: Slot, now: float) -> None:

@@ -38,6 +38,7 @@ from typing import Any, Protocol
 
 from checkpointing.storage import Storage
 from elastic._controller.feed import FeedKind, RunFeed
+from elastic._controller.journal import RecordState
 from elastic._controller.metrics_log import MetricsLog
 from elastic._controller.run_summary import RunSummary
 from elastic._controller.status_writer import StatusWriter
@@ -66,6 +67,8 @@ class RunRecord(Protocol):
     def on_straggler(self, flag: dict[str, Any]) -> None: ...
     def on_checkpoint_fallback(self, fallback: dict[str, Any]) -> None: ...
     def write_status(self, *, force: bool = False, **status: Any) -> None: ...
+    def journal_state(self) -> RecordState: ...
+    def restore_journal(self, state: RecordState) -> None: ...
 
 
 class RunListener(Protocol):
@@ -110,6 +113,7 @@ class RunRecorder:
         self._listeners = list(listeners)
         self._commits_lock = threading.Lock()         # on_commits: the controller's thread, then the run's end
         self._newest_commit = 0                       # newest committed step the feed announced (or resumed)
+        self._controller: dict[str, Any] | None = None   # status.json's "controller" (pid, node, since)
 
     @property
     def url(self) -> str:
@@ -199,6 +203,10 @@ class RunRecorder:
             new = sorted(step for step in steps if step > self._newest_commit)
             if new:
                 self._newest_commit = new[-1]
+        if len(steps) >= 2:
+            # A recovery restores the newest commit, or one before it (a corrupt newest one, or a
+            # silent corruption older than it): the steps before the second newest stay.
+            self.summary.forget_through(sorted(steps)[-2])
         if self._feed is not None:
             for step in new:
                 self._feed.put(FeedKind.CHECKPOINT, {"step": step, "url": checkpoint_url(self._url, step)})
@@ -214,11 +222,42 @@ class RunRecorder:
         """Result.metrics (see MetricsLog.user_metrics)."""
         return self.metrics_log.user_metrics()
 
+    # ---- a controller's replacement -------------------------------------------------------
+    def journal_state(self) -> RecordState:
+        """The record's part of the controller's journal (elastic._controller.journal)."""
+        with self._commits_lock:
+            newest_commit = self._newest_commit
+        return RecordState(summary=self.summary, metrics_step=self.metrics_log.newest_step,
+                           newest_commit=newest_commit, feed_next=self._feed.next if self._feed is not None else 1)
+
+    def restore_journal(self, state: RecordState) -> None:
+        """Continue a lost controller's record from its journal: its summary, its metrics lines up
+        to the step the summary had taken (the lines after it on storage go: the workers' records
+        of those steps are replayed), its commits announced, and its feed's numbering."""
+        self.summary = state.summary
+        self._scheduling = False
+        with self._commits_lock:
+            self._newest_commit = max(self._newest_commit, state.newest_commit)
+        self.metrics_log.load_previous(state.metrics_step)
+        if self._feed is not None:
+            self._feed.continue_after(state.feed_next)
+
     # ---- files -------------------------------------------------------------------------
+    def controller_is(self, pid: int, node: str, since: float) -> None:
+        """The process that controls the run (status.json names it, with its restarts so far)."""
+        self._controller = {"pid": pid, "node": node, "since": round(since, 3)}
+
+    def on_controller_restart(self, record: dict[str, Any]) -> None:
+        """This controller replaced a lost one (adoption.restart_record; summary.json lists them)."""
+        self.summary.on_controller_restart(record)
+
     def write_status(self, *, force: bool = False, **status: Any) -> None:
         """status.json's newest fields (see StatusWriter.update: throttled unless `force`)."""
         if self._run_id is not None:
             status.setdefault("run_id", self._run_id)
+        if self._controller is not None:
+            status.setdefault("controller", {**self._controller,
+                                             "restarts": len(self.summary.controller_restarts)})
         if self._scheduling and status.get("state", "scheduling") != "scheduling":
             self._scheduling = False
             self.summary.on_placed()

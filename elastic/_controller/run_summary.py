@@ -45,10 +45,14 @@ class RunSummary:
         self._tp = int(scaling.get("tensor_parallel_size", 1))
         self._pp = int(scaling.get("pipeline_parallel_size", 1))
         self._newest_step = 0                       # highest step kept
-        self._losses: list[float] = []
+        # The first and newest losses only: the summary is pickled into the controller's journal
+        # every second (elastic._controller.journal), so nothing in it grows with the steps.
+        self._loss_first: float | None = None
+        self._loss_last: float | None = None
         self._recoveries: list[dict[str, Any]] = []
         self._stragglers: list[dict[str, Any]] = []
         self._fallbacks: list[dict[str, Any]] = []
+        self.controller_restarts: list[dict[str, Any]] = []   # adoption.restart_record, one per restart
         self._data: tuple[int, str | None] | None = None   # (samples_seen, data_order) after the newest step
         self.resumed_from: int | None = None        # the step the run resumed from (None: a fresh start)
         self._ledger = TimeLedger(self._started_at)
@@ -57,7 +61,7 @@ class RunSummary:
 
     @property
     def last_loss(self) -> float | None:
-        return self._losses[-1] if self._losses else None
+        return self._loss_last
 
     @property
     def time_ledger(self) -> dict[str, float]:
@@ -87,7 +91,8 @@ class RunSummary:
         self._newest_step = record.step
         self._data = (record.samples_seen, record.data_order)
         if record.loss is not None:
-            self._losses.append(record.loss)
+            self._loss_first = record.loss if self._loss_first is None else self._loss_first
+            self._loss_last = record.loss
         return self._settled(parts)
 
     def rollback_to(self, step: int) -> None:
@@ -124,6 +129,15 @@ class RunSummary:
         recovery["time_ledger"] = parts
         return recovery
 
+    def forget_through(self, step: int) -> None:
+        """No recovery restores a step before `step` any more (an older commit is gone or a newer
+        one stands): the ledger lets go of the steps up to it (see TimeLedger.forget_through)."""
+        self._ledger.forget_through(step)
+
+    def on_controller_restart(self, record: dict[str, Any]) -> None:
+        """A controller replaced a lost one (adoption.restart_record)."""
+        self.controller_restarts.append(record)
+
     def on_straggler(self, flag: dict[str, Any]) -> None:
         self._stragglers.append(flag)
 
@@ -146,11 +160,11 @@ class RunSummary:
             world_size_history=self._world_size_history, recoveries=self._recoveries, checkpoints=checkpoints,
             layout_history=[[step, Layout.of(world, self._tp, self._pp).to_dict()]
                             for step, world in self._world_size_history],
-            loss_first=self._losses[0] if self._losses else None,
-            loss_last=self._losses[-1] if self._losses else None,
+            loss_first=self._loss_first, loss_last=self._loss_last,
             model_sha256=model_sha256, wall_s=wall_s, time_ledger=time_ledger, metrics=metrics,
             # The share of the wall time spent computing the steps kept (see the module docstring).
             goodput=round(min(1.0, time_ledger[LedgerPart.PRODUCTIVE] / wall_s), 4) if wall_s > 0 else None,
             resumed_from=self.resumed_from, stragglers=self._stragglers, checkpoint_fallbacks=self._fallbacks,
             samples_consumed=self._data[0] if self._data else None,
-            data_order_sha256=self._data[1] if self._data else None, config=self._config, error=error)
+            data_order_sha256=self._data[1] if self._data else None, config=self._config, error=error,
+            controller_restarts=self.controller_restarts)

@@ -55,8 +55,8 @@ class WorkerView:
 @dataclass
 class Slot:
     wid: int
-    pg: PlacementGroup
-    pg_ready: ObjectRef
+    pg: PlacementGroup | None          # None: a slot a replacing controller found dead (WorkerGroup.bury)
+    pg_ready: ObjectRef | None
     created_at: float
     bundle: int = 0                    # its bundle in `pg` (a replica's placement group has one per TP rank)
     status: str = PENDING
@@ -74,6 +74,7 @@ class Slot:
     placed_at: float = 0.0             # monotonic time its placement was granted and its actor launched
     agent: str | None = None           # the node whose agent carries its polls (None: polled directly)
     seq_seen: int = 0                  # the newest answer received (each poll acknowledges it: state.Outbox)
+    pg_name: str = ""                  # its placement group's name (run_names; empty: unnamed)
 
 
 class SlotTable:
@@ -91,10 +92,11 @@ class SlotTable:
                                  + failure.rendezvous_timeout_s)
 
     # ---- the records -------------------------------------------------------------------
-    def open(self, pg: PlacementGroup, pg_ready: ObjectRef, bundle: int = 0) -> Slot:
+    def open(self, pg: PlacementGroup, pg_ready: ObjectRef, bundle: int = 0, pg_name: str = "") -> Slot:
         """A new slot, numbered next, in bundle `bundle` of a placement group just asked for (or
         of a replica's whose other bundles still hold live slots)."""
-        slot = Slot(wid=self._next_wid, pg=pg, pg_ready=pg_ready, created_at=self._clock(), bundle=bundle)
+        slot = Slot(wid=self._next_wid, pg=pg, pg_ready=pg_ready, created_at=self._clock(), bundle=bundle,
+                    pg_name=pg_name)
         self.add(slot)
         return slot
 
@@ -120,19 +122,28 @@ class SlotTable:
         """Slots alive or pending."""
         return sum(1 for s in self._slots.values() if s.status != DEAD)
 
-    def free_bundles(self, bundles: int) -> list[tuple[PlacementGroup, int]]:
+    @property
+    def next_wid(self) -> int:
+        """The id the next slot gets."""
+        return self._next_wid
+
+    def continue_from(self, next_wid: int) -> None:
+        """Number new slots from `next_wid` on (a replacing controller: ids are never given twice)."""
+        self._next_wid = max(self._next_wid, next_wid)
+
+    def free_bundles(self, bundles: int) -> list[tuple[PlacementGroup, int, str]]:
         """The bundles no live slot holds in the placement groups (of `bundles` bundles each)
         where some live slot still holds one: a dead slot's bundle, its peers alive on its node.
-        Oldest group first, each group's bundles in order."""
-        held: dict[int, tuple[PlacementGroup, set[int]]] = {}
+        Oldest group first, each group's bundles in order; each with its group's name."""
+        held: dict[Any, tuple[PlacementGroup, str, set[int]]] = {}
         for slot in sorted(self._slots.values(), key=lambda s: s.wid):
-            if slot.status != DEAD:
-                held.setdefault(id(slot.pg), (slot.pg, set()))[1].add(slot.bundle)
-        return [(pg, b) for pg, taken in held.values() for b in range(bundles) if b not in taken]
+            if slot.status != DEAD and slot.pg is not None:
+                held.setdefault(_group_key(slot), (slot.pg, slot.pg_name, set()))[2].add(slot.bundle)
+        return [(pg, b, name) for pg, name, taken in held.values() for b in range(bundles) if b not in taken]
 
     def placement_unused(self, slot: Slot) -> bool:
         """No live slot holds a bundle of `slot`'s placement group any more (it can be removed)."""
-        return all(s.status == DEAD for s in self._slots.values() if s.pg is slot.pg)
+        return all(s.status == DEAD for s in self._slots.values() if _group_key(s) == _group_key(slot))
 
     def ready_nodes(self) -> set[str]:
         """The nodes that have a ready worker."""
@@ -206,6 +217,12 @@ class SlotTable:
                 silent_s=_silence(slot, answered_at.get(slot.agent, now) if slot.agent is not None else now),
                 death=slot.death, death_cause=slot.death_cause, records=records, via_agent=slot.agent is not None)
         return views
+
+
+def _group_key(slot: Slot) -> Any:
+    """Which placement group a slot is in: by name when it has one (an adopting controller holds a
+    handle of its own per slot), else by handle."""
+    return slot.pg_name or id(slot.pg)
 
 
 def _silence(slot: Slot, as_of: float) -> float:

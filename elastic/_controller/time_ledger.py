@@ -156,6 +156,13 @@ class TimeLedger:
             else:
                 self._redone_open += kept.productive + kept.stall
 
+    def forget_through(self, step: int) -> None:
+        """The steps up to `step` can no longer be lost: their seconds stay productive for good and
+        need no entry (the ledger is pickled into the controller's journal every second, so what
+        it keeps must not grow with the run)."""
+        for kept in [s for s in self._kept if s <= step]:
+            del self._kept[kept]
+
     def settle(self, at: float) -> dict[str, float] | None:
         """The run ended (or finished within a recovery): a recovery still waiting for its first
         step ends at `at`. Returns its parts, if one was waiting."""

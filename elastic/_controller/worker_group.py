@@ -23,8 +23,9 @@ from ray.util.placement_group import remove_placement_group
 from elastic._controller.agent_pool import AgentPool
 from elastic._controller.placement import Placements
 from elastic._controller.ray_calls import answered, first_line, poll_failure
+from elastic._controller.run_names import NAMESPACE, RunNames
 from elastic._controller.slot_table import DEAD, READY, STARTING, Slot, SlotTable, WorkerView
-from elastic._protocol import GenerationPlan, PollFailure, RunSpec, WorkerReport
+from elastic._protocol import GenerationPlan, PollFailure, RunSpec, WorkerInfo, WorkerReport
 from elastic.errors import WorkerLostError
 from elastic.policies import Cause
 
@@ -43,11 +44,14 @@ class PollTerms(NamedTuple):
 class RayWorkerGroup:
     """The run's workers on Ray, as the controller acts on them (collaborators.WorkerGroup)."""
 
-    def __init__(self, spec: RunSpec, *, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, spec: RunSpec, *, clock: Callable[[], float] = time.monotonic, names: RunNames | None = None):
+        """`names`: the run's names (run_names): its workers outlive this controller, and a
+        replacement adopts them (`adopt`). None: they die with it."""
         self._clock = clock          # monotonic: placements, answers, deaths
         self._failure = spec.failure
+        self._names = names
         self._slots = SlotTable(spec.failure, clock)
-        self._placements = Placements(spec, self._slots, clock)
+        self._placements = Placements(spec, self._slots, clock, names)
         self._alive_nodes: set[str] | None = None    # ray.nodes() as read in this tick (None: not yet)
         # ScalingConfig.node_agents: one agent per node carries its workers' polls (agent_pool).
         self._agents = AgentPool(spec.failure.rendezvous_timeout_s, self._nodes_alive, self._slots.released,
@@ -62,6 +66,69 @@ class RayWorkerGroup:
     def avoid_nodes(self, node_ids: tuple[str, ...]) -> None:
         """New placements exclude these nodes (those already granted stay where they are)."""
         self._placements.avoid = node_ids
+
+    @property
+    def next_wid(self) -> int:
+        return self._slots.next_wid
+
+    # ---- a lost controller's workers -----------------------------------------------------
+    def adopt(self, after_step: int, next_wid: int) -> dict[int, tuple[WorkerReport, float]]:
+        """Take over the run's live workers from a lost controller: each is asked for its report,
+        with its records of the steps after `after_step` (the lost controller's journal has the
+        ones before), and becomes a ready slot of this group. A worker that does not answer within
+        heartbeat_timeout_s is killed (it would be replaced as silent anyway), and the placement
+        groups no adopted worker holds (placements the lost controller had not filled) are removed.
+        New slots are numbered from `next_wid` on. Returns worker id -> (its report, seconds since
+        the lost controller's last poll of it)."""
+        from ray.util.placement_group import remove_placement_group
+        assert self._names is not None, "only a run's named workers can be adopted"
+        self._slots.continue_from(next_wid)
+        groups = self._names.placement_groups()
+        calls: dict[str, tuple[Any, Any, ObjectRef, ObjectRef]] = {}
+        for name, parsed in self._names.workers().items():
+            try:
+                actor = ray.get_actor(name, namespace=NAMESPACE)
+            except ValueError:        # gone since it was listed
+                continue
+            calls[name] = (parsed, actor, actor.adopt.remote(after_step), actor.info.remote())
+        adopted: dict[int, tuple[WorkerReport, float]] = {}
+        deadline = self._clock() + self._failure.heartbeat_timeout_s
+        for parsed, actor, adopt_ref, info_ref in calls.values():
+            pg = groups.get(parsed.placement_group)
+            try:
+                answer: tuple[WorkerReport, float]
+                info: WorkerInfo
+                answer, info = ray.get([adopt_ref, info_ref], timeout=max(0.0, deadline - self._clock()))
+                report, since = answer
+            except RayError as error:
+                log.warning("worker %d could not be adopted (%s): it is replaced", parsed.wid, first_line(error))
+                ray.kill(actor, no_restart=True)
+                continue
+            if pg is None:            # not expected: a live worker's group is not removed
+                log.warning("worker %d could not be adopted: its placement group %s is gone", parsed.wid,
+                            parsed.placement_group)
+                ray.kill(actor, no_restart=True)
+                continue
+            now = self._clock()
+            self._slots.add(Slot(wid=parsed.wid, pg=pg, pg_ready=pg.ready(), created_at=now, bundle=parsed.bundle,
+                                 status=READY, actor=actor, info=info, last_answer_at=now, report=report,
+                                 seq_seen=report.seq, pg_name=parsed.placement_group))
+            adopted[parsed.wid] = report, since
+        held = {slot.pg_name for slot in self._slots if slot.status != DEAD}
+        for name, pg in groups.items():
+            if name not in held:
+                try:
+                    remove_placement_group(pg)
+                except Exception:
+                    log.debug("could not remove placement group %s", name, exc_info=True)
+        return adopted
+
+    def bury(self, wid: int, reason: str) -> None:
+        """A worker the lost controller had that is gone: its slot, dead (a generation's member
+        lost while no controller was there is then a fault like any other)."""
+        now = self._clock()
+        self._slots.add(Slot(wid=wid, pg=None, pg_ready=None, created_at=now, status=DEAD, death=reason,
+                             death_cause=Cause.WORKER_DIED, died_at=now))
 
     # ---- the tick ----------------------------------------------------------------------
     def tick(self, terms: PollTerms | None = None) -> dict[int, WorkerView]:
@@ -176,7 +243,7 @@ class RayWorkerGroup:
         if agent is not None and self._agents is not None:
             self._agents.forget(agent, slot.wid)
         (log.info if reason == "run ended" else log.warning)("worker %d is dead: %s", slot.wid, reason)
-        if not self._slots.placement_unused(slot):
+        if slot.pg is None or not self._slots.placement_unused(slot):
             return       # its replica's peers live: a replacement goes into its bundle, beside them
         try:
             remove_placement_group(slot.pg)

@@ -11,6 +11,7 @@ A generation's `TrainContext` is discarded at every rescale; what outlives it is
 from __future__ import annotations
 
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,10 @@ if TYPE_CHECKING:
 
 RECORDS_KEPT = 10_000   # step records a rank holds until polled (bounded if the controller stalls)
 ANSWERS_KEPT = 8        # answers a rank can send again when the controller says it never got them
+# Step records a rank keeps after they were polled, for a controller that replaced a lost one: the
+# lost one's journal (elastic._controller.journal) may be a few seconds older than its last poll,
+# and the steps it took meanwhile are replayed from here (Outbox.replay).
+HISTORY_KEPT = 4096
 
 
 @dataclass
@@ -56,11 +61,13 @@ class Outbox:
     news: threading.Event = field(default_factory=threading.Event)   # wakes a held poll
     seq: int = 0                                                      # the newest answer's number
     unacked: list[tuple[int, list[StepRecord]]] = field(default_factory=list)   # (seq, its records)
+    history: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=HISTORY_KEPT))   # polled or not
 
     def put(self, record: StepRecord) -> None:
         with self.lock:
             self.records.append(record)
             del self.records[:-RECORDS_KEPT]
+            self.history.append(record)
 
     def drain(self) -> list[StepRecord]:
         with self.lock:
@@ -80,11 +87,20 @@ class Outbox:
             self.unacked.append((self.seq, records))
             return self.seq, again + records
 
+    def replay(self, after_step: int) -> list[StepRecord]:
+        """For a controller that adopts this rank: the records of the steps after `after_step`
+        (those its journal does not hold), polled or not, in the order they came. Everything
+        pending is handed over with them: the next poll carries only newer records."""
+        with self.lock:
+            self.records, self.unacked = [], []
+            return [record for record in self.history if record.step > after_step]
+
     def drop_after(self, step: int) -> None:
         """Steps past `step` were lost with a failure: never report them."""
         with self.lock:
             self.records = [r for r in self.records if r.step <= step]
             self.unacked = [(seq, [r for r in sent if r.step <= step]) for seq, sent in self.unacked]
+            self.history = deque((r for r in self.history if r.step <= step), maxlen=HISTORY_KEPT)
 
 
 @dataclass

@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import threading
+import time
 import traceback
 
 from elastic._credentials import MaskingFormatter, mask_text
@@ -30,6 +31,7 @@ PREEMPTION_GRACE_S = 60   # a preempted worker leaves by then, even if the contr
 # reported (its last lines: a log line, releasing its frames). Below the controller's wait for the
 # call (heartbeat_timeout_s), so a thread that really is stuck still ends in a replaced worker.
 PREVIOUS_THREAD_JOIN_S = 5.0
+ORPHAN_CHECK_S = 5.0      # how often a worker that outlives its controller looks for one
 
 # Backends name themselves in the errors of a broken process group (gloo's come from its
 # transport, e.g. "[.../gloo/transport/tcp/pair.cc:537] Read error ... Connection reset by peer").
@@ -171,7 +173,11 @@ def _timestamped_framework_logs() -> None:
 class TrainWorker:
     """One rank. Created through `ray.remote(...)` by the worker group."""
 
-    def __init__(self, spec: RunSpec):
+    def __init__(self, spec: RunSpec, orphan_after_s: float | None = None):
+        """`orphan_after_s`: a worker that belongs to the run rather than to its controller (a
+        detached actor, elastic._controller.run_names) ends its process when no controller has
+        polled it for that long: nothing else would end it once the controller and the driver
+        are both gone for good."""
         import torch
 
         from elastic._worker.state import WorkerState
@@ -198,6 +204,10 @@ class TrainWorker:
         if spec.scaling.use_gpu:
             torch.cuda.set_device(0)   # Ray exposes exactly the GPU it assigned as device 0
         self._device = torch.device("cuda", 0) if spec.scaling.use_gpu else torch.device("cpu")
+        self._polled_at = time.monotonic()      # the last poll (or adoption) by a controller
+        if orphan_after_s is not None:
+            threading.Thread(target=self._end_when_orphaned, args=(orphan_after_s,), name="orphan-watch",
+                             daemon=True).start()
         # Ray runs an actor's __init__ on the process's main thread, where handlers may be set.
         signal.signal(signal.SIGTERM, self._on_preemption_notice)
         _preload()
@@ -208,6 +218,16 @@ class TrainWorker:
             self._state.checkpoints.open(spec)
         except Exception:   # the join opens it again and raises the typed error there
             log.debug("opening the checkpoint storage before the first join failed", exc_info=True)
+
+    def _end_when_orphaned(self, after_s: float) -> None:
+        while True:
+            time.sleep(min(ORPHAN_CHECK_S, after_s))
+            silent = time.monotonic() - self._polled_at
+            if silent > after_s:
+                log.error("no controller has polled this worker for %.0fs: the run's controller and driver are "
+                          "gone, so this worker ends", silent)
+                logging.shutdown()
+                os._exit(1)
 
     def _announce(self) -> None:
         """Wake the controller's held poll: something it must hear at once has happened."""
@@ -305,26 +325,46 @@ class TrainWorker:
         `wake_s`: the hang bound the controller judges by, if it has one: a held answer also
         comes when the training thread's wait for the others crosses it (thread_position)."""
         state = self._state
+        self._polled_at = time.monotonic()
         if hold_s > 0:
             self._position.hold(hold_s, wake_s)   # or until its training thread has waited long
         state.outbox.news.clear()
         with self._lock:
             seq, records = state.outbox.answer(acked)
-            progress, warm, session = state.progress, state.warm, state.checkpoints
-            plan, error = self._plan, self._error or {}
-            return WorkerReport(
-                phase=self._phase, generation=plan.generation if plan else -1,
-                rank=plan.rank if plan else None, step=progress.step,
-                has_state=warm.available, shard=warm.shard, records=records,
-                error_type=error.get("type"), error_message=error.get("message"),
-                error_traceback=error.get("traceback"), error_kind=error.get("kind"),
-                error=error.get("exception"), preempted=self._preempted.is_set(),
-                restored_step=warm.restored[1] if plan and warm.restored and warm.restored[0] == plan.generation
-                else None,
-                checkpoint_fallbacks=list(session.load_fallbacks),
-                model_sha256=self._model_sha256, resumed_from=session.resumed_from,
-                samples_seen=progress.samples_seen, data_order=progress.data_order.hexdigest(),
-                replicas=state.replicas.held(), position=self._position.report(), seq=seq)
+            return self._report(seq, records)
+
+    def adopt(self, after_step: int) -> tuple[WorkerReport, float]:
+        """A controller that replaced a lost one takes this worker over (elastic._controller.adoption):
+        its report, with the records of every step after `after_step` (the steps the lost
+        controller's journal does not hold), and how many seconds ago the last poll came (the lost
+        controller's last, unless another adopter came first)."""
+        state = self._state
+        since = time.monotonic() - self._polled_at
+        self._polled_at = time.monotonic()
+        state.outbox.news.clear()
+        with self._lock:
+            records = state.outbox.replay(after_step)
+            seq, pending = state.outbox.answer(None)
+            return self._report(seq, records + pending), since
+
+    def _report(self, seq: int, records: list) -> WorkerReport:
+        """This worker's answer numbered `seq`, carrying `records` (under the lock)."""
+        state = self._state
+        progress, warm, session = state.progress, state.warm, state.checkpoints
+        plan, error = self._plan, self._error or {}
+        return WorkerReport(
+            phase=self._phase, generation=plan.generation if plan else -1,
+            rank=plan.rank if plan else None, step=progress.step,
+            has_state=warm.available, shard=warm.shard, records=records,
+            error_type=error.get("type"), error_message=error.get("message"),
+            error_traceback=error.get("traceback"), error_kind=error.get("kind"),
+            error=error.get("exception"), preempted=self._preempted.is_set(),
+            restored_step=warm.restored[1] if plan and warm.restored and warm.restored[0] == plan.generation
+            else None,
+            checkpoint_fallbacks=list(session.load_fallbacks),
+            model_sha256=self._model_sha256, resumed_from=session.resumed_from,
+            samples_seen=progress.samples_seen, data_order=progress.data_order.hexdigest(),
+            replicas=state.replicas.held(), position=self._position.report(), seq=seq)
 
     def shutdown(self) -> None:
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from elastic._controller.journal import RecordState
 from elastic._controller.slot_table import DEAD, READY, WorkerView
 from elastic._controller.worker_group import PollTerms
 from elastic._protocol import GenerationPlan, StepRecord, WorkerInfo, WorkerPhase, WorkerReport
@@ -80,6 +81,14 @@ class FakeGroup:
     def shutdown(self, graceful: bool = True) -> None:
         self.shut_down = True
 
+    @property
+    def next_wid(self) -> int:
+        return self._next
+
+    def bury(self, wid: int, reason: str) -> None:
+        self.views[wid] = WorkerView(wid=wid, status=DEAD, death=reason, death_cause=Cause.WORKER_DIED)
+        self._next = max(self._next, wid + 1)
+
     # ---- scripting --------------------------------------------------------------------
     def set_report(self, wid: int, phase: WorkerPhase, *, generation: int, rank: int = 0, step: int = 0,
                    has_state: bool = True, **error: Any) -> None:
@@ -124,6 +133,13 @@ class FakeRecorder:
 
     def on_step(self, record: StepRecord) -> None:
         self.steps.append(record.step)
+
+    def journal_state(self) -> RecordState:
+        return RecordState(summary=None, metrics_step=max(self.steps, default=0),   # type: ignore[arg-type]
+                           newest_commit=0, feed_next=1)
+
+    def restore_journal(self, state: RecordState) -> None:
+        self.steps = [s for s in self.steps if s <= state.metrics_step]
 
     def on_log(self, record: StepRecord) -> None:
         self.logs.append(record)

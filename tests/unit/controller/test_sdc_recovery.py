@@ -82,7 +82,7 @@ def test_a_node_is_marked_bad_at_its_second_verdict_and_new_placements_exclude_i
     asked = []
     monkeypatch.setattr(placement, "placement_group", lambda bundles, **kw: asked.append((bundles, kw)))
     places = placement.Placements.__new__(placement.Placements)
-    places.bundle, places.avoid = {"CPU": 1.0}, ()
+    places.bundle, places.avoid, places._names = {"CPU": 1.0}, (), None
     places._placement_group(2, "STRICT_PACK")
     places.avoid = ("n1", "n3")
     places._placement_group(2, "STRICT_PACK")

@@ -1,0 +1,139 @@
+"""The controller's journal: what a controller that replaces a lost one needs and cannot read back
+from storage or from the workers.
+
+Storage holds the run's truth (FENCE, the manifests, metrics.jsonl, status.json) and the live
+workers hold theirs (generation, rank, step, the records of their recent steps). What neither
+holds is the controller's own account of the run: the state it is in and with which members, the
+summary it accumulates (generations, recoveries, the time ledger), the failure budget spent, the
+step and recovery ledgers, the nodes marked bad, the restarts so far. A `JournalEntry` is that
+account as of one tick, pickled and kept where the next controller finds it.
+
+Where: Ray's internal key-value store (the GCS), under the run's id (`RayJournal`). It outlives
+the controller's process and node, not the Ray cluster's head; a run that loses the head loses
+its workers too (docs/scale.md). It is written at every change of state and at most every
+JOURNAL_EVERY_S otherwise (`Journal.due`), on the controller's thread, so that each entry is one
+consistent cut of the controller's state; what happened after it is replayed from the workers'
+records (state.Outbox.replay), which is why an entry only needs to be recent, not current.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from elastic._controller.bad_nodes import BadNodes
+    from elastic._controller.failure_budget import FailureBudget
+    from elastic._controller.intake import IntakePosition
+    from elastic._controller.ledgers import RecoveryLedger, StepLedger
+    from elastic._controller.run_summary import RunSummary
+    from elastic._controller.states import AnyState
+
+log = logging.getLogger("elastic.controller")
+
+JOURNAL_EVERY_S = 1.0       # the oldest an entry gets while nothing changes state (the status.json pace)
+_NAMESPACE = "elastic"
+
+
+@dataclass
+class RecordState:
+    """The run record's part of an entry (RunRecorder.journal_state / restore_journal)."""
+
+    summary: RunSummary
+    metrics_step: int                  # newest step of the metrics lines the summary has taken
+    newest_commit: int                 # newest commit announced to the driver's feed
+    feed_next: int                     # the feed's next event number
+
+
+@dataclass
+class JournalEntry:
+    """The controller's account of the run as of one tick (see the module)."""
+
+    written_at: float                  # wall clock
+    state: AnyState
+    generation: int                    # the newest generation started (GenerationFormer)
+    intake: IntakePosition             # the newest step kept, the generations' starts
+    next_wid: int                      # worker ids are never given twice, across controllers too
+    record: RecordState
+    steps: StepLedger
+    recoveries: RecoveryLedger
+    budget: FailureBudget
+    bad_nodes: BadNodes
+    history: list[tuple[str, str, str]]
+    model_sha256: str | None
+    last_committed: int | None
+    world_size: int
+
+
+class JournalStore(Protocol):
+    """Where entries are kept (RayJournal; the unit tests' in-memory one)."""
+
+    def put(self, data: bytes) -> None: ...
+    def get(self) -> bytes | None: ...
+    def delete(self) -> None: ...
+
+
+class RayJournal:
+    """The run's entry in Ray's internal key-value store (the GCS), under its run id."""
+
+    def __init__(self, run_id: str):
+        self._key = f"{run_id}/controller-journal"
+
+    def put(self, data: bytes) -> None:
+        from ray.experimental.internal_kv import _internal_kv_put
+        _internal_kv_put(self._key, data, overwrite=True, namespace=_NAMESPACE)
+
+    def get(self) -> bytes | None:
+        from ray.experimental.internal_kv import _internal_kv_get
+        return _internal_kv_get(self._key, namespace=_NAMESPACE)
+
+    def delete(self) -> None:
+        from ray.experimental.internal_kv import _internal_kv_del
+        _internal_kv_del(self._key, namespace=_NAMESPACE)
+
+
+class Journal:
+    """Writes the controller's entries to a store (pickled: the budget holds the user's policy) and
+    reads the newest back. A write that fails is logged and retried at the next tick: the run goes
+    on, and a replacing controller replays more of the workers' records."""
+
+    def __init__(self, store: JournalStore, every_s: float = JOURNAL_EVERY_S,
+                 clock: Callable[[], float] = time.monotonic):
+        self._store, self._every_s, self._clock = store, every_s, clock
+        self._written_at = -float("inf")
+        self._failing = False
+
+    def due(self, force: bool) -> bool:
+        return force or self._clock() - self._written_at >= self._every_s
+
+    def write(self, entry: JournalEntry) -> None:
+        from ray import cloudpickle
+        try:
+            self._store.put(cloudpickle.dumps(entry))
+        except Exception:
+            if not self._failing:
+                log.warning("could not write the controller's journal (a replacing controller would replay "
+                            "more of the workers' records)", exc_info=True)
+            self._failing = True
+            return
+        self._failing = False
+        self._written_at = self._clock()
+
+    def read(self) -> JournalEntry | None:
+        """The newest entry, or None (none was written, or it cannot be read back)."""
+        import pickle
+        try:
+            data = self._store.get()
+            return pickle.loads(data) if data else None
+        except Exception:
+            log.warning("the controller's journal could not be read back", exc_info=True)
+            return None
+
+    def close(self) -> None:
+        """The run ended: no controller will replace this one."""
+        try:
+            self._store.delete()
+        except Exception:
+            log.debug("could not delete the controller's journal", exc_info=True)

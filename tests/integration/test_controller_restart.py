@@ -1,0 +1,105 @@
+"""The run outlives its controller: SIGKILL of the controller's process mid-run, on a local Ray."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+
+import pytest
+
+import gpt
+from elastic import CheckpointConfig, ElasticTrainer, FailureConfig, ScalingConfig
+from elastic._worker.fault_gate import HoldAt
+from run_file_schemas import validate_run
+from support import pid_alive, read_json, wait_for
+
+pytestmark = [pytest.mark.integration]
+
+TINY = {"model_size": "tiny", "batch_size": 8}
+
+
+class ControllerKiller(threading.Thread):
+    """SIGKILL the controller's process once status.json shows the run past `at_step` (the ranks
+    hold there until the kill: HoldAt), then release the ranks at once, so that they train on
+    while no controller is there."""
+
+    def __init__(self, run_dir: str, at_step: int, and_rank: int | None = None):
+        """`and_rank`: SIGKILL that rank's worker too, while no controller is there."""
+        super().__init__(daemon=True)
+        self.run_dir, self.at_step, self.and_rank = run_dir, at_step, and_rank
+        self.gate = run_dir.rstrip("/") + f".released-after-{at_step}"
+        self.killed: int | None = None
+        self.workers: list[int] = []
+        self.step_seen: int | None = None
+
+    def hold_config(self) -> dict:
+        return HoldAt(self.at_step, self.gate).as_config()
+
+    def run(self) -> None:
+        try:
+            def due():
+                status = read_json(self.run_dir, "status.json") or {}
+                ok = status.get("state") == "running" and status.get("step", 0) >= self.at_step
+                return status if ok and status.get("controller") and status.get("workers") else None
+            wait_for(due, 120, f"the run past step {self.at_step}")
+            status = due()
+            self.workers = sorted(w["pid"] for w in status["workers"])
+            self.step_seen, self.killed = status["step"], status["controller"]["pid"]
+            os.kill(self.killed, signal.SIGKILL)
+            wait_for(lambda: not pid_alive(self.killed), 30, "the controller's process to die")
+            if self.and_rank is not None:
+                (pid,) = [w["pid"] for w in status["workers"] if w["rank"] == self.and_rank]
+                os.kill(pid, signal.SIGKILL)
+                self.workers.remove(pid)
+        finally:
+            open(self.gate, "w").close()
+
+
+def fit(run_dir, killer, steps, strategy="ddp", workers=(2, 2)):
+    killer.start()
+    result = ElasticTrainer(
+        gpt.train_loop, train_loop_config={**TINY, **killer.hold_config()}, total_steps=steps, seed=0,
+        scaling=ScalingConfig(min_workers=workers[0], max_workers=workers[1], strategy=strategy, startup_wait_s=120),
+        checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=50),
+        failure=FailureConfig(heartbeat_timeout_s=10.0, rendezvous_timeout_s=60.0)).fit()
+    killer.join(timeout=5)
+    assert killer.killed is not None, "the controller was never killed"
+    assert result.ok and result.final_step == steps, (result.status, result.error)
+    # Each step once in metrics.jsonl, those the ranks took while no controller was there too.
+    lines = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    assert [line["step"] for line in lines] == list(range(1, steps + 1))
+    assert validate_run(run_dir)["metrics.jsonl"] == steps
+    assert len(result.metrics.history["loss"]) == steps
+    return result, result.summary
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_controller_is_replaced_and_adopts_the_live_workers_losing_no_step(ray_session, run_dir):
+    killer = ControllerKiller(run_dir, at_step=30)
+    result, s = fit(run_dir, killer, steps=150)
+    # Nothing was recovered: the generation went on, with the same processes.
+    assert s["recoveries"] == [] and s["world_size_history"] == [[0, 2]]
+    (restart,) = s["controller_restarts"]
+    assert restart["kind"] == "running" and restart["adopted"] == 2 and restart["lost"] == restart["replaced"] == 0
+    assert restart["pid"] != killer.killed and restart["without_controller_s"] > 0
+    status = read_json(run_dir, "status.json")
+    assert status["controller"]["restarts"] == 1 and status["controller"]["pid"] == restart["pid"]
+    assert sorted(w["pid"] for w in status["workers"]) == killer.workers
+    assert s["checkpoints"][-1] == 150 and s["samples_consumed"] == 150 * 16
+
+
+@pytest.mark.timeout(240)
+def test_an_fsdp_rank_killed_while_no_controller_is_there_is_recovered_once_the_replacement_is_up(
+        ray_session, run_dir):
+    killer = ControllerKiller(run_dir, at_step=30, and_rank=2)
+    result, s = fit(run_dir, killer, steps=120, strategy="fsdp", workers=(2, 3))
+    (restart,) = s["controller_restarts"]
+    assert restart["kind"] == "running" and restart["adopted"] == 2 and restart["lost"] == 1
+    # From the neighbours' host memory at the step the ranks held at; then the replacement grows it back.
+    lost, *regrowth = s["recoveries"]
+    assert lost["cause"] == "worker_died" and lost["rung"] == "memory" and lost["lost_steps"] == 0
+    assert (lost["from_world"], lost["to_world"]) == (3, 2) and [r["cause"] for r in regrowth] in ([], ["scale_up"])
+    # The survivors were never restarted: the adopted processes finished the run.
+    status = read_json(run_dir, "status.json")
+    assert set(killer.workers) <= {w["pid"] for w in status["workers"]} | {w["pid"] for w in status["spares"]}
