@@ -79,6 +79,15 @@ class KillWorker(Fault):
 
 
 @dataclass(frozen=True, kw_only=True)
+class KillController(Fault):
+    """SIGKILL to the run's controller process (status.json names it), while its generation runs.
+    Ray restarts the controller, which adopts the live workers: no recovery is expected, no
+    worker may be restarted by it, and no step lost or redone."""
+
+    kind: ClassVar[str] = "kill_controller"
+
+
+@dataclass(frozen=True, kw_only=True)
 class KillNode(Fault):
     """A whole Ray node leaves the cluster (all its processes die); the heal adds a fresh node,
     the way an autoscaler replaces a lost machine."""
@@ -337,7 +346,7 @@ class SecondRun(Fault):
 
 
 FAULT_TYPES: dict[str, type[Fault]] = {cls.kind: cls for cls in (
-    KillWorker, KillNode, Hang, Slow, Partition, StorageOutage, StorageStall, CrashBeforeCommit,
+    KillWorker, KillController, KillNode, Hang, Slow, Partition, StorageOutage, StorageStall, CrashBeforeCommit,
     CorruptCheckpoint, Preempt, UserError, LateCommit, SecondRun, BitFlip, BadGradient)}
 
 

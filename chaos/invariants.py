@@ -154,7 +154,8 @@ def check_all(ev: Evidence) -> list[Verdict]:
     return [terminates_typed(ev), committed_steps_kept(ev, matches), no_bad_checkpoint_loaded(ev, matches),
             model_matches_reference(ev), data_order_matches_reference(ev), metrics_complete(ev),
             faults_recovered(ev, matches), no_committed_checkpoint_lost(ev),
-            no_checkpoint_from_wrong_generation(ev), intruders_refused(ev), no_false_hang(ev)]
+            no_checkpoint_from_wrong_generation(ev), intruders_refused(ev), no_false_hang(ev),
+            workers_outlive_controller(ev)]
 
 
 # ---- the invariants --------------------------------------------------------------------------
@@ -567,6 +568,33 @@ def no_false_hang(ev: Evidence) -> Verdict:
     return Verdict("no_false_hang", FAIL if false else PASS,
                    "; ".join(false) or f"no hang judged during {len(windows)} storage fault(s)",
                    {"windows": windows, "false_hangs": false})
+
+
+def workers_outlive_controller(ev: Evidence) -> Verdict:
+    """Each controller killed was replaced by one that adopted the running generation's workers:
+    a restart record of kind "running" (or "idle") per kill, none of them replaced. (Steps kept
+    once, no double commit and the run's end are the other invariants'.)"""
+    kills = [e for e in ev.events("invoke") if e["fault"]["kind"] == "kill_controller"
+             and (e.get("detail") or {}).get("signalled")]
+    if not kills:
+        return Verdict("workers_outlive_controller", SKIP, "no controller was killed")
+    restarts = sorted((r for a in ev.attempts for r in (a.get("summary") or {}).get("controller_restarts") or []),
+                      key=lambda r: r.get("adopted_at", 0.0))
+    problems = []
+    for kill in kills:
+        after = [r for r in restarts if r.get("adopted_at", 0.0) >= kill["t"] - 1.0]
+        if not after:
+            problems.append(f"fault {kill['index']}: no controller restart recorded after it")
+            continue
+        restart = after[0]
+        restarts.remove(restart)
+        if restart.get("kind") not in ("running", "idle") or restart.get("replaced"):
+            problems.append(f"fault {kill['index']}: the replacement restarted workers ({restart.get('reason')})")
+    seconds = [r.get("without_controller_s") for r in
+               (x for a in ev.attempts for x in (a.get("summary") or {}).get("controller_restarts") or [])]
+    return Verdict("workers_outlive_controller", FAIL if problems else PASS,
+                   "; ".join(problems) or f"{len(kills)} controllers killed, each replaced with its workers adopted "
+                                          f"(seconds without a controller: {seconds})")
 
 
 def intruders_refused(ev: Evidence) -> Verdict:

@@ -24,6 +24,7 @@ from chaos.faults import (
     CorruptCheckpoint,
     CrashBeforeCommit,
     Hang,
+    KillController,
     KillNode,
     KillWorker,
     LateCommit,
@@ -194,6 +195,7 @@ MIXED_MENU = [
     (1.0, lambda r: Partition(target="one", duration_s=round(r.uniform(16, 24), 1))),
     (1.0, lambda r: LateCommit(target="one", phase=r.choice(["check", "put"]))),
     (0.5, lambda r: SecondRun()),
+    (1.0, lambda r: KillController()),
 ]
 
 

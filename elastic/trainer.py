@@ -5,7 +5,7 @@ the controller's process (detached and named: elastic._controller.run_names): wh
 dies, Ray restarts the actor (CONTROLLER_RESTARTS times), the new controller adopts the live
 workers (elastic._controller.adoption) and the driver's wait goes on with it. The controller
 belongs to the driver: if the driver goes, the controller goes with it, and its workers end
-themselves once no controller has polled them for run_names.ORPHAN_AFTER_S.
+themselves within seconds (TrainWorker's orphan watch: the controller's name is gone).
 """
 from __future__ import annotations
 
@@ -267,6 +267,7 @@ class ElasticTrainer:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from elastic._controller.actor import ControllerActor
+        from elastic._controller.run_names import NAMESPACE, RunNames
         here = ray.get_runtime_context().get_node_id()
         runtime_env, credentials = actor_environment(os.environ)
         if self.logging_config is not None:
@@ -280,7 +281,8 @@ class ElasticTrainer:
             # A lost controller's process is restarted in its place, and the driver's calls (its
             # run() included) are resubmitted to the new one (max_task_retries): see the module.
             num_cpus=0, max_concurrency=4, max_restarts=CONTROLLER_RESTARTS, max_task_retries=-1,
-            runtime_env=runtime_env,
+            runtime_env=runtime_env, name=RunNames(self._run_id).controller() if self._run_id else None,
+            namespace=NAMESPACE,
             # Beside the driver, hard: a soft preference was ignored on a CPU-less head node (seen
             # with ray.cluster_utils.Cluster), and the controller must not live on a node the
             # run may lose. If the driver's node goes, the run goes with it anyway.

@@ -115,6 +115,7 @@ def build_injectors(env: Env) -> dict[str, Injector]:
         BadGradientInjector,
         BitFlipInjector,
         HangInjector,
+        KillControllerInjector,
         KillWorkerInjector,
         PreemptInjector,
         SlowInjector,
@@ -128,5 +129,5 @@ def build_injectors(env: Env) -> dict[str, Injector]:
     classes = (KillWorkerInjector, PreemptInjector, HangInjector, SlowInjector, KillNodeInjector,
                PartitionInjector, StorageOutageInjector, StorageStallInjector, CrashBeforeCommitInjector,
                CorruptCheckpointInjector, LateCommitInjector, SecondRunInjector, BitFlipInjector,
-               BadGradientInjector)
+               BadGradientInjector, KillControllerInjector)
     return {cls.kind: cls(env) for cls in classes}

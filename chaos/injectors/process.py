@@ -8,7 +8,7 @@ import random
 import signal
 import threading
 
-from chaos.faults import BadGradient, BitFlip, Fault, Hang, KillWorker, Preempt, Slow
+from chaos.faults import BadGradient, BitFlip, Fault, Hang, KillController, KillWorker, Preempt, Slow
 from chaos.injectors import Active, Injector, Skip
 from chaos.procs import Proc
 
@@ -39,6 +39,28 @@ class KillWorkerInjector(_OneSignal):
 
     kind = "kill_worker"
     sig = signal.SIGKILL
+
+
+class KillControllerInjector(Injector):
+    """SIGKILL to the controller's process, only while status.json says the run is running (the
+    runtime adopts its workers from that state; a controller lost in the middle of a re-form
+    restarts them from storage). Nothing to heal: Ray restarts the controller. The detail keeps
+    the workers' pids, which the invariant finds alive in the replacement's status."""
+
+    kind = "kill_controller"
+
+    def invoke(self, fault: Fault, rng: random.Random) -> Active:
+        assert isinstance(fault, KillController)
+        status = self.env.view.status() or {}
+        controller = status.get("controller") or {}
+        if status.get("state") != "running" or not controller.get("pid"):
+            raise Skip(f"the run is {status.get('state')!r}, not running under a named controller")
+        proc = Proc.of_worker(controller["pid"])
+        if proc is None:
+            raise Skip(f"pid {controller['pid']} is no live Ray process")
+        sent = proc.signal(signal.SIGKILL)
+        return Active(fault, {"pid": proc.pid, "signalled": int(sent), "restarts_before": controller.get("restarts"),
+                              "worker_pids": sorted(w["pid"] for w in status.get("workers") or [])})
 
 
 class PreemptInjector(_OneSignal):

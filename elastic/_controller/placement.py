@@ -38,7 +38,7 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from elastic._controller.ray_calls import answered, first_line
-from elastic._controller.run_names import NAMESPACE, ORPHAN_AFTER_S, RunNames
+from elastic._controller.run_names import NAMESPACE, RunNames
 from elastic._controller.slot_table import PENDING, STARTING, Slot, SlotTable
 from elastic._protocol import RunSpec
 from elastic._worker.worker import TrainWorker
@@ -150,7 +150,7 @@ class Placements:
             max_restarts=0, **named,
             scheduling_strategy=PlacementGroupSchedulingStrategy(slot.pg, placement_group_bundle_index=slot.bundle))
         # Ray resolves its methods by name
-        actor: Any = actor_cls.remote(self._spec, ORPHAN_AFTER_S if self._names is not None else None)
+        actor: Any = actor_cls.remote(self._spec, self._names.controller() if self._names is not None else None)
         self._slots.launched(slot, actor, actor.info.remote(), placed_at)
 
     def _warn_if_stuck(self, slot: Slot, now: float) -> None:

@@ -18,9 +18,10 @@ from typing import Any, NamedTuple
 log = logging.getLogger("elastic.group")
 
 NAMESPACE = "elastic"
-# A worker that no controller polls for this long ends itself (TrainWorker's orphan watch): the
-# bound on how long a replacing controller may take to come up. Ray restarts a lost controller
-# in seconds; the driver's death with nobody to attach leaves the workers this long.
+# A worker that no controller polls for this long ends itself (TrainWorker's orphan watch), even
+# if the controller's actor is still there (a controller stuck for minutes): Ray restarts a lost
+# controller in about a second, and a worker also ends once the controller's actor is gone for
+# good (the driver that owned it ended), within two of its looks 5 s apart.
 ORPHAN_AFTER_S = 300.0
 
 
@@ -33,6 +34,11 @@ class WorkerName(NamedTuple):
 @dataclass(frozen=True)
 class RunNames:
     run_id: str
+
+    def controller(self) -> str:
+        """The controller actor's name (it is the driver's: not detached; the name is released once
+        it is dead for good, and kept while Ray restarts it)."""
+        return f"{self.run_id}.controller"
 
     def placement_group(self) -> str:
         """A new placement group's name (unique: a replaced slot's group may outlive it)."""
@@ -71,6 +77,18 @@ class RunNames:
             if self.owns_placement_group(name) and entry.get("state") != "REMOVED":
                 groups[name] = PlacementGroup(PlacementGroupID.from_hex(pg_id))
         return groups
+
+
+def controller_gone(name: str) -> bool:
+    """Whether the controller actor named `name` is gone for good (its name is free)."""
+    import ray
+    try:
+        ray.get_actor(name, namespace=NAMESPACE)
+        return False
+    except ValueError:
+        return True
+    except Exception:   # noqa: BLE001 - the GCS unreachable (a head restarting): no evidence either way
+        return False
 
 
 def reap(run_id: str) -> int:

@@ -31,7 +31,7 @@ PREEMPTION_GRACE_S = 60   # a preempted worker leaves by then, even if the contr
 # reported (its last lines: a log line, releasing its frames). Below the controller's wait for the
 # call (heartbeat_timeout_s), so a thread that really is stuck still ends in a replaced worker.
 PREVIOUS_THREAD_JOIN_S = 5.0
-ORPHAN_CHECK_S = 5.0      # how often a worker that outlives its controller looks for one
+ORPHAN_CHECK_S = 5.0      # how often a worker that belongs to its run looks for the run's controller
 
 # Backends name themselves in the errors of a broken process group (gloo's come from its
 # transport, e.g. "[.../gloo/transport/tcp/pair.cc:537] Read error ... Connection reset by peer").
@@ -170,14 +170,26 @@ def _timestamped_framework_logs() -> None:
             logger.propagate = False
 
 
+def _remove_own_placement_group() -> None:
+    """An orphaned worker's last act: its placement group is detached and would hold its resources."""
+    try:
+        from ray.util.placement_group import get_current_placement_group, remove_placement_group
+        group = get_current_placement_group()
+        if group is not None:
+            remove_placement_group(group)
+    except Exception:   # the process ends either way
+        log.debug("could not remove this worker's placement group", exc_info=True)
+
+
 class TrainWorker:
     """One rank. Created through `ray.remote(...)` by the worker group."""
 
-    def __init__(self, spec: RunSpec, orphan_after_s: float | None = None):
-        """`orphan_after_s`: a worker that belongs to the run rather than to its controller (a
-        detached actor, elastic._controller.run_names) ends its process when no controller has
-        polled it for that long: nothing else would end it once the controller and the driver
-        are both gone for good."""
+    def __init__(self, spec: RunSpec, controller: str | None = None):
+        """`controller`: the name of the run's controller actor, for a worker that belongs to the
+        run rather than to its controller's process (a detached actor, run_names). It ends its
+        process, and removes its placement group, once that actor is gone for good (not while Ray
+        restarts it), or no controller has polled it for run_names.ORPHAN_AFTER_S: nothing else
+        would end it once the controller and the driver are both gone."""
         import torch
 
         from elastic._worker.state import WorkerState
@@ -205,8 +217,8 @@ class TrainWorker:
             torch.cuda.set_device(0)   # Ray exposes exactly the GPU it assigned as device 0
         self._device = torch.device("cuda", 0) if spec.scaling.use_gpu else torch.device("cpu")
         self._polled_at = time.monotonic()      # the last poll (or adoption) by a controller
-        if orphan_after_s is not None:
-            threading.Thread(target=self._end_when_orphaned, args=(orphan_after_s,), name="orphan-watch",
+        if controller is not None:
+            threading.Thread(target=self._end_when_orphaned, args=(controller,), name="orphan-watch",
                              daemon=True).start()
         # Ray runs an actor's __init__ on the process's main thread, where handlers may be set.
         signal.signal(signal.SIGTERM, self._on_preemption_notice)
@@ -219,13 +231,19 @@ class TrainWorker:
         except Exception:   # the join opens it again and raises the typed error there
             log.debug("opening the checkpoint storage before the first join failed", exc_info=True)
 
-    def _end_when_orphaned(self, after_s: float) -> None:
+    def _end_when_orphaned(self, controller: str) -> None:
+        from elastic._controller.run_names import ORPHAN_AFTER_S, controller_gone
+        missing = 0
         while True:
-            time.sleep(min(ORPHAN_CHECK_S, after_s))
+            time.sleep(ORPHAN_CHECK_S)
+            # Two looks in a row: a name is released only once its actor is dead for good.
+            missing = missing + 1 if controller_gone(controller) else 0
             silent = time.monotonic() - self._polled_at
-            if silent > after_s:
-                log.error("no controller has polled this worker for %.0fs: the run's controller and driver are "
-                          "gone, so this worker ends", silent)
+            if missing >= 2 or silent > ORPHAN_AFTER_S:
+                why = "its controller is gone" if missing >= 2 else f"no controller polled it for {silent:.0f}s"
+                log.error("this worker ends: %s (the run's driver ended, or its controller could not be restarted)",
+                          why)
+                _remove_own_placement_group()
                 logging.shutdown()
                 os._exit(1)
 

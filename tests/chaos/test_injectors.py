@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from chaos.faults import Hang, KillNode, KillWorker, Partition, Preempt, Slow, StorageOutage
+from chaos.faults import Hang, KillController, KillNode, KillWorker, Partition, Preempt, Slow, StorageOutage
 from chaos.history import History
 from chaos.injectors import Env, Skip, Unsupported, build_injectors
 from chaos.nemesis import Nemesis
@@ -75,6 +75,22 @@ def test_kill_and_preempt_signal_the_chosen_rank_only(spawn_worker):
     assert procs[2].returncode == -15 and procs[0].poll() is None
     with pytest.raises(Skip):
         injectors["kill_worker"].invoke(KillWorker(target="rank:7"), random.Random(0))
+
+
+def test_kill_controller_kills_the_process_status_json_names_only_while_the_run_is_running(spawn_worker):
+    controller, worker = spawn_worker(), spawn_worker()
+    wait_until(lambda: Proc.of_worker(controller.pid) and Proc.of_worker(worker.pid), 10, "the fake processes")
+    view = FakeView([worker.pid])
+    view.state["controller"] = {"pid": controller.pid, "node": "n", "since": 1.0, "restarts": 0}
+    injectors = build_injectors(Env(view=view))
+    view.state["state"] = "recovering"
+    with pytest.raises(Skip, match="recovering"):
+        injectors["kill_controller"].invoke(KillController(), random.Random(0))
+    view.state["state"] = "running"
+    active = injectors["kill_controller"].invoke(KillController(), random.Random(0))
+    assert active.detail["signalled"] == 1 and active.detail["worker_pids"] == [worker.pid]
+    controller.wait(timeout=10)
+    assert controller.returncode == -9 and worker.poll() is None
 
 
 def test_a_recycled_pid_is_never_signalled(spawn_worker):

@@ -53,8 +53,26 @@ def summary(ev: dict) -> dict:
 def test_a_good_history_passes_every_invariant():
     assert set(verdicts(good()).values()) == {PASS, SKIP}
     assert [name for name, status in verdicts(good()).items() if status == SKIP] == [
-        "data_order_matches_reference", "intruders_refused", "no_false_hang"]   # summaries without it; no
-                                                                                 # intruder; no storage fault
+        "data_order_matches_reference", "intruders_refused", "no_false_hang",    # summaries without it; no
+        "workers_outlive_controller"]                                            # intruder; no storage fault;
+                                                                                 # no controller killed
+
+
+def with_controller_killed(restart: dict | None) -> dict:
+    ev = good()
+    ev["history"].insert(3, {"t": 15.0, "type": "invoke", "index": 2, "fault": {"kind": "kill_controller",
+                                                                                  "duration_s": 0.0},
+                             "detail": {"pid": 99, "signalled": 1}, "run": {"generation": 1, "step": 30}})
+    summary(ev)["controller_restarts"] = [restart] if restart else []
+    return ev
+
+
+def test_a_killed_controller_must_be_replaced_by_one_that_adopted_the_workers():
+    adopted = {"kind": "running", "adopted_at": 15.9, "without_controller_s": 0.9, "replaced": 0, "reason": "ok"}
+    assert verdicts(with_controller_killed(adopted))["workers_outlive_controller"] == PASS
+    assert verdicts(with_controller_killed(None))["workers_outlive_controller"] == FAIL
+    restarted = {**adopted, "kind": "restart", "replaced": 3, "reason": "lost while recovering"}
+    assert verdicts(with_controller_killed(restarted))["workers_outlive_controller"] == FAIL
 
 
 def test_a_recovery_older_than_a_commit_made_before_the_fault_loses_a_committed_step():

@@ -103,3 +103,48 @@ def test_an_fsdp_rank_killed_while_no_controller_is_there_is_recovered_once_the_
     # The survivors were never restarted: the adopted processes finished the run.
     status = read_json(run_dir, "status.json")
     assert set(killer.workers) <= {w["pid"] for w in status["workers"]} | {w["pid"] for w in status["spares"]}
+
+
+DRIVER = """
+import sys
+sys.path[:0] = [{root!r}, {examples!r}]
+import ray
+import gpt
+from elastic import CheckpointConfig, ElasticTrainer, FailureConfig, ScalingConfig
+ray.init(address={address!r}, logging_level="WARNING")
+ElasticTrainer(gpt.train_loop, train_loop_config={config!r}, total_steps=100000, seed=0,
+               scaling=ScalingConfig(min_workers=2, max_workers=2, startup_wait_s=120),
+               checkpoint=CheckpointConfig(storage={storage!r}),
+               failure=FailureConfig(rendezvous_timeout_s=60.0)).fit()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_driver_takes_its_controller_and_the_workers_end_themselves_leaving_nothing_behind(
+        ray_session, run_dir, tmp_path):
+    import subprocess
+    import sys
+
+    from ray.util.placement_group import placement_group_table
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER.format(root=root, examples=os.path.join(root, "examples"), storage=run_dir,
+                                    address=ray_session.get_runtime_context().gcs_address, config=TINY))
+    driver = subprocess.Popen([sys.executable, str(script)], start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: (read_json(run_dir, "status.json") or {}).get("step", 0) >= 5, 120, "the run's 5th step")
+        status = read_json(run_dir, "status.json")
+        workers, run_id = [w["pid"] for w in status["workers"]], status["run_id"]
+        os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait(timeout=10)
+        # The workers are detached (they outlive a controller's process), so they end themselves
+        # once the controller the driver owned is gone for good: two looks 5 s apart.
+        wait_for(lambda: not any(pid_alive(pid) for pid in workers), 60, "the orphaned workers to end")
+        wait_for(lambda: all(entry["state"] == "REMOVED" for entry in placement_group_table().values()
+                             if entry["name"].startswith(run_id)), 30, "their placement groups to be removed")
+        assert not [entry for entry in ray_session.util.list_named_actors(all_namespaces=True)
+                    if entry["name"].startswith(run_id)]
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)

@@ -36,7 +36,7 @@ class Launcher:
         self._options = options
         return self
 
-    def remote(self, spec, orphan_after_s=None):
+    def remote(self, spec, controller=None):
         pid = len(self._launches)
         self._launches.append(self._options)
         report = WorkerReport(phase="idle", generation=0, rank=None, step=0, has_state=False, records=[])
