@@ -1,7 +1,7 @@
 """ElasticTrainer: the public entry point. Validates, starts the controller actor, waits.
 
 The controller runs in its own Ray actor (no CPU reserved). The workers belong to the run, not to
-the controller's process (detached and named: elastic._controller.run_names): when that process
+the controller's process (detached and named: elastic._run_names): when that process
 dies, Ray restarts the actor (CONTROLLER_RESTARTS times), the new controller adopts the live
 workers (elastic._controller.adoption) and the driver's wait goes on with it. The controller
 belongs to the driver: if the driver goes, the controller goes with it, and its workers end
@@ -267,7 +267,7 @@ class ElasticTrainer:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from elastic._controller.actor import ControllerActor
-        from elastic._controller.run_names import NAMESPACE, RunNames
+        from elastic._run_names import NAMESPACE, RunNames
         here = ray.get_runtime_context().get_node_id()
         runtime_env, credentials = actor_environment(os.environ)
         if self.logging_config is not None:
@@ -318,7 +318,7 @@ class ElasticTrainer:
         """The run's workers and placement groups that its controller left (one lost for good:
         a finished run's controller removed its own), and its journal."""
         from elastic._controller.journal import Journal, RayJournal
-        from elastic._controller.run_names import reap
+        from elastic._run_names import reap
         if self._run_id is None:
             return
         try:

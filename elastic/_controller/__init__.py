@@ -15,6 +15,9 @@ start. What to read first to understand a recovery, in order:
 - `worker_group.py` the Ray actors, their placement groups, polls, kills;
 - `node_agent.py`  the per-node agent that carries its node's polls (ScalingConfig.node_agents);
 - `actor.py`       the Ray actor that hosts all of it and writes the summary;
+- `journal.py`, `adoption.py`  the controller's account of the run in Ray's GCS, and what a
+                   controller that replaces a lost one makes of the workers it finds (their
+                   names: elastic._run_names);
 - `run_record.py`  (with `metrics_log.py`, `status_writer.py`, `run_summary.py`, `time_ledger.py`)
                    the run's files.
 """

@@ -14,13 +14,13 @@ from elastic._controller.commit_watch import CommitWatch
 from elastic._controller.controller import Controller, run_loop
 from elastic._controller.feed import Event, RunFeed
 from elastic._controller.journal import Journal, JournalEntry, RayJournal
-from elastic._controller.run_names import RunNames
 from elastic._controller.run_record import RunRecorder
 from elastic._controller.states import RunState
 from elastic._controller.worker_group import RayWorkerGroup
 from elastic._credentials import MaskingFormatter
 from elastic._protocol import RunSpec
 from elastic._ray_metrics import RayMetricsListener
+from elastic._run_names import RunNames
 from elastic.config import LOG_FORMAT, LOG_LEVEL_ENV
 from elastic.errors import UserCodeError
 

@@ -1,7 +1,7 @@
 """A controller that replaces a lost one: what it makes of the workers it finds.
 
 The lost controller's journal (elastic._controller.journal) says which state it was in and with
-which members; the workers found alive under the run's names (run_names) say where they are. The
+which members; the workers found alive under the run's names (elastic._run_names) say where they are. The
 judge here decides, and the controller acts on it (Controller.take_over):
 
 - RUNNING: the journal's generation was running. Its members found alive are adopted and go on

@@ -38,9 +38,9 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from elastic._controller.ray_calls import answered, first_line
-from elastic._controller.run_names import NAMESPACE, RunNames
 from elastic._controller.slot_table import PENDING, STARTING, Slot, SlotTable
 from elastic._protocol import RunSpec
+from elastic._run_names import NAMESPACE, RunNames
 from elastic._worker.worker import TrainWorker
 
 log = logging.getLogger("elastic.group")
@@ -60,7 +60,7 @@ class Placements:
     """The placements and starts of the run's worker slots (filed in the slot table)."""
 
     def __init__(self, spec: RunSpec, slots: SlotTable, clock: Callable[[], float], names: RunNames | None = None):
-        """`names`: the run's (run_names): its workers and placement groups are detached and named,
+        """`names`: the run's (elastic._run_names): its workers and placement groups are detached and named,
         and outlive this controller. None: they are this controller's and die with it."""
         self._spec, self._slots, self._clock, self._names = spec, slots, clock, names
         self._scaling, self._start_timeout_s = spec.scaling, spec.failure.rendezvous_timeout_s

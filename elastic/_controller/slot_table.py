@@ -74,7 +74,7 @@ class Slot:
     placed_at: float = 0.0             # monotonic time its placement was granted and its actor launched
     agent: str | None = None           # the node whose agent carries its polls (None: polled directly)
     seq_seen: int = 0                  # the newest answer received (each poll acknowledges it: state.Outbox)
-    pg_name: str = ""                  # its placement group's name (run_names; empty: unnamed)
+    pg_name: str = ""                  # its placement group's name (elastic._run_names; empty: unnamed)
 
 
 class SlotTable:

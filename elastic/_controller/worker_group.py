@@ -23,9 +23,9 @@ from ray.util.placement_group import remove_placement_group
 from elastic._controller.agent_pool import AgentPool
 from elastic._controller.placement import Placements
 from elastic._controller.ray_calls import answered, first_line, poll_failure
-from elastic._controller.run_names import NAMESPACE, RunNames
 from elastic._controller.slot_table import DEAD, READY, STARTING, Slot, SlotTable, WorkerView
 from elastic._protocol import GenerationPlan, PollFailure, RunSpec, WorkerInfo, WorkerReport
+from elastic._run_names import NAMESPACE, RunNames
 from elastic.errors import WorkerLostError
 from elastic.policies import Cause
 
@@ -45,7 +45,7 @@ class RayWorkerGroup:
     """The run's workers on Ray, as the controller acts on them (collaborators.WorkerGroup)."""
 
     def __init__(self, spec: RunSpec, *, clock: Callable[[], float] = time.monotonic, names: RunNames | None = None):
-        """`names`: the run's names (run_names): its workers outlive this controller, and a
+        """`names`: the run's names (elastic._run_names): its workers outlive this controller, and a
         replacement adopts them (`adopt`). None: they die with it."""
         self._clock = clock          # monotonic: placements, answers, deaths
         self._failure = spec.failure

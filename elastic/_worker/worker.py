@@ -186,9 +186,9 @@ class TrainWorker:
 
     def __init__(self, spec: RunSpec, controller: str | None = None):
         """`controller`: the name of the run's controller actor, for a worker that belongs to the
-        run rather than to its controller's process (a detached actor, run_names). It ends its
+        run rather than to its controller's process (a detached actor, elastic._run_names). It ends its
         process, and removes its placement group, once that actor is gone for good (not while Ray
-        restarts it), or no controller has polled it for run_names.ORPHAN_AFTER_S: nothing else
+        restarts it), or no controller has polled it for _run_names.ORPHAN_AFTER_S: nothing else
         would end it once the controller and the driver are both gone."""
         import torch
 
@@ -232,7 +232,7 @@ class TrainWorker:
             log.debug("opening the checkpoint storage before the first join failed", exc_info=True)
 
     def _end_when_orphaned(self, controller: str) -> None:
-        from elastic._controller.run_names import ORPHAN_AFTER_S, controller_gone
+        from elastic._run_names import ORPHAN_AFTER_S, controller_gone
         missing = 0
         while True:
             time.sleep(ORPHAN_CHECK_S)

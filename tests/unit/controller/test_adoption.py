@@ -11,9 +11,9 @@ from harness import make, start
 from elastic._controller.adoption import AdoptionKind, judge
 from elastic._controller.feed import RESTART_GAP, FeedKind, RunFeed
 from elastic._controller.journal import Journal
-from elastic._controller.run_names import RunNames
 from elastic._controller.states import Recovering, Running, RunState, Scheduling, Starting
 from elastic._protocol import RestoreKind, RestorePlan, StepRecord, WorkerPhase, WorkerReport
+from elastic._run_names import RunNames
 from elastic._worker.state import HISTORY_KEPT, Outbox
 from elastic.callbacks import CallbackRunner
 
