@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from elastic._controller.bad_nodes import BadNodes
@@ -43,6 +43,7 @@ class RecordState:
 
     summary: RunSummary
     metrics_step: int                  # newest step of the metrics lines the summary has taken
+    pending_lines: list[dict[str, Any]]   # those of its lines not on storage yet (a flush may not come)
     newest_commit: int                 # newest commit announced to the driver's feed
     feed_next: int                     # the feed's next event number
 

@@ -105,9 +105,27 @@ class MetricsLog:
         return self._newest_step
 
     # ---- resume ------------------------------------------------------------------------
-    def load_previous(self, up_to_step: int) -> None:
+    def pending(self) -> list[dict[str, Any]]:
+        """The lines not on storage yet (the controller's journal keeps them)."""
+        with self._lock:
+            return [dict(line) for line in self._unwritten]
+
+    def continue_from(self, up_to_step: int, pending: list[dict[str, Any]]) -> None:
+        """A replacing controller's: the lines on storage up to `up_to_step` (the lost controller's
+        journal's newest step; those after it go, their steps are replayed), and the lines of
+        `pending` (those its journal held unwritten) that did not reach storage after all."""
+        rows = self.load_previous(up_to_step)
+        on_storage = {_line_key(row) for row in rows if row["step"] <= up_to_step}
+        missing = [line for line in pending if line["step"] <= up_to_step and _line_key(line) not in on_storage]
+        with self._lock:
+            self._unwritten = missing + self._unwritten
+            for line in missing:
+                self._newest_step = max(self._newest_step, line["step"])
+                self._metrics.add(line["step"], _metrics_of_line(line))
+
+    def load_previous(self, up_to_step: int) -> list[dict[str, Any]]:
         """On resume, keep the lines of the previous run up to the step we resume from (their
-        metrics start the run's history)."""
+        metrics start the run's history). Returns the lines on storage, all of them."""
         rows, clean = self._lines_on_storage()
         steps = [row["step"] for row in rows]
         with self._lock:
@@ -118,6 +136,7 @@ class MetricsLog:
             for row in rows:
                 if row["step"] <= up_to_step:
                     self._metrics.add(row["step"], _metrics_of_line(row))
+        return rows
 
     def _lines_on_storage(self) -> tuple[list[dict[str, Any]], bool]:
         """The lines on storage (each with an int `step`), and whether every line is whole."""
@@ -250,6 +269,11 @@ class MetricsLog:
             if newer and self._written_through > min(newer):
                 point = min(newer)
                 self._keep_through = point if self._keep_through is None else min(self._keep_through, point)
+
+
+def _line_key(line: dict[str, Any]) -> tuple:
+    """What tells two metrics lines apart (a line read back from storage and one in memory)."""
+    return line["step"], line.get("kind"), line.get("time")
 
 
 def _metrics_of_line(row: dict[str, Any]) -> dict[str, float]:

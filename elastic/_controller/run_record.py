@@ -228,17 +228,19 @@ class RunRecorder:
         with self._commits_lock:
             newest_commit = self._newest_commit
         return RecordState(summary=self.summary, metrics_step=self.metrics_log.newest_step,
-                           newest_commit=newest_commit, feed_next=self._feed.next if self._feed is not None else 1)
+                           pending_lines=self.metrics_log.pending(), newest_commit=newest_commit,
+                           feed_next=self._feed.next if self._feed is not None else 1)
 
     def restore_journal(self, state: RecordState) -> None:
         """Continue a lost controller's record from its journal: its summary, its metrics lines up
-        to the step the summary had taken (the lines after it on storage go: the workers' records
-        of those steps are replayed), its commits announced, and its feed's numbering."""
+        to the step the summary had taken (those it had not written yet, too; the lines after it
+        on storage go: the workers' records of those steps are replayed), its commits announced,
+        and its feed's numbering."""
         self.summary = state.summary
         self._scheduling = False
         with self._commits_lock:
             self._newest_commit = max(self._newest_commit, state.newest_commit)
-        self.metrics_log.load_previous(state.metrics_step)
+        self.metrics_log.continue_from(state.metrics_step, state.pending_lines)
         if self._feed is not None:
             self._feed.continue_after(state.feed_next)
 

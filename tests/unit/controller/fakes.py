@@ -136,7 +136,7 @@ class FakeRecorder:
 
     def journal_state(self) -> RecordState:
         return RecordState(summary=None, metrics_step=max(self.steps, default=0),   # type: ignore[arg-type]
-                           newest_commit=0, feed_next=1)
+                           pending_lines=[], newest_commit=0, feed_next=1)
 
     def restore_journal(self, state: RecordState) -> None:
         self.steps = [s for s in self.steps if s <= state.metrics_step]

@@ -125,6 +125,40 @@ def test_a_controller_lost_while_recovering_restarts_the_workers_from_storage():
     assert len(new_group.live()) == 3
 
 
+# ---- the run record ----------------------------------------------------------------------------
+def lines_of(run_dir) -> list[int]:
+    import json
+    return [json.loads(line)["step"] for line in open(run_dir / "metrics.jsonl")]
+
+
+@pytest.mark.parametrize("flushed_after_journal", [False, True])
+def test_a_replacing_record_keeps_each_metrics_line_once_whatever_the_lost_one_had_written(
+        tmp_path, flushed_after_journal):
+    from ray import cloudpickle
+
+    from elastic._controller.run_record import RunRecorder
+    lost = RunRecorder(str(tmp_path), None, total_steps=100, config={})
+    lost.on_generation_start(0, 2)
+    for step in range(1, 7):
+        lost.on_step(record(step))
+    lost.flush_metrics()
+    for step in range(7, 11):
+        lost.on_step(record(step))               # taken, not written yet when the journal is written
+    state = cloudpickle.loads(cloudpickle.dumps(lost.journal_state()))
+    assert state.metrics_step == 10 and [line["step"] for line in state.pending_lines] == [7, 8, 9, 10]
+    if flushed_after_journal:                    # the lost controller wrote them, and newer ones, before its end
+        lost.on_step(record(11))
+        lost.flush_metrics()
+    assert lines_of(tmp_path) == list(range(1, 12 if flushed_after_journal else 7))
+    replacing = RunRecorder(str(tmp_path), None, total_steps=100, config={})
+    replacing.restore_journal(state)
+    for step in range(11, 14):                   # replayed by the workers, then new
+        replacing.on_step(record(step))
+    replacing.flush_metrics()
+    assert lines_of(tmp_path) == list(range(1, 14))
+    assert [step for step, _ in replacing.user_metrics()["history"]["loss"]] == list(range(1, 14))
+
+
 # ---- the workers' side ------------------------------------------------------------------------
 def record(step: int) -> StepRecord:
     return StepRecord(step=step, loss=1.0, world_size=2, time=float(step), samples_seen=step, global_batch=1)
