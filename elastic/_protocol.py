@@ -243,6 +243,22 @@ class RunSpec:
             return self.checkpoint.in_memory_every_n_steps
         return None
 
+    def checkpoint_due(self, step: int) -> bool:
+        """Whether the boundary after step `step` saves a scheduled checkpoint (the final
+        commit comes with the run's end instead)."""
+        every = self.checkpoint.every_n_steps
+        return every is not None and step % every == 0
+
+    def copy_due(self, step: int) -> bool:
+        """Whether the boundary after step `step` takes the copies in host memory (in_memory_every)."""
+        every = self.in_memory_every
+        return every is not None and step % every == 0
+
+    def keeps_state_at(self, step: int) -> bool:
+        """Whether the state after step `step` is kept (a checkpoint, a copy in memory, or the
+        final commit): what the replicas must have agreed on (the fingerprint after the update)."""
+        return step == self.total_steps or self.checkpoint_due(step) or self.copy_due(step)
+
     def apply_storage_env(self) -> None:
         """Put the run's storage credentials in this process's environment (before any storage
         client is made: botocore reads them then)."""

@@ -62,9 +62,8 @@ class StateKeeper:
         """At a step boundary: the scheduled checkpoint, FSDP's copies, and, when the group leaves
         the loop (returned True), the commit it needs first. The record of the step is the
         caller's to settle."""
-        step, total = self._boundary.step, self._boundary.total_steps
-        every, in_memory = self._spec.checkpoint.every_n_steps, self._spec.in_memory_every
-        if every is not None and step % every == 0 and step < total:
+        step, total, spec = self._boundary.step, self._boundary.total_steps, self._spec
+        if spec.checkpoint_due(step) and step < total:
             self.save()
         leaving = outcome.stop or outcome.preempted > 0
         if leaving:
@@ -73,7 +72,7 @@ class StateKeeper:
             # generation) is compared after its update: this step's exchange may carry only the
             # fingerprint from before it.
             self._boundary.verify_leaving_state()
-        if in_memory is not None and (step % in_memory == 0 or leaving) and step < total:
+        if spec.in_memory_every is not None and (spec.copy_due(step) or leaving) and step < total:
             # FSDP's copies (every rank at the same steps: the swap is a collective); a group that
             # leaves together takes them at the step it leaves from, which the next one restores.
             # The loop waits for them like for a checkpoint save (the run's time ledger says so).

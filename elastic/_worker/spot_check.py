@@ -76,14 +76,14 @@ class SpotCheck:
     """One generation's spot checks on one rank, for the module `module` (the first prepared
     model, unwrapped)."""
 
-    def __init__(self, module: nn.Module, *, every: int, checkpoint_every: int | None, total_steps: int,
-                 worker: WorkerState, rank: int, world_size: int, device: torch.device, exact: bool, seed: int,
-                 autocast: Callable[[], Any], verified_through: int):
+    def __init__(self, module: nn.Module, *, every: int, spec: RunSpec, worker: WorkerState, rank: int,
+                 world_size: int, device: torch.device, exact: bool, seed: int, autocast: Callable[[], Any]):
+        """`worker.spot_verified`: this rank's newest step known clean (for_generation sets it at
+        the generation's start; a passed check moves it on)."""
         self._module, self._worker = module, worker
-        self._every, self._checkpoint_every, self._total = every, checkpoint_every, total_steps
+        self._every, self._spec = every, spec
         self._rank, self._world, self._device = rank, world_size, device
         self._exact, self._seed, self._autocast = exact, seed, autocast
-        self.verified_through = verified_through    # this rank's newest step known clean
         self._captured: tuple[tuple, dict] | None = None
         self._recomputing = False
         self._warned = False
@@ -95,9 +95,9 @@ class SpotCheck:
         self._captured = None
 
     def due(self, step: int) -> bool:
-        """Whether the boundary after step `step` runs a check."""
-        every = self._checkpoint_every
-        return step % self._every == 0 or (every is not None and step % every == 0) or step == self._total
+        """Whether the boundary after step `step` runs a check: every `every` steps, and before
+        each commit (a scheduled checkpoint, the final one)."""
+        return step % self._every == 0 or self._spec.checkpoint_due(step) or step == self._spec.total_steps
 
     def _capture(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """The forward pre-hook: during a step that will be checked, keep its input (a reference)."""
@@ -134,7 +134,6 @@ class SpotCheck:
             return       # a rank could not recompute (out of memory, a model that refuses the input)
         verdict = _fingerprint.judge(agreeing_classes(table, exact=self._exact), 1, step)
         if verdict is None:
-            self.verified_through = step
             self._worker.spot_verified = step
             return
         raise spot_check_error(verdict, since=int(table[:, 2].max()) + 1, replicas=self._world)
@@ -166,7 +165,7 @@ class SpotCheck:
         folded = _fingerprint.fingerprint(grads)
         zero = torch.zeros((), dtype=torch.float64, device=self._device)
         head = [*(_fingerprint.halves(folded) if folded is not None else (zero, zero)),
-                zero + float(self.verified_through), zero + 1.0]
+                zero + float(self._worker.spot_verified), zero + 1.0]
         stats = []
         if not self._exact:
             for g in grads:
@@ -178,7 +177,7 @@ class SpotCheck:
         """A row of the same length that says this rank did not recompute."""
         size = _FIXED + (0 if self._exact else 3 * sum(p.requires_grad for p in self._module.parameters()))
         row = torch.zeros(size, dtype=torch.float64, device=self._device)
-        row[2] = float(self.verified_through)
+        row[2] = float(self._worker.spot_verified)
         return row
 
 
@@ -199,12 +198,11 @@ def for_generation(models: list[tuple[nn.Module, nn.Module]], *, spec: RunSpec, 
     # Known clean: a checkpoint's step (committed only where a check passed) or the start; a
     # state from the survivors' memory, as far as this process saw checks pass (the ranks that
     # saw more say so in their rows: the verdict takes the newest).
-    verified = step if restored.kind in (RestoreKind.CHECKPOINT, RestoreKind.FRESH) else min(worker.spot_verified,
-                                                                                             step)
-    return SpotCheck(module, every=failure.spot_check_every_n_steps, checkpoint_every=spec.checkpoint.every_n_steps,
-                     total_steps=spec.total_steps, worker=worker, rank=plan.rank, world_size=plan.world_size,
-                     device=device, exact=not spec.scaling.use_gpu, seed=spec.seed, autocast=autocast,
-                     verified_through=verified)
+    worker.spot_verified = step if restored.kind in (RestoreKind.CHECKPOINT, RestoreKind.FRESH) \
+        else min(worker.spot_verified, step)
+    return SpotCheck(module, every=failure.spot_check_every_n_steps, spec=spec, worker=worker, rank=plan.rank,
+                     world_size=plan.world_size, device=device, exact=not spec.scaling.use_gpu, seed=spec.seed,
+                     autocast=autocast)
 
 
 def _checked_module(prepared: nn.Module) -> nn.Module | None:

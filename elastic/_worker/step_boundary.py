@@ -149,9 +149,7 @@ class StepBoundary:
         """Whether step `step`'s exchange carries the fingerprint after its update too: at the
         steps whose state is kept (a checkpoint, a copy in memory, the final one), so that what
         is kept is what the replicas agreed on."""
-        every, in_memory = self._spec.checkpoint.every_n_steps, self._spec.in_memory_every
-        return (step == self.total_steps or (every is not None and step % every == 0)
-                or (in_memory is not None and step % in_memory == 0))
+        return self._spec.keeps_state_at(step)
 
     @property
     def checks_fingerprints(self) -> bool:
