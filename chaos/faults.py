@@ -332,8 +332,9 @@ class LateCommit(Fault):
 
 @dataclass(frozen=True, kw_only=True)
 class SecondRun(Fault):
-    """The job started a second time on the same storage while the first run is live (a
-    resubmitted job, a retried Kubernetes job). The second must exit non-zero within
+    """The job started a second time on the same storage while the first run is live, with
+    another configuration (its seed: the same configuration attaches to the live run and follows
+    it to its end, as a resubmitted job should). The second must exit non-zero within
     `within_s` with the run lease's RunConflictError naming the live run, having written
     nothing; the first run must go on as if nothing happened (same lease holder, same
     generation, still training). No recovery is expected."""

@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastic._credentials import mask_secrets, mask_text, mask_url, split_storage_env
 from elastic._protocol import RunSpec
@@ -34,6 +34,9 @@ from elastic.config import (
 from elastic.errors import ConfigError, StorageConfigError, UserCodeError
 from elastic.policies import FailurePolicy, ScalingPolicy
 from elastic.schemas import dumps, status_doc
+
+if TYPE_CHECKING:
+    from checkpointing import RunConflictError
 from elastic.stop_request import clear_stop
 
 log = logging.getLogger("elastic.trainer")
@@ -248,13 +251,18 @@ class ElasticTrainer:
         started is left running."""
         import ray
 
-        self.claim_storage()
+        from checkpointing import RunConflictError
+        try:
+            self.claim_storage()
+            conflict = None
+        except RunConflictError as error:
+            conflict = error        # a live run: this fit() attaches to it if it is the same run
         # The controller unpickles the policies: a user's policy class travels like the loop.
         for user_code in (self._train_loop, type(self.failure_policy), type(self.scaling_policy)):
             _ship_user_module_by_value(user_code)
         started_ray = _start_ray(ray)
         try:
-            return self._run(ray)
+            return self._run(ray) if conflict is None else self._attach(ray, conflict)
         finally:
             self._run_id = None          # a later fit() is a run of its own: it claims the storage again
             if started_ray:
@@ -280,26 +288,61 @@ class ElasticTrainer:
         actor = ray.remote(ControllerActor).options(
             # A lost controller's process is restarted in its place, and the driver's calls (its
             # run() included) are resubmitted to the new one (max_task_retries): see the module.
-            num_cpus=0, max_concurrency=4, max_restarts=CONTROLLER_RESTARTS, max_task_retries=-1,
+            num_cpus=0, max_concurrency=8, max_restarts=CONTROLLER_RESTARTS, max_task_retries=-1,
             runtime_env=runtime_env, name=RunNames(self._run_id).controller() if self._run_id else None,
-            namespace=NAMESPACE,
+            namespace=NAMESPACE, lifetime="detached" if self._run_id else None,
             # Beside the driver, hard: a soft preference was ignored on a CPU-less head node (seen
             # with ray.cluster_utils.Cluster), and the controller must not live on a node the
             # run may lose. If the driver's node goes, the run goes with it anyway.
             scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
         ).remote(self._spec(storage_env=credentials), self.effective_config(), self.failure_policy,
                  self.scaling_policy, feed=bool(self._callbacks), run_id=self._run_id)
-        done = actor.run.remote()
+        return self._follow(ray, actor, started)
+
+    def _attach(self, ray: Any, conflict: RunConflictError) -> Result:
+        """The storage is held by a live run (`conflict`, a RunConflictError): follow it to its
+        end when it is this same run (its controller lives in this Ray and its configuration is
+        this one), as if this fit() had started it. Otherwise the conflict is raised, saying why."""
+        from checkpointing import RunConflictError
+        from elastic._run_names import NAMESPACE, RunNames
+        owner = conflict.owner
+        if owner is None:
+            raise conflict
+        try:
+            actor = ray.get_actor(RunNames(owner).controller(), namespace=NAMESPACE)
+            theirs = ray.get(actor.config.remote(), timeout=30)
+        except Exception:   # noqa: BLE001 - not in this Ray (another cluster, a driver's own local Ray)
+            raise conflict from None
+        ours = self.effective_config()
+        if theirs != ours:
+            differ = sorted(_differences(theirs, ours))
+            raise RunConflictError(f"{conflict}. It is a different run: its configuration differs from this one in "
+                                 f"{', '.join(differ)}. The same configuration attaches to the live run and "
+                                 f"returns its Result; wait for it to end, stop it (`elastic stop "
+                                 f"{mask_url(self.checkpoint.storage)}`), or use another storage",
+                                 url=conflict.url, owner=owner) from None
+        log.warning("the run %s on %s is live and has this configuration: following it to its end", owner,
+                    mask_url(self.checkpoint.storage))
+        self._run_id = owner
+        return self._follow(ray, actor, time.time())
+
+    def _follow(self, ray: Any, actor: Any, started: float) -> Result:
+        """Wait for the run of the controller `actor` to end (starting it, if it is not going yet),
+        showing progress and feeding the callbacks; the Result. A SIGTERM meanwhile (`ray job
+        stop`) asks the run to stop as `elastic stop` does, and the wait goes on to its end."""
+        done = actor.wait.remote()
         runner = CallbackRunner(self._callbacks) if self._callbacks else None
 
         def events(after: int) -> list:
             return ray.get(actor.events.remote(after), timeout=30)
 
+        restore = self._stop_on_sigterm()
         try:
             outcome = self._wait(ray, actor, done, runner, events)
         except Exception as error:   # noqa: BLE001 - the controller is gone: a failed run, not an exception
             outcome = self._lost_controller(error, started)
         finally:
+            restore()
             self._close_progress()
             try:
                 ray.kill(actor, no_restart=True)
@@ -313,6 +356,30 @@ class ElasticTrainer:
         if runner is not None:
             runner.end(result)
         return result
+
+    def _stop_on_sigterm(self) -> Callable[[], None]:
+        """While fit() waits (in the main thread), SIGTERM writes the run's STOP request (`ray job
+        stop` sends it first): the run commits and ends "stopped", whether the driver is still
+        there then or not. Returns what puts the previous handler back."""
+        import signal
+        import threading
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        run_id = self._run_id
+
+        def stop(signum: int, frame: Any) -> None:
+            from elastic.stop_request import request_stop
+            log.warning("SIGTERM: asking the run to stop (it commits at its next step and ends \"stopped\")")
+            try:
+                request_stop(self.checkpoint.storage, self.checkpoint.storage_options or None,
+                             reason="SIGTERM to the driver", run_id=run_id)
+            except Exception:   # the run goes on; `elastic stop` can still end it
+                log.exception("could not write the STOP request")
+        previous = signal.signal(signal.SIGTERM, stop)
+
+        def restore() -> None:
+            signal.signal(signal.SIGTERM, previous)
+        return restore
 
     def _reap(self) -> None:
         """The run's workers and placement groups that its controller left (one lost for good:
@@ -385,6 +452,14 @@ class ElasticTrainer:
                 log.warning("the callbacks missed the run's last events (after event %d)", runner.delivered,
                             exc_info=True)
         return outcome
+
+
+def _differences(theirs: Any, ours: Any, path: str = "") -> list[str]:
+    """Where two configurations (plain JSON) differ, as dotted paths."""
+    if isinstance(theirs, dict) and isinstance(ours, dict):
+        return [d for key in sorted(set(theirs) | set(ours))
+                for d in _differences(theirs.get(key), ours.get(key), f"{path}.{key}" if path else key)]
+    return [] if theirs == ours else [f"{path} ({theirs!r} there, {ours!r} here)"]
 
 
 def _start_ray(ray: Any) -> bool:

@@ -328,7 +328,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         trainer.claim_storage()      # refused in seconds, before a local Ray is started for nothing
-    except (RunConflictError, ConfigError) as error:
+    except RunConflictError as error:
+        # On a cluster (RAY_ADDRESS: `ray job submit`) the live run may be this same job run again:
+        # fit() attaches to it and returns its Result, or refuses with what differs. A local Ray
+        # started here cannot hold the live run.
+        if not os.environ.get("RAY_ADDRESS"):
+            return storage_refused(error)
+    except ConfigError as error:
         return storage_refused(error)
     if not os.environ.get("RAY_ADDRESS"):
         import ray

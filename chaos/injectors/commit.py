@@ -149,7 +149,8 @@ class SecondRunInjector(Injector):
             raise Skip(f"the run is not running (state {status.get('state')!r}): no live run to conflict with")
         fence_before, status_before = fence_facts(view.fence()), _status_facts(status)
         summary_before = view.read_json("summary.json")
-        spec = self.env.job_spec.replace(fail_at=None)
+        # Another configuration (its seed): the same one would attach to the live run and follow it.
+        spec = self.env.job_spec.replace(fail_at=None, seed=self.env.job_spec.seed + 1)
         log_path = _scratch(self.env, f"second-run-{time.time_ns()}.log")
         job = JobProcess(spec, dict(self.env.job_env or os.environ), log_path,
                          prefix=list(self.env.exec_prefix or [])).start()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,11 @@ if TYPE_CHECKING:
 FULL_LISTING_EVERY_S = 30.0     # committed_since lists at least this often, whatever the hint says
 STOP_POLL_S = 2.0               # how often the STOP request (elastic stop) is read
 GC_YOUNG_THRESHOLD = 20_000     # allocations between collections of the youngest generation (CPython: 700)
+LINGER_S = 60.0                 # how long an ended run's controller keeps its outcome for a driver
+
+
+class RunEndedError(RuntimeError):
+    """A controller restarted after its run ended (its journal says so): the record is on storage."""
 
 
 def tune_gc() -> None:
@@ -123,6 +129,9 @@ class ControllerActor:
     # What run() closes at the end; defaults for an actor a test builds without __init__.
     _lease: LeaseKeeper | None = None
     _journal: Journal | None = None
+    _ended_before = False
+    _loop: threading.Thread | None = None
+    _outcome: dict[str, Any] | BaseException | None = None
     _closers: tuple[Callable[[], None], ...] = ()
 
     def __init__(self, spec: RunSpec, config: dict[str, Any], failure_policy, scaling_policy, feed: bool = False,
@@ -153,8 +162,9 @@ class ControllerActor:
         commits = CommitWatch(self._checkpoints)
         commits.start()
         self._closers = (commits.close, self._checkpoints.close)
-        self._run_id, self._url, self._options = run_id, checkpoint.storage, options
+        self._run_id, self._url, self._options, self._config = run_id, checkpoint.storage, options, config
         self._started = time.time()
+        self._started_lock, self._done, self._collected = threading.Lock(), threading.Event(), threading.Event()
         # A run's workers belong to the run, not to this process: named, detached, and adopted by
         # the controller Ray restarts in this actor's place if this process dies (adoption).
         names = RunNames(run_id) if run_id is not None else None
@@ -162,7 +172,8 @@ class ControllerActor:
         # A run id is new with each fit(): a journal entry or a named worker of it means that this
         # process replaces a lost controller of the run (Ray restarted the actor).
         resumed = self._journal.read() if self._journal is not None else None
-        replacing = resumed is not None or (names is not None and bool(names.workers()))
+        self._ended_before = self._journal is not None and self._journal.ended()
+        replacing = not self._ended_before and (resumed is not None or (names is not None and bool(names.workers())))
         group = RayWorkerGroup(spec, names=names)
         self._controller = Controller(
             group, self._recorder, self._checkpoints, scaling=scaling,
@@ -171,6 +182,7 @@ class ControllerActor:
         self._recorder.controller_is(os.getpid(), ray_node_id(), self._started)
         if replacing:
             self._take_over(group, resumed)
+            self.start()           # no driver may be there to start it: the run goes on by itself
 
     def _take_over(self, group: RayWorkerGroup, entry: JournalEntry | None) -> None:
         """Replace the lost controller: adopt its workers (adoption), record the restart."""
@@ -188,6 +200,48 @@ class ControllerActor:
         logging.getLogger("elastic.controller").warning(
             "this controller replaced a lost one, %.1fs without a controller: %s", record["without_controller_s"],
             adoption.reason)
+
+    def start(self) -> None:
+        """Run the loop on a thread of its own (once): the run goes on whether a driver waits for
+        it or not. The driver calls it once; a replacing controller calls it itself."""
+        with self._started_lock:
+            if self._loop is not None:
+                return
+            self._loop = threading.Thread(target=self._run_to_end, name="controller-loop", daemon=True)
+            self._loop.start()
+
+    def wait(self) -> dict[str, Any]:
+        """Start the run if it is not going yet (`start`), and return its outcome (`run`'s) once it
+        ended. A controller restarted after the run ended has none: RunEndedError, and the driver
+        reads the run's record on storage."""
+        if self._ended_before:
+            raise RunEndedError("the run ended before this controller started: its record is on storage")
+        self.start()
+        self._done.wait()
+        self._collected.set()
+        if isinstance(self._outcome, BaseException):
+            raise self._outcome
+        assert self._outcome is not None
+        return self._outcome
+
+    def _run_to_end(self) -> None:
+        try:
+            self._outcome = self.run()
+        except BaseException as error:   # noqa: BLE001 - run() returns; a bug that escapes still ends the wait
+            self._outcome = error
+        finally:
+            self._done.set()
+        # Nobody may collect the outcome (the driver left): the actor ends itself a while after,
+        # without a restart (it is detached: nothing else would end it). A driver that collected
+        # it ends the actor itself once the answer has reached it; should that driver die first,
+        # the actor ends after LINGER_S more.
+        if self._collected.wait(LINGER_S):
+            time.sleep(LINGER_S)
+        try:
+            import ray
+            ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+        except Exception:   # not in an actor (the unit tests), or Ray going down
+            logging.getLogger("elastic.controller").debug("could not end the controller's actor", exc_info=True)
 
     def run(self) -> dict[str, Any]:
         controller = self._controller
@@ -223,7 +277,7 @@ class ControllerActor:
         except Exception:   # the outcome must reach the driver: fit() returns, never raises
             logging.getLogger("elastic.controller").exception("could not write the final status.json")
         if self._journal is not None:
-            self._journal.close()        # the run ended: nothing is left to adopt
+            self._journal.end()          # the run ended: a restart of this actor adopts nothing
         if self._lease is not None:
             self._lease.close()          # renewed up to here: the final status.json says the run ended
         if self._run_id is not None:
@@ -238,6 +292,10 @@ class ControllerActor:
         return {"status": summary["status"], "final_step": controller.step, "summary": summary,
                 "metrics": self._recorder.user_metrics(), "error": exception,
                 "traceback": error.get("traceback") if error else None}
+
+    def config(self) -> dict[str, Any]:
+        """The run's effective configuration (what a driver that attaches compares with its own)."""
+        return self._config
 
     def events(self, after: int) -> list[Event]:
         """The driver's callbacks' events after number `after` (see elastic._controller.feed)."""

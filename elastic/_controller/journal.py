@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("elastic.controller")
 
 JOURNAL_EVERY_S = 1.0       # the oldest an entry gets while nothing changes state (the status.json pace)
+ENDED = b"ended"            # what the journal holds once the run ended
 _NAMESPACE = "elastic"
 
 
@@ -123,18 +124,33 @@ class Journal:
         self._written_at = self._clock()
 
     def read(self) -> JournalEntry | None:
-        """The newest entry, or None (none was written, or it cannot be read back)."""
+        """The newest entry, or None (none was written, the run ended, or it cannot be read back)."""
         import pickle
         try:
             data = self._store.get()
-            return pickle.loads(data) if data else None
+            return pickle.loads(data) if data and data != ENDED else None
         except Exception:
             log.warning("the controller's journal could not be read back", exc_info=True)
             return None
 
+    def end(self) -> None:
+        """The run ended: a restart of its controller (Ray restarts a detached actor that dies
+        after the run) adopts nothing and starts nothing; its driver, if any, reads the record
+        on storage."""
+        try:
+            self._store.put(ENDED)
+        except Exception:   # the workers are gone: a restart would find nothing to adopt
+            log.warning("could not mark the controller's journal ended", exc_info=True)
+
+    def ended(self) -> bool:
+        try:
+            return self._store.get() == ENDED
+        except Exception:   # noqa: BLE001 - read again by whoever asks next
+            return False
+
     def close(self) -> None:
-        """The run ended: no controller will replace this one."""
+        """The run's driver has its outcome: nothing of the run is left to read."""
         try:
             self._store.delete()
-        except Exception:
+        except Exception:   # a stale entry is only read by a restart of this run
             log.debug("could not delete the controller's journal", exc_info=True)

@@ -5,6 +5,7 @@ import json
 import os
 import signal
 import threading
+import time
 
 import pytest
 
@@ -106,45 +107,71 @@ def test_an_fsdp_rank_killed_while_no_controller_is_there_is_recovered_once_the_
 
 
 DRIVER = """
-import sys
+import json, sys
 sys.path[:0] = [{root!r}, {examples!r}]
 import ray
 import gpt
 from elastic import CheckpointConfig, ElasticTrainer, FailureConfig, ScalingConfig
 ray.init(address={address!r}, logging_level="WARNING")
-ElasticTrainer(gpt.train_loop, train_loop_config={config!r}, total_steps=100000, seed=0,
-               scaling=ScalingConfig(min_workers=2, max_workers=2, startup_wait_s=120),
-               checkpoint=CheckpointConfig(storage={storage!r}),
-               failure=FailureConfig(rendezvous_timeout_s=60.0)).fit()
+result = ElasticTrainer(gpt.train_loop, train_loop_config={config!r}, total_steps={steps}, seed=0,
+                        scaling=ScalingConfig(min_workers=2, max_workers=2, startup_wait_s=120),
+                        checkpoint=CheckpointConfig(storage={storage!r}, every_n_steps=100),
+                        failure=FailureConfig(rendezvous_timeout_s=60.0)).fit()
+with open({out!r}, "w") as f:
+    json.dump({{"status": result.status, "final_step": result.final_step}}, f)
 """
 
 
-@pytest.mark.timeout(180)
-def test_a_killed_driver_takes_its_controller_and_the_workers_end_themselves_leaving_nothing_behind(
-        ray_session, run_dir, tmp_path):
+def start_driver(tmp_path, ray_session, run_dir, name: str, steps: int):
     import subprocess
     import sys
-
-    from ray.util.placement_group import placement_group_table
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    script = tmp_path / "driver.py"
+    script, out = tmp_path / f"{name}.py", tmp_path / f"{name}.json"
     script.write_text(DRIVER.format(root=root, examples=os.path.join(root, "examples"), storage=run_dir,
-                                    address=ray_session.get_runtime_context().gcs_address, config=TINY))
-    driver = subprocess.Popen([sys.executable, str(script)], start_new_session=True,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                    address=ray_session.get_runtime_context().gcs_address, config=TINY,
+                                    steps=steps, out=str(out)))
+    return subprocess.Popen([sys.executable, str(script)], start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL), out
+
+
+@pytest.mark.timeout(240)
+def test_the_run_outlives_its_driver_a_second_driver_attaches_and_sigterm_stops_it_cleanly(
+        ray_session, run_dir, tmp_path):
+    from checkpointing import RunConflictError
+    steps = 3000
+    first, _ = start_driver(tmp_path, ray_session, run_dir, "first", steps)
+    second = None
     try:
         wait_for(lambda: (read_json(run_dir, "status.json") or {}).get("step", 0) >= 5, 120, "the run's 5th step")
         status = read_json(run_dir, "status.json")
-        workers, run_id = [w["pid"] for w in status["workers"]], status["run_id"]
-        os.killpg(driver.pid, signal.SIGKILL)
-        driver.wait(timeout=10)
-        # The workers are detached (they outlive a controller's process), so they end themselves
-        # once the controller the driver owned is gone for good: two looks 5 s apart.
-        wait_for(lambda: not any(pid_alive(pid) for pid in workers), 60, "the orphaned workers to end")
-        wait_for(lambda: all(entry["state"] == "REMOVED" for entry in placement_group_table().values()
-                             if entry["name"].startswith(run_id)), 30, "their placement groups to be removed")
+        workers, run_id, killed_at = sorted(w["pid"] for w in status["workers"]), status["run_id"], status["step"]
+        os.killpg(first.pid, signal.SIGKILL)           # the driver, and nothing else
+        first.wait(timeout=10)
+        # The run goes on without it.
+        wait_for(lambda: (read_json(run_dir, "status.json") or {}).get("step", 0) >= killed_at + 30, 60,
+                 "steps after the driver's death")
+        # Another configuration on the live run's storage is refused, and told why.
+        with pytest.raises(RunConflictError, match=r"total_steps \(3000 there, 3001 here\)"):
+            ElasticTrainer(gpt.train_loop, train_loop_config=TINY, total_steps=steps + 1, seed=0,
+                           scaling=ScalingConfig(min_workers=2, max_workers=2, startup_wait_s=120),
+                           checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=100),
+                           failure=FailureConfig(rendezvous_timeout_s=60.0)).fit()
+        # The same command again attaches; SIGTERM to it (`ray job stop`) stops the run cleanly.
+        second, out = start_driver(tmp_path, ray_session, run_dir, "second", steps)
+        time.sleep(5)                                  # attached: its wait is under way
+        assert second.poll() is None
+        os.killpg(second.pid, signal.SIGTERM)
+        assert second.wait(timeout=90) == 0
+        assert json.loads(out.read_text())["status"] == "stopped"
+        summary = read_json(run_dir, "summary.json")
+        assert summary["status"] == "stopped" and summary["recoveries"] == [] and summary["controller_restarts"] == []
+        assert summary["checkpoints"][-1] == summary["final_step"] > killed_at
+        final = read_json(run_dir, "status.json")
+        assert sorted(w["pid"] for w in final["workers"]) == workers    # the same processes all along
+        wait_for(lambda: not any(pid_alive(pid) for pid in workers), 30, "the workers to end with the run")
         assert not [entry for entry in ray_session.util.list_named_actors(all_namespaces=True)
                     if entry["name"].startswith(run_id)]
     finally:
-        if driver.poll() is None:
-            os.killpg(driver.pid, signal.SIGKILL)
+        for driver in (first, second):
+            if driver is not None and driver.poll() is None:
+                os.killpg(driver.pid, signal.SIGKILL)

@@ -103,7 +103,7 @@ class FakeRay:
     def remote(self, cls):
         fake = self
         method = SimpleNamespace(remote=lambda *a, **k: "ref")
-        handle = SimpleNamespace(run=method, events=method, snapshot=method)
+        handle = SimpleNamespace(wait=method, events=method, snapshot=method)
 
         class ActorClass:
             def options(self, **options):
