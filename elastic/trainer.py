@@ -1,11 +1,12 @@
 """ElasticTrainer: the public entry point. Validates, starts the controller actor, waits.
 
-The controller runs in its own Ray actor (no CPU reserved). The workers belong to the run, not to
-the controller's process (detached and named: elastic._run_names): when that process
-dies, Ray restarts the actor (CONTROLLER_RESTARTS times), the new controller adopts the live
-workers (elastic._controller.adoption) and the driver's wait goes on with it. The controller
-belongs to the driver: if the driver goes, the controller goes with it, and its workers end
-themselves within seconds (TrainWorker's orphan watch: the controller's name is gone).
+The controller runs in its own Ray actor (no CPU reserved), and neither it nor the workers
+belong to the driver's process: all are detached and named after the run
+(elastic._run_names). When the controller's process dies, Ray restarts the actor
+(CONTROLLER_RESTARTS times) and the new controller adopts the live workers
+(elastic._controller.adoption); the driver's wait goes on with it. When the driver dies, the run
+goes on to its end; the same fit() again attaches to it (`_attach`). Ctrl-C in fit() ends the
+run; SIGTERM asks it to stop with a commit (`_stop_on_sigterm`).
 """
 from __future__ import annotations
 
@@ -245,8 +246,10 @@ class ElasticTrainer:
 
     def fit(self) -> Result:
         """Run to completion; returns a Result. What is wrong before the run starts (config,
-        storage not writable) raises; once it has started nothing is raised: a failed run, a lost
-        controller included, is a Result with status "failed" and the typed error. A Ray that
+        storage not writable, a live run of another configuration on the storage) raises; once it
+        has started nothing is raised: a failed run, a lost controller included, is a Result with
+        status "failed" and the typed error. A live run of this same configuration on the storage
+        (its driver left) is attached to: fit() follows it and returns its Result. A Ray that
         fit() started itself (none was initialized) is shut down when it returns; one the caller
         started is left running."""
         import ray
