@@ -183,6 +183,10 @@ class ControllerActor:
         if replacing:
             self._take_over(group, resumed)
             self.start()           # no driver may be there to start it: the run goes on by itself
+        elif self._ended_before:
+            # Restarted after its run ended (it died while keeping the outcome): a driver that waits
+            # reads the record on storage; nothing else is left to do here.
+            threading.Thread(target=self._end_later, name="controller-end", daemon=True).start()
 
     def _take_over(self, group: RayWorkerGroup, entry: JournalEntry | None) -> None:
         """Replace the lost controller: adopt its workers (adoption), record the restart."""
@@ -203,7 +207,7 @@ class ControllerActor:
 
     def start(self) -> None:
         """Run the loop on a thread of its own (once): the run goes on whether a driver waits for
-        it or not. The driver calls it once; a replacing controller calls it itself."""
+        it or not. The driver's `wait` starts it; a replacing controller starts it itself."""
         with self._started_lock:
             if self._loop is not None:
                 return
@@ -237,6 +241,15 @@ class ControllerActor:
         # the actor ends after LINGER_S more.
         if self._collected.wait(LINGER_S):
             time.sleep(LINGER_S)
+        self._end_now()
+
+    def _end_later(self) -> None:
+        time.sleep(LINGER_S)
+        self._end_now()
+
+    @staticmethod
+    def _end_now() -> None:
+        """End this actor for good (no restart)."""
         try:
             import ray
             ray.kill(ray.get_runtime_context().current_actor, no_restart=True)

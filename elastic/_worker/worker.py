@@ -32,6 +32,7 @@ PREEMPTION_GRACE_S = 60   # a preempted worker leaves by then, even if the contr
 # call (heartbeat_timeout_s), so a thread that really is stuck still ends in a replaced worker.
 PREVIOUS_THREAD_JOIN_S = 5.0
 ORPHAN_CHECK_S = 5.0      # how often a worker that belongs to its run looks for the run's controller
+ORPHAN_QUIET_S = 10.0     # ... once no poll has come for this long (a controller's restart takes seconds)
 
 # Backends name themselves in the errors of a broken process group (gloo's come from its
 # transport, e.g. "[.../gloo/transport/tcp/pair.cc:537] Read error ... Connection reset by peer").
@@ -236,9 +237,10 @@ class TrainWorker:
         missing = 0
         while True:
             time.sleep(ORPHAN_CHECK_S)
-            # Two looks in a row: a name is released only once its actor is dead for good.
-            missing = missing + 1 if controller_gone(controller) else 0
             silent = time.monotonic() - self._polled_at
+            # Looked up only once the polls have stopped (no GCS call per worker while they come).
+            # Two looks in a row: a name is released only once its actor is dead for good.
+            missing = missing + 1 if silent > ORPHAN_QUIET_S and controller_gone(controller) else 0
             if missing >= 2 or silent > ORPHAN_AFTER_S:
                 why = "its controller is gone" if missing >= 2 else f"no controller polled it for {silent:.0f}s"
                 log.error("this worker ends: %s (the run's driver ended, or its controller could not be restarted)",

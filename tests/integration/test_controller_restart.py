@@ -5,7 +5,6 @@ import json
 import os
 import signal
 import threading
-import time
 
 import pytest
 
@@ -130,8 +129,22 @@ def start_driver(tmp_path, ray_session, run_dir, name: str, steps: int):
     script.write_text(DRIVER.format(root=root, examples=os.path.join(root, "examples"), storage=run_dir,
                                     address=ray_session.get_runtime_context().gcs_address, config=TINY,
                                     steps=steps, out=str(out)))
-    return subprocess.Popen([sys.executable, str(script)], start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL), out
+    log = open(tmp_path / f"{name}.log", "wb")
+    return subprocess.Popen([sys.executable, str(script)], start_new_session=True, stdout=log,
+                            stderr=subprocess.STDOUT), out
+
+
+def end_the_run(ray_session, run_id: str | None) -> None:
+    """Whatever the test did: the run's detached controller and workers go (the next tests share
+    this Ray and need its CPUs)."""
+    from elastic._run_names import NAMESPACE, RunNames, reap
+    if run_id is None:
+        return
+    try:
+        ray_session.kill(ray_session.get_actor(RunNames(run_id).controller(), namespace=NAMESPACE), no_restart=True)
+    except ValueError:
+        pass                                        # ended already
+    reap(run_id)
 
 
 @pytest.mark.timeout(240)
@@ -140,11 +153,12 @@ def test_the_run_outlives_its_driver_a_second_driver_attaches_and_sigterm_stops_
     from checkpointing import RunConflictError
     steps = 3000
     first, _ = start_driver(tmp_path, ray_session, run_dir, "first", steps)
-    second = None
+    second, run_id = None, None
     try:
         wait_for(lambda: (read_json(run_dir, "status.json") or {}).get("step", 0) >= 5, 120, "the run's 5th step")
         status = read_json(run_dir, "status.json")
-        workers, run_id, killed_at = sorted(w["pid"] for w in status["workers"]), status["run_id"], status["step"]
+        workers, killed_at = sorted(w["pid"] for w in status["workers"]), status["step"]
+        run_id = status["run_id"]
         os.killpg(first.pid, signal.SIGKILL)           # the driver, and nothing else
         first.wait(timeout=10)
         # The run goes on without it.
@@ -158,7 +172,10 @@ def test_the_run_outlives_its_driver_a_second_driver_attaches_and_sigterm_stops_
                            failure=FailureConfig(rendezvous_timeout_s=60.0)).fit()
         # The same command again attaches; SIGTERM to it (`ray job stop`) stops the run cleanly.
         second, out = start_driver(tmp_path, ray_session, run_dir, "second", steps)
-        time.sleep(5)                                  # attached: its wait is under way
+        # SIGTERM once it follows the run (before, it is a driver that has not attached yet, and
+        # Ray's own handler ends it: the run goes on, as after any driver's death).
+        wait_for(lambda: b"following it to its end" in (tmp_path / "second.log").read_bytes(), 120,
+                 "the second driver to attach")
         assert second.poll() is None
         os.killpg(second.pid, signal.SIGTERM)
         assert second.wait(timeout=90) == 0
@@ -171,7 +188,11 @@ def test_the_run_outlives_its_driver_a_second_driver_attaches_and_sigterm_stops_
         wait_for(lambda: not any(pid_alive(pid) for pid in workers), 30, "the workers to end with the run")
         assert not [entry for entry in ray_session.util.list_named_actors(all_namespaces=True)
                     if entry["name"].startswith(run_id)]
+        from ray.util.placement_group import placement_group_table
+        wait_for(lambda: all(entry["state"] == "REMOVED" for entry in placement_group_table().values()
+                             if entry["name"].startswith(run_id)), 30, "the run's placement groups to be removed")
     finally:
         for driver in (first, second):
             if driver is not None and driver.poll() is None:
                 os.killpg(driver.pid, signal.SIGKILL)
+        end_the_run(ray_session, run_id)
