@@ -2,9 +2,9 @@
 GPT) that trains, survives one SIGKILL of a rank, and finishes.
 
 Runs `examples/pretrain.py --pp 2 --tp 2 --workers 4:8 --hold-at STEP:FILE ...` as a subprocess
-on a local Ray of its own (pretrain.py's `ray.init(address="local")` with 8 logical CPUs; any
-RAY_ADDRESS is removed from its environment). When status.json shows the run at STEP with its 8
-workers, the rank `--rank` (default 5: pipeline 1, stage 0, TP rank 1) is sent SIGKILL from
+on a local Ray of its own (pretrain.py's elastic.local_ray with 8 logical CPUs, stopped at the
+end whatever happened; any RAY_ADDRESS is removed from its environment). When status.json shows
+the run at STEP with its 8 workers, the rank `--rank` (default 5: pipeline 1, stage 0, TP rank 1) is sent SIGKILL from
 outside, by its pid in status.json, then FILE is created and the ranks go on. Reports the exit
 code, the summary's status, final step, recoveries (cause, rung, detect_s, recover_s, lost steps,
 worlds), layout and world-size history (`regrown`: the lost pipeline back, DP 2 again, before the
@@ -24,6 +24,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from elastic.local_ray import LocalRay
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -86,6 +88,7 @@ def main() -> int:
                     except subprocess.TimeoutExpired:
                         proc.kill()
                         proc.wait()
+                LocalRay(storage).stop()        # the run's own Ray outlives a killed driver
         summary = _json(os.path.join(storage, "summary.json")) or {}
         metrics = []
         if os.path.exists(os.path.join(storage, "metrics.jsonl")):

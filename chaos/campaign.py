@@ -50,10 +50,14 @@ class Campaign:
         self.attempts: list[dict] = []
         self.info: dict[str, Any] = {"unsupported": {}, "proxy_counts": None,
                                      "cluster": "embedded Ray (started by the job)"}
-        self.env = Env(view=view)
+        self.env = Env(view=view, driver_pid=self._driver_pid)
         self.cluster: Any = None          # LocalCluster / NetnsCluster, when the scenario has nodes
         self.proxy: FaultProxy | None = None
         self.job: JobProcess | None = None
+        # Drivers a kill_driver fault took out during the attempt, replaced by `job`: their process
+        # groups may still hold the run's own Ray, which goes with the attempt's end.
+        self.left_drivers: list[JobProcess] = []
+        self.attempt_spec = spec
         self.watcher: CommitWatcher | None = None
         self.nemesis: Nemesis | None = None
         self.job_env: dict[str, str] = {}
@@ -113,8 +117,10 @@ class Campaign:
             self.nemesis.heal_all(self.env.touched)             # whatever happened to the run
 
     def _stop_job(self) -> None:
-        if self.job is not None:
-            self.job.stop()
+        for job in [*self.left_drivers, self.job]:
+            if job is not None:
+                job.stop()
+        self.left_drivers = []
 
     def _stop_watcher(self) -> None:
         if self.watcher is not None:
@@ -145,7 +151,24 @@ class Campaign:
         return self.nemesis, self.job
 
     def _job_alive(self) -> bool:
+        self._replace_killed_driver()
         return self.job is not None and self.job.poll() is None and time.time() < self.deadline
+
+    def _driver_pid(self) -> int | None:
+        return self.job.process.pid if self.job is not None and self.job.poll() is None else None
+
+    def _replace_killed_driver(self) -> None:
+        """A driver that a kill_driver fault took out does not end the attempt: the same job is
+        started again, to attach to the live run (the nemesis goes on with its schedule)."""
+        job = self.job
+        if job is None or job.poll() is None or job.process.pid not in self.env.drivers_killed:
+            return
+        self.left_drivers.append(job)
+        n = len(self.attempts)
+        log_path = os.path.join(self.out_dir, f"job-{n}-driver-{len(self.left_drivers)}.log")
+        self.job = JobProcess(self.attempt_spec, self.job_env, log_path,
+                              prefix=self.cluster.exec_prefix() if self.cluster is not None else []).start()
+        self.history.record("driver_replaced", attempt=n, killed=job.process.pid, pid=self.job.process.pid)
 
     # ---- attempts ------------------------------------------------------------------------------
     def _attempts(self) -> JobSpec:
@@ -179,7 +202,7 @@ class Campaign:
     def _attempt(self, spec: JobSpec, armed: UserError | None) -> dict:
         n = len(self.attempts)
         self.deadline = time.time() + self.timeout_s
-        self.env.job_spec = spec.replace(fail_at=None)
+        self.env.job_spec, self.attempt_spec = spec.replace(fail_at=None), spec
         self.job = JobProcess(spec, self.job_env, os.path.join(self.out_dir, f"job-{n}.log"),
                               prefix=self.cluster.exec_prefix() if self.cluster is not None else []).start()
         nemesis, job = self._running()
@@ -200,20 +223,24 @@ class Campaign:
             if armed is None:
                 self.t0 = now if self.t0 is None else self.t0 + (now - (self.down_since or now))
                 nemesis.run(self.t0)
-        nemesis.wait_heals(lambda: job.poll() is not None or time.time() > self.deadline)
+        nemesis.wait_heals(lambda: not self._job_alive())
+        first, job = job, self._running()[1]
         timed_out = job.poll() is None
         code = job.stop()
+        for left in self.left_drivers:      # the run's own Ray, if it is still in a killed driver's group
+            left.stop()
+        self.left_drivers = []
         self.down_since = time.time()
-        summary = self.view.summary()
+        status, summary = self.view.status() or {}, self.view.summary()
         if self.attempts and summary == self.attempts[-1]["summary"]:
             summary = None              # the previous attempt's: this one wrote none
         attempt = {"summary": summary, "exit_code": code, "timed_out": timed_out,
                    "fail_at": list(spec.fail_at) if spec.fail_at else None, "steps": spec.steps,
-                   "started_at": job.started_at, "ended_at": job.ended_at or self.down_since}
+                   "started_at": first.started_at, "ended_at": job.ended_at or self.down_since}
         self.attempts.append(attempt)
         self._keep_copy(n)
         self.history.record("job_exit", attempt=n, exit_code=code, timed_out=timed_out, steps=spec.steps,
-                            status=(summary or {}).get("status"),
+                            status=(summary or {}).get("status"), run_id=status.get("run_id"),
                             error=((summary or {}).get("error") or {}).get("type"))
         return attempt
 

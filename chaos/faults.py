@@ -88,6 +88,16 @@ class KillController(Fault):
 
 
 @dataclass(frozen=True, kw_only=True)
+class KillDriver(Fault):
+    """SIGKILL to the job's driver process alone (not its process group: the run's own local Ray
+    lives in that group), while the run trains. The run goes on without a driver; the campaign
+    starts the same job again, which attaches to the live run and exits with its status. No
+    recovery is expected: the driver takes no part in training."""
+
+    kind: ClassVar[str] = "kill_driver"
+
+
+@dataclass(frozen=True, kw_only=True)
 class KillNode(Fault):
     """A whole Ray node leaves the cluster (all its processes die); the heal adds a fresh node,
     the way an autoscaler replaces a lost machine."""
@@ -347,8 +357,8 @@ class SecondRun(Fault):
 
 
 FAULT_TYPES: dict[str, type[Fault]] = {cls.kind: cls for cls in (
-    KillWorker, KillController, KillNode, Hang, Slow, Partition, StorageOutage, StorageStall, CrashBeforeCommit,
-    CorruptCheckpoint, Preempt, UserError, LateCommit, SecondRun, BitFlip, BadGradient)}
+    KillWorker, KillController, KillDriver, KillNode, Hang, Slow, Partition, StorageOutage, StorageStall,
+    CrashBeforeCommit, CorruptCheckpoint, Preempt, UserError, LateCommit, SecondRun, BitFlip, BadGradient)}
 
 
 def fault_from_dict(data: dict[str, Any]) -> Fault:

@@ -155,7 +155,7 @@ def check_all(ev: Evidence) -> list[Verdict]:
             model_matches_reference(ev), data_order_matches_reference(ev), metrics_complete(ev),
             faults_recovered(ev, matches), no_committed_checkpoint_lost(ev),
             no_checkpoint_from_wrong_generation(ev), intruders_refused(ev), no_false_hang(ev),
-            workers_outlive_controller(ev)]
+            workers_outlive_controller(ev), runs_outlive_drivers(ev)]
 
 
 # ---- the invariants --------------------------------------------------------------------------
@@ -595,6 +595,30 @@ def workers_outlive_controller(ev: Evidence) -> Verdict:
     return Verdict("workers_outlive_controller", FAIL if problems else PASS,
                    "; ".join(problems) or f"{len(kills)} controllers killed, each replaced with its workers adopted "
                                           f"(seconds without a controller: {seconds})")
+
+
+def runs_outlive_drivers(ev: Evidence) -> Verdict:
+    """Each driver killed left its run going: the job started again (a "driver_replaced"
+    event) and the attempt ended with the run that was live at the kill (the same run id in
+    status.json at the end: the second driver attached, it did not start a run of its own), and
+    with a summary. (Steps kept once and the model are the other invariants'.)"""
+    kills = [e for e in ev.events("invoke") if e["fault"]["kind"] == "kill_driver"
+             and (e.get("detail") or {}).get("signalled")]
+    if not kills:
+        return Verdict("runs_outlive_drivers", SKIP, "no driver was killed")
+    problems = []
+    for kill in kills:
+        detail = kill["detail"]
+        if not any(e.get("killed") == detail["pid"] for e in ev.events("driver_replaced") if e["t"] >= kill["t"]):
+            problems.append(f"fault {kill['index']}: the job was not started again after its driver's death")
+        end = next((e for e in ev.events("job_exit") if e["t"] >= kill["t"]), None)
+        if end is None or end.get("status") is None:
+            problems.append(f"fault {kill['index']}: the run wrote no summary after its driver's death")
+        elif end.get("run_id") != detail["run_id"]:
+            problems.append(f"fault {kill['index']}: the run ended as {end.get('run_id')}, not as the run "
+                            f"{detail['run_id']} that lost its driver")
+    return Verdict("runs_outlive_drivers", FAIL if problems else PASS,
+                   "; ".join(problems) or f"{len(kills)} driver(s) killed; each run went on and was attached to")
 
 
 def intruders_refused(ev: Evidence) -> Verdict:

@@ -25,6 +25,7 @@ from chaos.faults import (
     CrashBeforeCommit,
     Hang,
     KillController,
+    KillDriver,
     KillNode,
     KillWorker,
     LateCommit,
@@ -196,6 +197,7 @@ MIXED_MENU = [
     (1.0, lambda r: LateCommit(target="one", phase=r.choice(["check", "put"]))),
     (0.5, lambda r: SecondRun()),
     (1.0, lambda r: KillController()),
+    (1.0, lambda r: KillDriver()),
 ]
 
 

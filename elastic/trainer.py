@@ -5,7 +5,8 @@ belong to the driver's process: all are detached and named after the run
 (elastic._run_names). When the controller's process dies, Ray restarts the actor
 (CONTROLLER_RESTARTS times) and the new controller adopts the live workers
 (elastic._controller.adoption); the driver's wait goes on with it. When the driver dies, the run
-goes on to its end; the same fit() again attaches to it (`_attach`). Ctrl-C in fit() ends the
+goes on to its end, on a cluster as on the local Ray fit() starts (elastic.local_ray); the same
+fit() again attaches to it (`_attach`). Ctrl-C in fit() ends the
 run; SIGTERM asks it to stop with a commit (`_stop_on_sigterm`).
 """
 from __future__ import annotations
@@ -33,6 +34,8 @@ from elastic.config import (
     to_jsonable,
 )
 from elastic.errors import ConfigError, StorageConfigError, UserCodeError
+from elastic.local_ray import LocalRay, quiet_local_ray_auth
+from elastic.local_ray import supported as local_ray_supported
 from elastic.policies import FailurePolicy, ScalingPolicy
 from elastic.schemas import dumps, status_doc
 
@@ -225,11 +228,14 @@ class ElasticTrainer:
     def _check_storage(self) -> None:
         from checkpointing import RunConflictError, acquire_run_lease
         from checkpointing.storage import Storage
-        self._run_id = uuid.uuid4().hex
+        run_id = uuid.uuid4().hex
         options = self.checkpoint.storage_options or None
         try:
-            acquire_run_lease(self.checkpoint.storage, self._run_id, storage_options=options,
+            acquire_run_lease(self.checkpoint.storage, run_id, storage_options=options,
                               takeover=self.checkpoint.takeover)
+            # Only a claim that held is reused: after a refusal, fit() must meet the live run again
+            # (and attach to it) rather than start a second run beside it.
+            self._run_id = run_id
             storage = Storage(self.checkpoint.storage, options)
             # A STOP is meant for the run that was live when it was written: one left by an
             # earlier run (that ended before it saw it, or was stopped by it) must not stop this
@@ -250,8 +256,9 @@ class ElasticTrainer:
         has started nothing is raised: a failed run, a lost controller included, is a Result with
         status "failed" and the typed error. A live run of this same configuration on the storage
         (its driver left) is attached to: fit() follows it and returns its Result. A Ray that
-        fit() started itself (none was initialized) is shut down when it returns; one the caller
-        started is left running."""
+        fit() started itself (none was initialized) is the run's own (elastic.local_ray): it
+        outlives a killed driver, the next fit() with the same storage finds it, and it is
+        stopped once the run ended. A Ray the caller started is left running."""
         import ray
 
         from checkpointing import RunConflictError
@@ -263,14 +270,18 @@ class ElasticTrainer:
         # The controller unpickles the policies: a user's policy class travels like the loop.
         for user_code in (self._train_loop, type(self.failure_policy), type(self.scaling_policy)):
             _ship_user_module_by_value(user_code)
-        started_ray = _start_ray(ray)
+        end_ray = _start_ray(ray, self.checkpoint.storage)
+        refused = False
         try:
             return self._run(ray) if conflict is None else self._attach(ray, conflict)
+        except (RunConflictError, ConfigError):
+            refused = conflict is not None      # the live run there is not this fit()'s to end
+            raise
         finally:
             self._run_id = None          # a later fit() is a run of its own: it claims the storage again
-            if started_ray:
+            if end_ray is not None:
                 try:
-                    ray.shutdown()
+                    end_ray(refused)
                 except Exception:   # the Result matters more
                     log.warning("could not shut down the Ray instance fit() started", exc_info=True)
 
@@ -465,39 +476,31 @@ def _differences(theirs: Any, ours: Any, path: str = "") -> list[str]:
     return [] if theirs == ours else [f"{path} ({theirs!r} there, {ours!r} here)"]
 
 
-def _start_ray(ray: Any) -> bool:
-    """Join the cluster in RAY_ADDRESS or start a local Ray, unless the caller already has one;
-    True when this call did (fit() then shuts it down when it returns)."""
+def _start_ray(ray: Any, storage: str) -> Callable[[bool], None] | None:
+    """Join the cluster in RAY_ADDRESS or start a local Ray, unless the caller already has one.
+    Returns how fit() ends the Ray it joined or started (None: the caller's, left alone): called
+    with whether a run there may still be live (this fit() was refused before following one).
+
+    A local Ray is the run's own (elastic.local_ray), found again by the next fit() with the same
+    storage, so that a killed driver leaves its run going; it is stopped when the run ended
+    under this fit(), or by the run's controller when no driver saw the end."""
     if ray.is_initialized():
-        return False
+        return None
     address = os.environ.get("RAY_ADDRESS") or None
     if address is None and _starts_local_ray():
+        if local_ray_supported():
+            local = LocalRay(storage)
+            address, started = local.connect()
+            ray.init(address=address, include_dashboard=False, log_to_driver=True)
+
+            def end(live: bool) -> None:
+                ray.shutdown()
+                if started or not live:
+                    local.stop()
+            return end
         quiet_local_ray_auth()
     ray.init(address=address, include_dashboard=False, log_to_driver=True)
-    return True
-
-
-def quiet_local_ray_auth() -> None:
-    """Before `ray.init` starts a new local Ray: spell out the token authentication Ray turns on
-    for it anyway, which silences the notice Ray logs on every start ("Token authentication is
-    enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out", Ray's
-    authentication_token_setup.enable_token_auth_by_default; it warns only when RAY_AUTH_MODE is
-    unset). The notice is noise on a Ray that this process starts and stops, and "disabled" would
-    open that Ray to anyone on the network, so the mode becomes the one Ray picks: "token" (with
-    ~/.ray/auth_token, which Ray creates when missing). A mode set by the user is left alone. Only
-    for a Ray started here: one being joined needs the mode it was started with.
-
-    Through Ray's own `_enable_token_auth` (what enable_token_auth_by_default calls before its
-    warning): besides RAY_AUTH_MODE it refreshes the config that importing Ray cached, which still
-    says "disabled" when only the variable changes (ray.init then fails with AuthenticationError).
-    Private API: without it the notice stays, nothing else changes."""
-    if "RAY_AUTH_MODE" in os.environ:
-        return
-    try:
-        from ray._private.authentication.authentication_token_setup import _enable_token_auth
-    except ImportError:
-        return
-    _enable_token_auth()
+    return lambda live: ray.shutdown()
 
 
 def _starts_local_ray() -> bool:

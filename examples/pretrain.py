@@ -3,7 +3,9 @@
     python examples/pretrain.py --storage runs/pretrain --workers 2:3 --steps 200 --checkpoint-every 50
 
 Starts a local Ray instance (or joins the cluster in RAY_ADDRESS), checkpoints to --storage and
-resumes from it when run again. Trains on the Parquet token corpus at --data URL, or on a
+resumes from it when run again. The local Ray is the run's own (elastic.local_ray): SIGKILL of this
+script leaves the run going to its end, and running it again with the same storage and flags
+attaches to the live run and exits with its status. Trains on the Parquet token corpus at --data URL, or on a
 synthetic one written under <storage>/corpus/ on the first run and reused afterwards. Kill a
 worker (its pid is in <storage>/status.json) and watch the run re-form and go on. With --gpu
 each worker trains on one GPU of its own (NCCL), which --precision fp16 needs. With --tp T the
@@ -37,10 +39,10 @@ from elastic import (
     RunConflictError,
     ScalingConfig,
     StorageError,
+    local_ray,
 )
 from elastic._worker.fault_gate import BITFLIP_REQUESTS_KEY, HOLD_AT_KEY, BitFlipRequests, HoldAt
 from elastic.progress import ProgressDisplay
-from elastic.trainer import quiet_local_ray_auth
 
 EXIT_STOPPED_EARLY = 3
 EXIT_STORAGE_IN_USE = 4
@@ -326,13 +328,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"configuration error: {error}", file=sys.stderr)
         return 2
+    local = None if os.environ.get("RAY_ADDRESS") or not local_ray.supported() else local_ray.LocalRay(args.storage)
     try:
         trainer.claim_storage()      # refused in seconds, before a local Ray is started for nothing
     except RunConflictError as error:
-        # On a cluster (RAY_ADDRESS: `ray job submit`) the live run may be this same job run again:
-        # fit() attaches to it and returns its Result, or refuses with what differs. A local Ray
-        # started here cannot hold the live run.
-        if not os.environ.get("RAY_ADDRESS"):
+        # The live run may be this same job run again, after its driver was killed: on a cluster
+        # (RAY_ADDRESS: `ray job submit`), or on the local Ray this script started for the storage.
+        # fit() attaches to it and returns its Result, or refuses with what differs.
+        if not os.environ.get("RAY_ADDRESS") and (local is None or local.address() is None):
             return storage_refused(error)
     except ConfigError as error:
         return storage_refused(error)
@@ -349,16 +352,31 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
         # Logical CPUs: one per worker even on a small machine, so MAX workers and the hot spares
         # always fit (a spare reserves a worker's resources: without its CPUs it would stay pending).
-        # address="local": a Ray of its own, even when another one runs on this machine (the
-        # cluster to join is given by RAY_ADDRESS, as `ray job submit` does).
         workers = high + args.spare_workers
-        quiet_local_ray_auth()      # Ray's token-auth notice, on every start: see its docstring
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(workers * args.cpus_per_worker)),
-                 num_gpus=gpus, include_dashboard=False)
+        cpus = max(os.cpu_count() or 1, math.ceil(workers * args.cpus_per_worker))
+        if local is not None:
+            # The run's own Ray (elastic.local_ray): a SIGKILLed driver leaves the run going, and
+            # this script run again with the same storage attaches to it; the run's end stops it.
+            try:
+                address, _ = local.connect(num_cpus=cpus, num_gpus=gpus)
+            except local_ray.LocalRayError as error:
+                print(f"local Ray: {error}", file=sys.stderr)
+                return 1
+            ray.init(address=address, include_dashboard=False)
+        else:
+            # address="local": a Ray of its own, even when another one runs on this machine (the
+            # cluster to join is given by RAY_ADDRESS, as `ray job submit` does).
+            local_ray.quiet_local_ray_auth()   # Ray's token-auth notice, on every start: see its docstring
+            ray.init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False)
+    refused = False
     try:
         result = trainer.fit()
     except (RunConflictError, ConfigError) as error:
+        refused = True          # a live run of another configuration: not this job's to end
         return storage_refused(error)
+    finally:
+        if local is not None and not refused:
+            local.stop()        # the run ended (or Ctrl-C ended it): nothing of its Ray is left
     s = result.summary
     print()
     print(json.dumps({k: s.get(k) for k in ("status", "final_step", "loss_first", "loss_last", "world_size_history",

@@ -16,6 +16,7 @@ nodes from the runner's Ray cluster, objects on the store.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,8 @@ class Env:
     job_env: dict[str, str] | None = None                # the job's environment
     exec_prefix: list[str] = field(default_factory=list)  # e.g. `ip netns exec NS` (chaos.netns)
     out_dir: str | None = None       # where injectors keep their processes' logs
+    driver_pid: Callable[[], int | None] = lambda: None   # the job's live driver process, if any
+    drivers_killed: list[int] = field(default_factory=list)   # for the campaign to start again
 
 
 @dataclass
@@ -116,6 +119,7 @@ def build_injectors(env: Env) -> dict[str, Injector]:
         BitFlipInjector,
         HangInjector,
         KillControllerInjector,
+        KillDriverInjector,
         KillWorkerInjector,
         PreemptInjector,
         SlowInjector,
@@ -129,5 +133,5 @@ def build_injectors(env: Env) -> dict[str, Injector]:
     classes = (KillWorkerInjector, PreemptInjector, HangInjector, SlowInjector, KillNodeInjector,
                PartitionInjector, StorageOutageInjector, StorageStallInjector, CrashBeforeCommitInjector,
                CorruptCheckpointInjector, LateCommitInjector, SecondRunInjector, BitFlipInjector,
-               BadGradientInjector, KillControllerInjector)
+               BadGradientInjector, KillControllerInjector, KillDriverInjector)
     return {cls.kind: cls(env) for cls in classes}

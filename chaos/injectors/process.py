@@ -8,7 +8,7 @@ import random
 import signal
 import threading
 
-from chaos.faults import BadGradient, BitFlip, Fault, Hang, KillController, KillWorker, Preempt, Slow
+from chaos.faults import BadGradient, BitFlip, Fault, Hang, KillController, KillDriver, KillWorker, Preempt, Slow
 from chaos.injectors import Active, Injector, Skip
 from chaos.procs import Proc
 
@@ -61,6 +61,33 @@ class KillControllerInjector(Injector):
         sent = proc.signal(signal.SIGKILL)
         return Active(fault, {"pid": proc.pid, "signalled": int(sent), "restarts_before": controller.get("restarts"),
                               "worker_pids": sorted(w["pid"] for w in status.get("workers") or [])})
+
+
+class KillDriverInjector(Injector):
+    """SIGKILL to the job's driver process alone, only while status.json says the run is running
+    under a run id. The campaign sees the driver gone (Env.drivers_killed) and starts the job
+    again; nothing to heal. The detail keeps the run id, which the run must still have at its
+    end (it went on: the second driver attached instead of starting a run of its own)."""
+
+    kind = "kill_driver"
+
+    def invoke(self, fault: Fault, rng: random.Random) -> Active:
+        assert isinstance(fault, KillDriver)
+        status = self.env.view.status() or {}
+        pid = self.env.driver_pid()
+        if status.get("state") != "running" or not status.get("run_id"):
+            raise Skip(f"the run is {status.get('state')!r}, not running under a run id")
+        if pid is None:
+            raise Skip("no live driver process")
+        try:
+            os.kill(pid, signal.SIGKILL)
+            sent = True
+        except ProcessLookupError:
+            sent = False
+        if sent:
+            self.env.drivers_killed.append(pid)
+        return Active(fault, {"pid": pid, "signalled": int(sent), "run_id": status["run_id"],
+                              "step": status.get("step")})
 
 
 class PreemptInjector(_OneSignal):

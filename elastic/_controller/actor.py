@@ -14,7 +14,7 @@ from elastic._controller.background_read import BackgroundRead
 from elastic._controller.commit_watch import CommitWatch
 from elastic._controller.controller import Controller, run_loop
 from elastic._controller.feed import Event, RunFeed
-from elastic._controller.journal import Journal, JournalEntry, RayJournal
+from elastic._controller.journal import BackgroundPuts, Journal, JournalEntry, RayJournal
 from elastic._controller.run_record import RunRecorder
 from elastic._controller.states import RunState
 from elastic._controller.worker_group import RayWorkerGroup
@@ -24,6 +24,7 @@ from elastic._ray_metrics import RayMetricsListener
 from elastic._run_names import RunNames
 from elastic.config import LOG_FORMAT, LOG_LEVEL_ENV
 from elastic.errors import UserCodeError
+from elastic.local_ray import stop_own_ray
 
 if TYPE_CHECKING:
     from checkpointing.lease import LeaseKeeper
@@ -168,11 +169,10 @@ class ControllerActor:
         # A run's workers belong to the run, not to this process: named, detached, and adopted by
         # the controller Ray restarts in this actor's place if this process dies (adoption).
         names = RunNames(run_id) if run_id is not None else None
-        self._journal = Journal(RayJournal(run_id)) if run_id is not None else None
+        self._journal = Journal(BackgroundPuts(RayJournal(run_id))) if run_id is not None else None
         # A run id is new with each fit(): a journal entry or a named worker of it means that this
         # process replaces a lost controller of the run (Ray restarted the actor).
-        resumed = self._journal.read() if self._journal is not None else None
-        self._ended_before = self._journal is not None and self._journal.ended()
+        resumed, self._ended_before = self._journal.opening() if self._journal is not None else (None, False)
         replacing = not self._ended_before and (resumed is not None or (names is not None and bool(names.workers())))
         group = RayWorkerGroup(spec, names=names)
         self._controller = Controller(
@@ -249,7 +249,10 @@ class ControllerActor:
 
     @staticmethod
     def _end_now() -> None:
-        """End this actor for good (no restart)."""
+        """End this actor for good (no restart), and with it the run's own local Ray when it
+        runs on one (elastic.local_ray: the driver that started it is gone, or would have ended
+        this actor before now)."""
+        stop_own_ray()
         try:
             import ray
             ray.kill(ray.get_runtime_context().current_actor, no_restart=True)

@@ -18,10 +18,13 @@ records (state.Outbox.replay), which is why an entry only needs to be recent, no
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
+
+from elastic._run_names import NAMESPACE
 
 if TYPE_CHECKING:
     from elastic._controller.bad_nodes import BadNodes
@@ -35,7 +38,7 @@ log = logging.getLogger("elastic.controller")
 
 JOURNAL_EVERY_S = 1.0       # the oldest an entry gets while nothing changes state (the status.json pace)
 ENDED = b"ended"            # what the journal holds once the run ended
-_NAMESPACE = "elastic"
+END_WAIT_S = 10.0           # how long the run's end waits for its journal to say so
 
 
 @dataclass
@@ -85,15 +88,68 @@ class RayJournal:
 
     def put(self, data: bytes) -> None:
         from ray.experimental.internal_kv import _internal_kv_put
-        _internal_kv_put(self._key, data, overwrite=True, namespace=_NAMESPACE)
+        _internal_kv_put(self._key, data, overwrite=True, namespace=NAMESPACE)
 
     def get(self) -> bytes | None:
         from ray.experimental.internal_kv import _internal_kv_get
-        return _internal_kv_get(self._key, namespace=_NAMESPACE)
+        return _internal_kv_get(self._key, namespace=NAMESPACE)
 
     def delete(self) -> None:
         from ray.experimental.internal_kv import _internal_kv_del
-        _internal_kv_del(self._key, namespace=_NAMESPACE)
+        _internal_kv_del(self._key, namespace=NAMESPACE)
+
+
+class BackgroundPuts:
+    """A journal store whose `put` returns at once: the newest data is written by a daemon thread
+    of its own (an older one not written yet is dropped: only the newest entry matters). Why: a
+    GCS that is down (restarting under GCS fault tolerance) blocks a key-value put until it is
+    back, and on the controller's thread that stalled the control loop for as long, status.json
+    and failure detection with it (tests/integration/test_gcs_restart.py). `get` and `delete`
+    go straight to the store: the first is read before any put, the second by a driver after
+    the run."""
+
+    def __init__(self, store: JournalStore):
+        self._store = store
+        self._pending: bytes | None = None
+        self._ready = threading.Condition()
+        self._failing = False
+        threading.Thread(target=self._loop, name="controller-journal", daemon=True).start()
+
+    def put(self, data: bytes) -> None:
+        with self._ready:
+            self._pending = data
+            self._ready.notify()
+
+    def get(self) -> bytes | None:
+        return self._store.get()
+
+    def delete(self) -> None:
+        self._store.delete()
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until the newest data handed over is written (or `timeout_s`); whether it was."""
+        with self._ready:
+            return self._ready.wait_for(lambda: self._pending is None, timeout_s)
+
+    def _loop(self) -> None:
+        while True:
+            with self._ready:
+                self._ready.wait_for(lambda: self._pending is not None)
+                data = self._pending
+            assert data is not None
+            try:
+                self._store.put(data)
+            except Exception:   # the next entry is written at the next tick
+                if not self._failing:
+                    log.warning("could not write the controller's journal (a replacing controller would "
+                                "replay more of the workers' records)", exc_info=True)
+                self._failing = True
+            else:
+                self._failing = False
+            with self._ready:
+                if self._pending is data:       # nothing newer came meanwhile
+                    self._pending = None
+                    self._ready.notify_all()
 
 
 class Journal:
@@ -133,12 +189,32 @@ class Journal:
             log.warning("the controller's journal could not be read back", exc_info=True)
             return None
 
+    def opening(self) -> tuple[JournalEntry | None, bool]:
+        """What a starting controller reads, in one GCS read: the newest entry (as `read`), and
+        whether the run ended (as `ended`)."""
+        import pickle
+        try:
+            data = self._store.get()
+        except Exception:
+            log.warning("the controller's journal could not be read back", exc_info=True)
+            return None, False
+        if data == ENDED:
+            return None, True
+        try:
+            return (pickle.loads(data) if data else None), False
+        except Exception:
+            log.warning("the controller's journal could not be read back", exc_info=True)
+            return None, False
+
     def end(self) -> None:
         """The run ended: a restart of its controller (Ray restarts a detached actor that dies
         after the run) adopts nothing and starts nothing; its driver, if any, reads the record
         on storage."""
         try:
             self._store.put(ENDED)
+            # Written before the outcome goes to the driver, whose reap deletes the entry after.
+            if isinstance(self._store, BackgroundPuts) and not self._store.flush(END_WAIT_S):
+                log.warning("the controller's journal was not marked ended within %.0fs", END_WAIT_S)
         except Exception:   # the workers are gone: a restart would find nothing to adopt
             log.warning("could not mark the controller's journal ended", exc_info=True)
 

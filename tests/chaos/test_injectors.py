@@ -3,11 +3,13 @@ heal whatever happened to the run."""
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 import time
 
 import pytest
 
-from chaos.faults import Hang, KillController, KillNode, KillWorker, Partition, Preempt, Slow, StorageOutage
+from chaos.faults import Hang, KillController, KillDriver, KillNode, KillWorker, Partition, Preempt, Slow, StorageOutage
 from chaos.history import History
 from chaos.injectors import Env, Skip, Unsupported, build_injectors
 from chaos.nemesis import Nemesis
@@ -91,6 +93,30 @@ def test_kill_controller_kills_the_process_status_json_names_only_while_the_run_
     assert active.detail["signalled"] == 1 and active.detail["worker_pids"] == [worker.pid]
     controller.wait(timeout=10)
     assert controller.returncode == -9 and worker.poll() is None
+
+
+def test_kill_driver_kills_the_driver_alone_while_the_run_trains_and_names_it_for_a_restart():
+    driver = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], process_group=0)
+    group_mate = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                  process_group=driver.pid)     # the run's own Ray lives in the driver's group
+    try:
+        view = FakeView([])
+        env = Env(view=view, driver_pid=lambda: driver.pid if driver.poll() is None else None)
+        injectors = build_injectors(env)
+        view.state.update(state="scheduling", run_id="r1")
+        with pytest.raises(Skip, match="scheduling"):
+            injectors["kill_driver"].invoke(KillDriver(), random.Random(0))
+        view.state["state"] = "running"
+        active = injectors["kill_driver"].invoke(KillDriver(), random.Random(0))
+        assert active.detail == {"pid": driver.pid, "signalled": 1, "run_id": "r1", "step": view.state.get("step")}
+        assert driver.wait(timeout=10) == -9 and group_mate.poll() is None
+        assert env.drivers_killed == [driver.pid]
+        with pytest.raises(Skip, match="no live driver"):
+            injectors["kill_driver"].invoke(KillDriver(), random.Random(0))
+    finally:
+        for p in (driver, group_mate):
+            p.kill()
+            p.wait(timeout=10)
 
 
 def test_a_recycled_pid_is_never_signalled(spawn_worker):

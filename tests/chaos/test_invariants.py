@@ -54,8 +54,8 @@ def test_a_good_history_passes_every_invariant():
     assert set(verdicts(good()).values()) == {PASS, SKIP}
     assert [name for name, status in verdicts(good()).items() if status == SKIP] == [
         "data_order_matches_reference", "intruders_refused", "no_false_hang",    # summaries without it; no
-        "workers_outlive_controller"]                                            # intruder; no storage fault;
-                                                                                 # no controller killed
+        "workers_outlive_controller", "runs_outlive_drivers"]                    # intruder; no storage fault;
+                                                                                 # no controller or driver killed
 
 
 def with_controller_killed(restart: dict | None) -> dict:
@@ -73,6 +73,28 @@ def test_a_killed_controller_must_be_replaced_by_one_that_adopted_the_workers():
     assert verdicts(with_controller_killed(None))["workers_outlive_controller"] == FAIL
     restarted = {**adopted, "kind": "restart", "replaced": 3, "reason": "lost while recovering"}
     assert verdicts(with_controller_killed(restarted))["workers_outlive_controller"] == FAIL
+
+
+def with_driver_killed(replaced: bool, ended_as: str | None) -> dict:
+    ev = good()
+    fault = {"kind": "kill_driver", "duration_s": 0.0}
+    ev["history"].insert(3, {"t": 15.0, "type": "invoke", "index": 2, "fault": fault,
+                             "detail": {"pid": 99, "signalled": 1, "run_id": "r1", "step": 30},
+                             "run": {"generation": 1, "step": 30}})
+    if replaced:
+        ev["history"].insert(4, {"t": 15.5, "type": "driver_replaced", "attempt": 0, "killed": 99, "pid": 100})
+    ev["history"].append({"t": 70.0, "type": "job_exit", "attempt": 0, "exit_code": 0, "status": "finished",
+                          "run_id": ended_as})
+    return ev
+
+
+def test_a_killed_driver_must_leave_its_run_going_for_the_job_started_again_to_attach_to():
+    assert verdicts(with_driver_killed(True, "r1"))["runs_outlive_drivers"] == PASS
+    assert verdicts(with_driver_killed(False, "r1"))["runs_outlive_drivers"] == FAIL      # never started again
+    assert verdicts(with_driver_killed(True, "r2"))["runs_outlive_drivers"] == FAIL       # a run of its own
+    no_summary = with_driver_killed(True, "r1")
+    no_summary["history"][-1]["status"] = None
+    assert verdicts(no_summary)["runs_outlive_drivers"] == FAIL
 
 
 def test_a_recovery_older_than_a_commit_made_before_the_fault_loses_a_committed_step():

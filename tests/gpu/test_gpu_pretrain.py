@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from elastic.local_ray import LocalRay
 from support import read_json
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(420),
@@ -20,10 +21,13 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 
 def pretrain(storage: str, steps: int, *flags: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}      # a local Ray of its own
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "pretrain.py"), "--storage", storage,
-                           "--workers", "1:1", "--steps", str(steps), "--checkpoint-every", "10",
-                           "--model-size", "tiny", "--quiet", "--gpu", *flags],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    try:
+        done = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "pretrain.py"), "--storage", storage,
+                               "--workers", "1:1", "--steps", str(steps), "--checkpoint-every", "10",
+                               "--model-size", "tiny", "--quiet", "--gpu", *flags],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    finally:
+        LocalRay(storage).stop()        # the run's own Ray outlives a driver killed by the timeout
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     summary = read_json(storage, "summary.json")
     assert summary["status"] == "finished" and summary["final_step"] == steps, summary

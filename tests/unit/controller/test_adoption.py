@@ -2,6 +2,7 @@
 and the driver's feed across it (no Ray: the fakes, a fake clock)."""
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import pytest
@@ -10,7 +11,7 @@ from harness import make, start
 
 from elastic._controller.adoption import AdoptionKind, judge
 from elastic._controller.feed import RESTART_GAP, FeedKind, RunFeed
-from elastic._controller.journal import Journal
+from elastic._controller.journal import ENDED, BackgroundPuts, Journal
 from elastic._controller.states import Recovering, Running, RunState, Scheduling, Starting
 from elastic._protocol import RestoreKind, RestorePlan, StepRecord, WorkerPhase, WorkerReport
 from elastic._run_names import RunNames
@@ -96,6 +97,44 @@ def test_a_replacing_controller_goes_on_with_the_generation_and_takes_each_step_
     assert controller.state.state == RunState.RUNNING and controller.step == 9
     assert controller.recorder.steps == list(range(1, 10))
     assert transitions == [] and controller.history[-1][:2] == ("running", "running")
+
+
+def test_a_starting_controller_reads_its_journal_once_for_the_entry_and_the_end():
+    store = MemoryStore()
+    reads = []
+    get = store.get
+    store.get = lambda: reads.append(1) or get()
+    journal = Journal(store)
+    assert journal.opening() == (None, False) and len(reads) == 1
+    lost, group, _, _ = make(journal=Journal(store, every_s=60.0, clock=lambda: 0.0))
+    start(lost, group)
+    entry, ended = journal.opening()
+    assert entry is not None and entry.state == lost.state and not ended and len(reads) == 2
+    journal.end()
+    assert journal.opening() == (None, True) and len(reads) == 3
+
+
+def test_a_journal_put_that_blocks_does_not_block_the_controller_and_only_the_newest_entry_is_written():
+    """A GCS that is down blocks a key-value put until it is back: BackgroundPuts takes the put
+    off the controller's thread (tests/integration/test_gcs_restart.py saw the loop stall)."""
+    import threading
+    gcs_up, written = threading.Event(), []
+
+    class DownStore(MemoryStore):
+        def put(self, data: bytes) -> None:
+            gcs_up.wait(10)
+            written.append(data)
+
+    store = BackgroundPuts(DownStore())
+    journal = Journal(store)
+    began = time.monotonic()
+    for data in (b"one", b"two", b"three"):
+        store.put(data)
+    assert time.monotonic() - began < 1.0           # handed over, not written
+    threading.Timer(0.5, gcs_up.set).start()
+    journal.end()                                   # returns once its mark is written
+    assert gcs_up.is_set() and written[-1] == ENDED
+    assert len(written) <= 2            # at most the put in flight, then the newest (the end): none between
 
 
 def test_a_member_lost_while_no_controller_was_there_is_recovered_once_the_replacement_is_up():

@@ -40,6 +40,20 @@ def test_a_second_run_on_a_live_runs_storage_refuses_then_takeover_fences_the_fi
         CheckpointView(str(tmp_path), None, None, first._run_id).fence(3, start_step=0)
 
 
+def test_a_refused_claim_is_not_kept_so_fit_meets_the_live_run_again(tmp_path):
+    """examples/pretrain.py claims the storage before it starts Ray, and calls fit() even when the
+    claim is refused (the live run may be its own, to attach to). A refused claim once left its run
+    id behind: fit() then took the claim as held and started a second run beside the live one,
+    which took the lease and failed the first run."""
+    first = trainer(str(tmp_path))
+    first.claim_storage()
+    second = trainer(str(tmp_path))
+    for _ in range(2):                  # the pre-claim, then fit()'s own
+        with pytest.raises(RunConflictError, match=f"in use by run {first._run_id}"):
+            second.claim_storage()
+    assert second._run_id is None
+
+
 def test_a_finished_runs_storage_is_free(tmp_path):
     first = trainer(str(tmp_path))
     first._check_storage()
