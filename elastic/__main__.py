@@ -154,7 +154,8 @@ def _write_plot(url: str, summary: dict | None, target: str, options: dict | Non
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    """Exit 0 the run finished; 1 it did not (failed, stopped, stopped early); 2 no summary."""
+    """Exit 0 the run finished or was stopped on request; 1 it did not (failed, stopped early);
+    2 no summary."""
     options = _parse_options(args.option)
     summary = _read_json(args.url, "summary.json", options)
     if summary is None:
@@ -165,7 +166,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         return 2
     if args.json:
         print(json.dumps(summary, indent=1))
-        return 0 if summary.get("status") == "finished" else 1
+        return 0 if summary.get("status") in ("finished", "stopped") else 1
     print(f"status {summary['status']}  step {summary['final_step']}/{summary['total_steps']}  "
           f"wall {summary['wall_s']:.1f}s  goodput {summary['goodput']}  resumed from {summary['resumed_from']}")
     print(f"loss {summary['loss_first']} -> {summary['loss_last']}  model_sha256 {summary['model_sha256']}")

@@ -121,7 +121,10 @@ class Result:
 
     @property
     def ok(self) -> bool:
-        return self.status == "finished"
+        """The run finished, or stopped on request (`elastic stop`, SIGTERM to the driver: `ray
+        job stop`) with its step committed, resumable: both are what was asked for. A run
+        that failed, or whose loop returned before total_steps ("stopped_early"), is not ok."""
+        return self.status in ("finished", "stopped")
 
     def raise_for_error(self) -> None:
         if self.error is not None:

@@ -14,9 +14,10 @@ counts ranks, in multiples of T), and --sequence-parallel splits the sequence be
 With --pp P each replica is a pipeline of P stages (gpt.pipeline_split_points; --workers in
 multiples of T x P), trained by --pp-schedule over --microbatches micro-batches of each batch.
 
-Exit codes: 0 finished; 1 failed; 2 bad flags or storage that cannot be written; 3 the loop
-stopped before --steps; 4 the storage is in use by another live run (see --takeover); 5 stopped
-by `elastic stop <storage>` (a checkpoint committed; run again to resume).
+Exit codes: 0 finished, or stopped on request (`elastic stop <storage>`, SIGTERM, `ray job stop`:
+a checkpoint committed; run again to resume); 1 failed; 2 bad flags or storage that cannot be
+written; 3 the loop stopped before --steps; 4 the storage is in use by another live run (see
+--takeover).
 """
 from __future__ import annotations
 
@@ -46,7 +47,6 @@ from elastic.progress import ProgressDisplay
 
 EXIT_STOPPED_EARLY = 3
 EXIT_STORAGE_IN_USE = 4
-EXIT_STOPPED = 5
 
 
 def parse_workers(text: str) -> tuple[int, int]:
@@ -383,9 +383,10 @@ def main(argv: list[str] | None = None) -> int:
                                             "recoveries", "checkpoints", "resumed_from", "wall_s", "goodput",
                                             "model_sha256")}, indent=1))
     if result.status == "stopped":
-        print(f"stopped by `elastic stop` at step {result.final_step} of {args.steps}, checkpoint committed; "
+        # A success, as asked for: `ray job list` shows SUCCEEDED, a scheduler does not retry it.
+        print(f"stopped on request at step {result.final_step} of {args.steps}, checkpoint committed; "
               f"run again with --storage {args.storage} to resume", file=sys.stderr)
-        return EXIT_STOPPED
+        return 0
     if result.status == "stopped_early":
         print(f"stopped early: the loop returned at step {result.final_step} of {args.steps}", file=sys.stderr)
         return EXIT_STOPPED_EARLY

@@ -117,7 +117,7 @@ result = ElasticTrainer(gpt.train_loop, train_loop_config={config!r}, total_step
                         checkpoint=CheckpointConfig(storage={storage!r}, every_n_steps=100),
                         failure=FailureConfig(rendezvous_timeout_s=60.0)).fit()
 with open({out!r}, "w") as f:
-    json.dump({{"status": result.status, "final_step": result.final_step}}, f)
+    json.dump({{"status": result.status, "final_step": result.final_step, "ok": result.ok}}, f)
 """
 
 
@@ -179,7 +179,8 @@ def test_the_run_outlives_its_driver_a_second_driver_attaches_and_sigterm_stops_
         assert second.poll() is None
         os.killpg(second.pid, signal.SIGTERM)
         assert second.wait(timeout=90) == 0
-        assert json.loads(out.read_text())["status"] == "stopped"
+        assert json.loads(out.read_text()) | {"final_step": None} == {"status": "stopped", "ok": True,
+                                                                      "final_step": None}   # a stop asked for: ok
         summary = read_json(run_dir, "summary.json")
         assert summary["status"] == "stopped" and summary["recoveries"] == [] and summary["controller_restarts"] == []
         assert summary["checkpoints"][-1] == summary["final_step"] > killed_at

@@ -95,7 +95,7 @@ def test_elastic_stop_commits_where_it_stopped_and_a_resume_goes_on_from_there(r
     stopper.start()
     stopped = fit(400)
     stopper.join(timeout=5)
-    assert stopped.status == "stopped" and stopped.error is None, stopped.error_traceback
+    assert stopped.status == "stopped" and stopped.ok and stopped.error is None, stopped.error_traceback
     step = stopped.summary["final_step"]
     assert 20 <= step < 400 and stopped.summary["checkpoints"] == [step]     # committed where it stopped
     assert read_json(run_dir, "status.json")["state"] == "stopped"

@@ -75,7 +75,7 @@ def test_status_watch_ends_with_the_failed_runs_code(tmp_path, capsys):
     assert cli.main(["status", str(tmp_path), "--watch", "--interval", "0.01"]) == 1
 
 
-@pytest.mark.parametrize("status, code", [("finished", 0), ("failed", 1), ("stopped_early", 1)])
+@pytest.mark.parametrize("status, code", [("finished", 0), ("failed", 1), ("stopped_early", 1), ("stopped", 0)])
 def test_report_json_exits_by_the_runs_status(tmp_path, capsys, status, code):
     summary = {"status": status, "final_step": 5, "total_steps": 10}
     (tmp_path / "summary.json").write_text(json.dumps(summary))
