@@ -182,9 +182,17 @@ def cmd_report(args: argparse.Namespace) -> int:
         for r in recoveries:
             own = r.get("time_ledger") or {}
             print("  ".join([f"{str(r.get(c)):>11}" for c in columns] + [f"{str(own.get(p, '')):>11}" for p in parts]))
+    invocations = summary.get("invocations") or []
+    if len(invocations) > 1:
+        total = sum(len(i.get("recoveries") or []) for i in invocations)
+        print(f"\n{len(invocations)} invocations, {total} recoveries in all (the table above: the last one's)")
+        for n, i in enumerate(invocations, 1):
+            print(f"  {n}: {i.get('status')} at step {i.get('final_step')} (resumed from {i.get('resumed_from')}), "
+                  f"{len(i.get('recoveries') or [])} recoveries, wall {i.get('wall_s')}s, "
+                  f"loss {i.get('loss_first')} -> {i.get('loss_last')}")
     if summary.get("error"):
         print(f"\nerror: {summary['error']['type']}: {summary['error']['message']}")
-    return 0 if summary["status"] == "finished" else 1
+    return 0 if summary["status"] in ("finished", "stopped") else 1
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from checkpointing.lease import LeaseKeeper
 
 FULL_LISTING_EVERY_S = 30.0     # committed_since lists at least this often, whatever the hint says
-STOP_POLL_S = 2.0               # how often the STOP request (elastic stop) is read
+STOP_POLL_S = 1.0               # how often the STOP request (elastic stop) is read: one GET, and the stop's latency
 GC_YOUNG_THRESHOLD = 20_000     # allocations between collections of the youngest generation (CPython: 700)
 LINGER_S = 60.0                 # how long an ended run's controller keeps its outcome for a driver
 

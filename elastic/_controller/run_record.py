@@ -30,6 +30,7 @@ returned.
 """
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -40,7 +41,7 @@ from checkpointing.storage import Storage
 from elastic._controller.feed import FeedKind, RunFeed
 from elastic._controller.journal import RecordState
 from elastic._controller.metrics_log import MetricsLog
-from elastic._controller.run_summary import RunSummary
+from elastic._controller.run_summary import RunSummary, earlier_invocations
 from elastic._controller.status_writer import StatusWriter
 from elastic._protocol import StepRecord
 from elastic.schemas import dumps, status_doc, strict
@@ -130,9 +131,24 @@ class RunRecorder:
 
     def resumed(self, step: int) -> None:
         """The run resumes from `step` (the newest checkpoint as planned): summary.json says so,
-        and the previous run's metrics lines up to it are kept."""
+        carries on the earlier invocations' entries, and the previous run's metrics lines up to
+        it are kept."""
         self.summary.resumed_from = step
+        self.summary.earlier = earlier_invocations(self._previous_summary())
         self.load_previous_metrics(step)
+
+    def _previous_summary(self) -> dict[str, Any] | None:
+        """The summary.json the previous invocation left (None: none, or unreadable: the history
+        then starts here, and the log says why)."""
+        path = self._storage.path("summary.json")
+        try:
+            if not self._storage.exists(path):
+                return None
+            return json.loads(self._storage.read_bytes(path))
+        except Exception:
+            log.warning("could not read the previous summary.json under %s: its invocations are not carried on",
+                        self._storage.display_url, exc_info=True)
+            return None
 
     def load_previous_metrics(self, up_to_step: int) -> None:
         """On resume, keep the lines of the previous run up to the step we resume from (their

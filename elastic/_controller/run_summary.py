@@ -55,6 +55,9 @@ class RunSummary:
         self.controller_restarts: list[dict[str, Any]] = []   # adoption.restart_record, one per restart
         self._data: tuple[int, str | None] | None = None   # (samples_seen, data_order) after the newest step
         self.resumed_from: int | None = None        # the step the run resumed from (None: a fresh start)
+        # The entries of the earlier invocations this one resumed (summary.json's `invocations`,
+        # oldest first): a run killed, stopped and resumed keeps the history of each part.
+        self.earlier: list[dict[str, Any]] = []
         self._ledger = TimeLedger(self._started_at)
         # The newest recovery, until the re-formed group's first step gives its time ledger.
         self._unsettled: dict[str, Any] | None = None
@@ -155,6 +158,11 @@ class RunSummary:
         wall_s = now - self._started_at
         self.settle(now)
         time_ledger = self._ledger.close(now, status)
+        this = {"started_at": round(self._started_at, 3), "status": status, "resumed_from": self.resumed_from,
+                "final_step": final_step, "wall_s": round(wall_s, 3), "loss_first": self._loss_first,
+                "loss_last": self._loss_last, "recoveries": self._recoveries, "time_ledger": time_ledger,
+                "controller_restarts": self.controller_restarts,
+                "error": None if error is None else {k: error.get(k) for k in ("type", "message")}}
         return summary_doc(
             status=status, final_step=final_step, total_steps=self._total_steps,
             world_size_history=self._world_size_history, recoveries=self._recoveries, checkpoints=checkpoints,
@@ -167,4 +175,21 @@ class RunSummary:
             resumed_from=self.resumed_from, stragglers=self._stragglers, checkpoint_fallbacks=self._fallbacks,
             samples_consumed=self._data[0] if self._data else None,
             data_order_sha256=self._data[1] if self._data else None, config=self._config, error=error,
-            controller_restarts=self.controller_restarts)
+            controller_restarts=self.controller_restarts, invocations=[*self.earlier, this])
+
+
+def earlier_invocations(previous: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The invocation entries a resume carries on from the summary.json it found (None: none):
+    its own `invocations`, or, from a summary written before they existed, one entry made of
+    its top-level fields."""
+    if not isinstance(previous, dict):
+        return []
+    if isinstance(previous.get("invocations"), list) and previous["invocations"]:
+        return list(previous["invocations"])
+    error = previous.get("error")
+    return [{"started_at": None, "status": previous.get("status"), "resumed_from": previous.get("resumed_from"),
+             "final_step": previous.get("final_step"), "wall_s": previous.get("wall_s"),
+             "loss_first": previous.get("loss_first"), "loss_last": previous.get("loss_last"),
+             "recoveries": previous.get("recoveries") or [], "time_ledger": previous.get("time_ledger"),
+             "controller_restarts": previous.get("controller_restarts") or [],
+             "error": {k: error.get(k) for k in ("type", "message")} if isinstance(error, dict) else None}]

@@ -71,7 +71,7 @@ def summary_doc(*, status: str, final_step: int, total_steps: int, config: dict[
                 goodput: float | None = None, resumed_from: int | None = None, stragglers: list | None = None,
                 checkpoint_fallbacks: list | None = None, samples_consumed: int | None = None,
                 data_order_sha256: str | None = None,
-                controller_restarts: list | None = None) -> dict[str, Any]:
+                controller_restarts: list | None = None, invocations: list | None = None) -> dict[str, Any]:
     """A summary.json, every key in its place (what the run did not get to know is null or
     empty): the controller's at a run's end, the driver's when the controller was lost."""
     doc: dict[str, Any] = {
@@ -85,5 +85,6 @@ def summary_doc(*, status: str, final_step: int, total_steps: int, config: dict[
     doc.update({"metrics": metrics or {}, "goodput": goodput, "resumed_from": resumed_from,
                 "stragglers": stragglers or [], "checkpoint_fallbacks": checkpoint_fallbacks or [],
                 "samples_consumed": samples_consumed, "data_order_sha256": data_order_sha256,
-                "controller_restarts": controller_restarts or [], "config": config, "error": error})
+                "controller_restarts": controller_restarts or [], "invocations": invocations or [],
+                "config": config, "error": error})
     return doc

@@ -102,6 +102,9 @@ def test_elastic_stop_commits_where_it_stopped_and_a_resume_goes_on_from_there(r
     assert os.path.exists(os.path.join(run_dir, "STOP"))
     resumed = fit(step + 10)                     # the next start takes the old STOP away: it trains on
     assert resumed.ok and resumed.summary["resumed_from"] == step and resumed.summary["final_step"] == step + 10
+    # The run's history keeps both invocations: the stopped one, then the resume (issue 34).
+    assert [(i["status"], i["resumed_from"], i["final_step"]) for i in resumed.summary["invocations"]] == [
+        ("stopped", None, step), ("finished", step, step + 10)]
     assert not os.path.exists(os.path.join(run_dir, "STOP"))
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         steps = [json.loads(line)["step"] for line in f if '"step"' in line]
