@@ -11,7 +11,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from elastic import Callback, CheckpointConfig, ElasticTrainer, FailureConfig, ScalingConfig, TensorBoardCallback
+from elastic import (
+    Callback,
+    CheckpointConfig,
+    ElasticTrainer,
+    FailureConfig,
+    LRScalingConfig,
+    ScalingConfig,
+    TensorBoardCallback,
+)
 from elastic._determinism import state_sha256
 from support import SignalAtStep, read_json
 
@@ -49,13 +57,18 @@ def gan_loop(ctx):
     gen = ctx.prepare_model(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8)))
     critic = ctx.prepare_model(nn.Linear(8, 1))
     opt_g = ctx.prepare_optimizer(torch.optim.AdamW(gen.parameters(), lr=BASE_LR))
-    opt_c = ctx.prepare_optimizer(torch.optim.SGD(critic.parameters(), lr=BASE_LR, momentum=0.9))
+    # One scheduler built after prepare_optimizer (the guide's order), one before (issue 34: under
+    # accumulation the first crashed and the second stepped once per micro-batch).
+    raw_c = torch.optim.SGD(critic.parameters(), lr=BASE_LR, momentum=0.9)
+    sched_c = torch.optim.lr_scheduler.LambdaLR(raw_c, warmup)
+    opt_c = ctx.prepare_optimizer(raw_c)
     sched = torch.optim.lr_scheduler.LambdaLR(opt_g, warmup)
     ema = torch.optim.swa_utils.AveragedModel(gen.module, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
     counter = Counter()
     data = [torch.randn(8, generator=torch.Generator().manual_seed(i)) for i in range(4096)]
     loader = ctx.prepare_data(data, batch_size=4)
-    ctx.restore(model=gen, optimizer=opt_g, critic=critic, opt_c=opt_c, sched=sched, ema=ema, counter=counter)
+    ctx.restore(model=gen, optimizer=opt_g, critic=critic, opt_c=opt_c, sched=sched, sched_c=sched_c, ema=ema,
+                counter=counter)
     for batch in loader:
         lr = opt_g.param_groups[0]["lr"]
         critic(gen(batch)).mean().backward()
@@ -65,6 +78,7 @@ def gan_loop(ctx):
         opt_g.zero_grad()
         opt_c.zero_grad()
         sched.step()
+        sched_c.step()
         ema.update_parameters(gen.module)
         counter.samples += len(batch) * ctx.world_size
         ctx.report(loss=critic(batch).pow(2).mean().detach(), lr=lr, critic_bias=critic.module.bias.detach(),
@@ -78,8 +92,9 @@ def gan_loop(ctx):
         hashes = {name: state_sha256(_flat(obj.state_dict()))
                   for name, obj in {"gen": gen.module, "critic": critic.module, "opt_g": opt_g, "opt_c": opt_c,
                                     "ema": ema}.items()}
-        hashes.update(sched={k: v for k, v in sched.state_dict().items() if k != "lr_lambdas"},
-                      counter=counter.samples, step=ctx.step)
+        hashes.update({name: {k: v for k, v in s.state_dict().items() if k != "lr_lambdas"}
+                       for name, s in (("sched", sched), ("sched_c", sched_c))},
+                      counter=counter.samples, step=ctx.step, optimizer_steps=int(opt_g.state_dict()["state"][0]["step"]))
         with open(cfg["out"], "w") as f:
             json.dump(hashes, f)
 
@@ -113,7 +128,7 @@ class Seen(Callback):
 
 
 def fit(run_dir, out, *, workers, steps, fault=None, spare_workers=0, every=None, stop_at=None, ok=True,
-        callbacks=()):
+        callbacks=(), lr=None):
     config = {"out": out, "stop_at": stop_at, **(fault.hold_config() if fault is not None else {})}
     if fault is not None:
         fault.start()
@@ -123,7 +138,7 @@ def fit(run_dir, out, *, workers, steps, fault=None, spare_workers=0, every=None
                               spare_workers=spare_workers),
         checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=every),
         failure=FailureConfig(heartbeat_timeout_s=10.0, max_failures=3, rendezvous_timeout_s=60.0),
-        callbacks=list(callbacks)).fit()
+        callbacks=list(callbacks), lr=lr).fit()
     if fault is not None:
         fault.join(timeout=5)
         assert fault.fired(), f"the fault never fired (run ended at step {result.final_step})"
@@ -161,6 +176,21 @@ def test_kill_with_a_spare_ends_bitwise_equal_in_every_object(ray_session, tmp_p
     assert [s for s, _ in result.metrics.history["grad_norm"]] == list(range(1, 81))
     assert result.checkpoint.endswith("checkpoints/step_00000080")
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "tb"))
+
+
+@pytest.mark.timeout(300)
+def test_under_accumulation_through_a_kill_each_scheduler_steps_once_per_optimizer_step(ray_session, tmp_path):
+    """constant_global_batch: 2 micro-batches a step at 3 workers, 3 at 2 after the kill. The loop
+    steps both schedulers in its body, which runs per micro-batch: each must advance once per
+    optimizer step, built before prepare_optimizer or after (issue 34, Done-means)."""
+    run_dir, steps = str(tmp_path / "run"), 40
+    fault = SignalAtStep(run_dir, at_step=15, sig=signal.SIGKILL, rank=1)
+    result, state = fit(run_dir, str(tmp_path / "out.json"), workers=(2, 3), steps=steps, fault=fault,
+                        lr=LRScalingConfig(base_world_size=6, mode="constant_global_batch"))
+    assert [r["cause"] for r in result.summary["recoveries"]][:1] == ["worker_died"]
+    assert state["step"] == steps and state["optimizer_steps"] == steps
+    assert state["sched"]["last_epoch"] == steps and state["sched_c"]["last_epoch"] == steps
+    assert state["counter"] == steps * 6 * 4                 # the global batch at every world size
 
 
 @pytest.mark.timeout(300)
