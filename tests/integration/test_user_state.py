@@ -94,7 +94,8 @@ def gan_loop(ctx):
                                     "ema": ema}.items()}
         hashes.update({name: {k: v for k, v in s.state_dict().items() if k != "lr_lambdas"}
                        for name, s in (("sched", sched), ("sched_c", sched_c))},
-                      counter=counter.samples, step=ctx.step, optimizer_steps=int(opt_g.state_dict()["state"][0]["step"]))
+                      counter=counter.samples, step=ctx.step,
+                      optimizer_steps=int(opt_g.state_dict()["state"][0]["step"]))
         with open(cfg["out"], "w") as f:
             json.dump(hashes, f)
 
