@@ -166,13 +166,13 @@ class LocalRay:
                 os.environ["RAY_AUTH_MODE"] = mode
 
 
-def processes(marker: str, seen: set[int] | None = None) -> list[tuple[int, str]]:
+def processes(marker: str, seen: set[int] | None = None, variable: str = MARKER) -> list[tuple[int, str]]:
     """(pid, name) of this user's processes of the Ray marked `marker`: those whose environment
-    has MARKER=`marker` (everything `ray start` spawned, and the workers), and the agents of its
-    raylets, which some Ray versions start with an environment that names only their raylet
+    has `variable`=`marker` (everything `ray start` spawned, and the workers), and the agents of
+    its raylets, which some Ray versions start with an environment that names only their raylet
     (RAY_RAYLET_PID). `seen` keeps every marked pid across calls, so an agent whose raylet has
     gone is still known."""
-    wanted = f"{MARKER}={marker}".encode()
+    wanted = f"{variable}={marker}".encode()
     seen = set() if seen is None else seen
     marked, by_raylet = [], {}
     for entry in os.listdir("/proc"):

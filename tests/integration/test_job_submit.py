@@ -25,6 +25,7 @@ import uuid
 import pytest
 
 from chaos.services import free_port, wait_until
+from elastic.local_ray import processes
 from support import pid_alive, read_json, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.exclusive, pytest.mark.timeout(480)]
@@ -35,29 +36,12 @@ MARKER = "ELASTIC_TEST_RAY_CLUSTER"
 
 
 def _cluster_pids(marker: str, marked: set[int]) -> list[int]:
-    """Processes whose environment holds MARKER=marker: everything `ray start` spawned
-    (GCS, raylet, dashboard, workers) and their children (the job's driver and actors); and the
-    raylets' agents (dashboard agent, runtime env agent), which Ray starts with an environment of
-    their own that names only their raylet (RAY_RAYLET_PID). `marked` keeps every pid seen with
-    the marker, so an agent whose raylet has gone is still known; a pid is the cluster's only by
-    what its environment says now."""
-    needle = f"{MARKER}={marker}".encode()
-    found, by_raylet = [], {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                environ = f.read().split(b"\0")
-        except OSError:   # gone, or not ours to read
-            continue
-        if needle in environ:
-            found.append(int(name))
-        raylet = next((v.split(b"=", 1)[1] for v in environ if v.startswith(b"RAY_RAYLET_PID=")), b"")
-        if raylet.isdigit():
-            by_raylet[int(name)] = int(raylet)
-    marked.update(found)
-    return found + [pid for pid, raylet in by_raylet.items() if raylet in marked and pid not in found]
+    """Processes whose environment holds MARKER=marker: everything `ray start` spawned (GCS,
+    raylet, dashboard, workers) and their children (the job's driver and actors); and the
+    raylets' agents, which Ray may start with an environment that names only their raylet
+    (elastic.local_ray.processes, the sweep a run's own local Ray is stopped with). `marked` keeps
+    every pid seen with the marker, so an agent whose raylet has gone is still known."""
+    return [pid for pid, _ in processes(marker, marked, variable=MARKER) if pid != os.getpid()]
 
 
 def _stop_cluster(marker: str, grace_s: float = 5.0) -> list[int]:

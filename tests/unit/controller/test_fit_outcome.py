@@ -11,7 +11,9 @@ import pytest
 import ray
 from ray.exceptions import ActorDiedError, RayTaskError
 
+from checkpointing import RunConflictError
 from elastic import CheckpointConfig, ElasticTrainer, ScalingConfig, WorkerLostError
+from elastic import trainer as trainer_module
 from elastic._controller.actor import ControllerActor
 from elastic._controller.run_record import RunRecorder
 from elastic._controller.states import RunState
@@ -82,9 +84,26 @@ class FakeRay:
         self.options: dict = {}
         self.args: tuple = ()
 
-    def install(self, monkeypatch):
+    def install(self, monkeypatch, local_started=True):
         for name in ("is_initialized", "init", "shutdown", "get_runtime_context", "remote", "wait", "get", "kill"):
             monkeypatch.setattr(ray, name, getattr(self, name))
+        # No Ray initialized: fit() starts the run's own local Ray (elastic.local_ray), or finds
+        # the one the storage's earlier driver started (`local_started` False).
+        calls = self.calls
+
+        class FakeLocalRay:
+            def __init__(self, storage):
+                self.storage = storage
+
+            def connect(self):
+                calls.append("local_connect")
+                return "127.0.0.1:1", local_started
+
+            def stop(self):
+                calls.append("local_stop")
+        monkeypatch.setattr(trainer_module, "LocalRay", FakeLocalRay)
+        monkeypatch.setattr(trainer_module, "local_ray_supported", lambda: True)
+        monkeypatch.setattr(trainer_module, "_starts_local_ray", lambda: True)
 
     def is_initialized(self):
         return self.initialized
@@ -180,7 +199,10 @@ OUTCOME = {"status": "finished", "final_step": 10, "summary": {"status": "finish
            "metrics": {"last": {}, "history": {}}, "error": None, "traceback": None}
 
 
-@pytest.mark.parametrize("initialized, calls", [(False, ["init", "kill", "shutdown"]), (True, ["kill"])])
+STARTED_HERE = ["local_connect", "init", "kill", "shutdown", "local_stop"]
+
+
+@pytest.mark.parametrize("initialized, calls", [(False, STARTED_HERE), (True, ["kill"])])
 def test_fit_shuts_down_the_ray_it_started_and_only_that(tmp_path, monkeypatch, initialized, calls):
     fake = FakeRay(initialized=initialized, outcome=OUTCOME)
     fake.install(monkeypatch)
@@ -194,7 +216,20 @@ def test_fit_shuts_down_the_ray_it_started_when_the_driver_is_interrupted(tmp_pa
     fake.install(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         trainer(tmp_path).fit()
-    assert fake.calls == ["init", "kill", "shutdown"]
+    assert fake.calls == STARTED_HERE       # Ctrl-C ended the run: its local Ray goes too
+
+
+@pytest.mark.parametrize("started, calls", [(False, ["local_connect", "init", "shutdown"]),
+                                             (True, ["local_connect", "init", "shutdown", "local_stop"])])
+def test_a_fit_refused_by_a_live_run_leaves_that_runs_local_ray_alone(tmp_path, monkeypatch, started, calls):
+    """The live run on the storage is another configuration's: the driver that found its local
+    Ray leaves it (the run goes on); a Ray this fit() started for nothing is stopped."""
+    trainer(tmp_path).claim_storage()                   # the live run
+    fake = FakeRay(initialized=False, outcome=OUTCOME)
+    fake.install(monkeypatch, local_started=started)
+    with pytest.raises(RunConflictError):
+        trainer(tmp_path).fit()
+    assert [c for c in fake.calls if c != "kill"] == calls
 
 
 def test_fit_sends_the_credentials_as_an_actor_argument_not_in_the_runtime_env(tmp_path, monkeypatch):
