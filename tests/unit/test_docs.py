@@ -190,3 +190,17 @@ def test_every_chaos_scenario_is_documented():
     section = _sections((ROOT / "chaos" / "README.md").read_text())["Scenarios (chaos/scenarios.py)"]
     named = set(INLINE_CODE.findall(section))
     assert set(SCENARIOS) <= named, f"undocumented scenarios: {sorted(set(SCENARIOS) - named)}"
+
+
+def test_every_cli_subcommand_is_documented_in_operations(capsys):
+    """docs/operations.md shows every subcommand of the `elastic` command (issue 34), as code
+    (`elastic <name> ...`); the subcommands are read from the CLI's own help."""
+    from elastic import __main__ as cli
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    usage = capsys.readouterr().out
+    commands = set(re.search(r"\{([a-z,]+)\}", usage).group(1).split(","))
+    assert {"status", "report", "stop", "export", "ckpt", "chaos"} <= commands
+    operations = (ROOT / "docs" / "operations.md").read_text()
+    missing = sorted(c for c in commands if f"elastic {c}" not in operations)
+    assert not missing, f"elastic subcommands not in docs/operations.md: {missing}"
