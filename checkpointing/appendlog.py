@@ -32,6 +32,7 @@ import json
 import logging
 import re
 import threading
+from typing import Any
 
 from checkpointing.storage import Storage
 
@@ -265,6 +266,14 @@ class AppendLog:
             log.debug("could not delete %s/%s: %s", self.parts, name, e)
 
 
-def read_log(storage: Storage, path: str) -> bytes:
-    """The whole append log at `path` (base and segments), as one file; b"" if none."""
+def read_log(storage: Storage | str, path: str | None = None, *,
+             storage_options: dict[str, Any] | None = None) -> bytes:
+    """The whole append log at `path` (base and segments), as one file; b"" if none.
+    `storage`: a Storage (then `path` is a full path in it), or a run's URL, as the docs and the
+    CLIs name runs (then `path` is relative to it: metrics.jsonl when left out)."""
+    if isinstance(storage, str):
+        storage = Storage(storage, storage_options)
+        path = storage.path(path or "metrics.jsonl")
+    elif path is None:
+        raise TypeError("read_log(storage, path): with a Storage, give the log's path (storage.path(name))")
     return AppendLog(storage, path).read()

@@ -175,3 +175,17 @@ def test_a_base_written_by_the_old_code_is_kept(memory_url):
     log = segmented(st, path)
     log.append(b"new 3\n")
     assert segmented(Storage(memory_url), path).read() == b"old 1\nold 2\nnew 3\n"
+
+
+def test_read_log_takes_a_runs_url_as_the_docs_name_it(tmp_path):
+    """Issue 34: `checkpointing.read_log` took only a Storage, while the docs and the CLIs name a
+    run by its URL."""
+    from checkpointing import read_log
+    storage = Storage(str(tmp_path))
+    log = AppendLog(storage, storage.path("metrics.jsonl"))
+    log.append(b'{"step": 1}\n')
+    log.append(b'{"step": 2}\n')
+    assert read_log(str(tmp_path)) == read_log(storage, storage.path("metrics.jsonl")) == b'{"step": 1}\n{"step": 2}\n'
+    assert read_log(str(tmp_path), "other.jsonl") == b""
+    with pytest.raises(TypeError, match="give the log's path"):
+        read_log(storage)
