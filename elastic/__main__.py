@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -275,7 +276,14 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("chaos", help="run|list|schedule|heal: fault injection (python -m chaos)")
     args = parser.parse_args(argv)
     try:
-        return args.run(args)
+        code = args.run(args)
+        sys.stdout.flush()          # a reader that left (`| head`) is met here, not at exit
+        return code
+    except BrokenPipeError:
+        # The reader of stdout left (`elastic report | head`): nothing more to say, and no
+        # traceback at exit either (Python's recipe: stdout to devnull; its docs' "Note on SIGPIPE").
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except (StorageError, _Unreadable) as error:
         # One line, no traceback: the URL, what failed, what to check.
         print(f"error: {' '.join(str(error).split())}", file=sys.stderr)

@@ -105,3 +105,21 @@ def test_option_values_are_typed_and_reach_the_storage(tmp_path, monkeypatch, ca
 def test_a_malformed_option_is_exit_2(tmp_path, capsys):
     assert cli.main(["status", str(tmp_path), "--option", "anon"]) == 2
     assert "KEY=VALUE" in capsys.readouterr().err
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path):
+    """`elastic report | head` printed a BrokenPipeError traceback (issue 34's smaller points)."""
+    import subprocess
+    import sys
+    recovery = {"cause": "worker_died", "rung": "warm", "detect_s": 0.1, "recover_s": 1.0, "lost_steps": 0,
+                "from_world": 2, "to_world": 2, "step": 1}
+    (tmp_path / "summary.json").write_text(json.dumps(
+        {"status": "finished", "final_step": 5, "total_steps": 5, "wall_s": 1.0, "goodput": 1.0, "resumed_from": None,
+         "loss_first": 1.0, "loss_last": 0.5, "model_sha256": None, "world_size_history": [], "checkpoints": [],
+         "recoveries": [recovery] * 20000}))
+    reader = subprocess.Popen([sys.executable, "-m", "elastic", "report", str(tmp_path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
+    assert reader.stdout.readline().startswith(b"status finished")
+    reader.stdout.close()                              # `| head -1`
+    err = reader.stderr.read().decode()
+    assert reader.wait(timeout=30) == 1 and "Traceback" not in err and "BrokenPipe" not in err, err
