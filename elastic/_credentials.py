@@ -73,3 +73,14 @@ class MaskingFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         return mask_text(super().format(record))
+
+
+CREDENTIAL_LOGGERS = ("aiobotocore.credentials", "botocore.credentials")
+
+
+def quiet_credential_notices() -> None:
+    """botocore says where it found the credentials ("Found credentials in environment
+    variables.", INFO) once per S3 client it makes: about 5 times per run in each process that
+    opens the storage. Those notices go; its warnings and errors stay."""
+    for name in CREDENTIAL_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)

@@ -18,7 +18,7 @@ from elastic._controller.journal import BackgroundPuts, Journal, JournalEntry, R
 from elastic._controller.run_record import RunRecorder
 from elastic._controller.states import RunState
 from elastic._controller.worker_group import RayWorkerGroup
-from elastic._credentials import MaskingFormatter
+from elastic._credentials import MaskingFormatter, quiet_credential_notices
 from elastic._protocol import RunSpec
 from elastic._ray_metrics import RayMetricsListener
 from elastic._run_names import RunNames
@@ -142,6 +142,7 @@ class ControllerActor:
         handler = logging.StreamHandler()
         handler.setFormatter(MaskingFormatter(LOG_FORMAT))   # no URL password in a traceback either
         logging.basicConfig(level=logging.INFO, handlers=[handler])
+        quiet_credential_notices()
         tune_gc()
         # LoggingConfig's level, from the driver through the runtime env.
         logging.getLogger("elastic").setLevel(os.environ.get(LOG_LEVEL_ENV, "INFO"))

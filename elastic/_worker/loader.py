@@ -417,7 +417,12 @@ class ElasticLoader:
                     done = ctx.step != step if micro == accum - 1 else (
                         accumulation is not None and accumulation.reported() == micro + 1)
                     if not done:
-                        raise ElasticError("ctx.report() must be called once per batch of ctx.prepare_data's loader")
+                        raise ElasticError(
+                            "ctx.report() must be called once per batch of ctx.prepare_data's loader. To accumulate "
+                            "gradients over several batches per optimizer step, let the framework do it: "
+                            "LRScalingConfig(mode='constant_global_batch') runs the loop body per micro-batch "
+                            "(report() each time; opt.step() and the scheduler's step take effect on the last one), "
+                            "or raise the loader's batch_size; see docs/concepts.md, LR modes")
         except GeneratorExit:
             # The loop left early (break, or a rescale unwound it): persistent workers stay for
             # the next iteration of this loader; close() or the next generation ends them.

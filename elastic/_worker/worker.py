@@ -19,7 +19,7 @@ import threading
 import time
 import traceback
 
-from elastic._credentials import MaskingFormatter, mask_text
+from elastic._credentials import MaskingFormatter, mask_text, quiet_credential_notices
 from elastic._protocol import GenerationPlan, RunSpec, WorkerInfo, WorkerPhase, WorkerReport
 from elastic._worker.membership import GroupMembership
 from elastic._worker.mesh import GenerationMesh
@@ -196,6 +196,7 @@ class TrainWorker:
         from elastic._worker.state import WorkerState
         from elastic.config import LOG_LEVEL_ENV
         _timestamped_framework_logs()
+        quiet_credential_notices()
         # LoggingConfig's level, from the driver through the runtime env.
         logging.getLogger("elastic").setLevel(os.environ.get(LOG_LEVEL_ENV, "INFO"))
         self._spec = spec
