@@ -39,13 +39,19 @@ log = logging.getLogger("elastic.callbacks")
 
 LOG_KEYS_KEPT = 1024     # log lines remembered for the events a replacing controller sends again
 
-HOOKS = ("on_step", "on_log", "on_recovery", "on_checkpoint", "on_end")
-_HOOK_OF = {FeedKind.STEP: "on_step", FeedKind.LOG: "on_log", FeedKind.RECOVERY: "on_recovery",
-            FeedKind.CHECKPOINT: "on_checkpoint"}
+HOOKS = ("on_start", "on_step", "on_log", "on_recovery", "on_checkpoint", "on_end")
+_HOOK_OF = {FeedKind.START: "on_start", FeedKind.STEP: "on_step", FeedKind.LOG: "on_log",
+            FeedKind.RECOVERY: "on_recovery", FeedKind.CHECKPOINT: "on_checkpoint"}
 
 
 class Callback:
     """Base class of driver-side callbacks: override the hooks you need (the others do nothing)."""
+
+    def on_start(self, start_info: dict[str, Any]) -> None:
+        """The run trains, before its first step of this invocation is delivered, once per
+        `fit()`: {"run_id", "storage", "config" (the effective configuration, secrets masked),
+        "resumed_from" (the step a resume restored, or None), "total_steps", "step" (the first
+        step), "world_size"}. A tracker resumes its run of the same storage from here."""
 
     def on_step(self, step_info: dict[str, Any]) -> None:
         """A step completed: its metrics.jsonl line."""
@@ -91,6 +97,7 @@ class CallbackRunner:
         self._logs: dict[tuple, None] = {}        # (step, line keys) of the log lines delivered since
         self._commit = 0                          # the newest commit delivered
         self._recoveries: set[Any] = set()        # the recoveries delivered (by detection time)
+        self._started = False                     # on_start delivered (once per fit())
 
     @property
     def delivered(self) -> int:
@@ -113,9 +120,13 @@ class CallbackRunner:
         """Whether the event tells what was delivered already (a replacing controller's replay):
         a step at or before the newest one (a recovery's redone steps come after it, and it moves
         the newest back to the step it restored), a log line of a step and keys delivered since,
-        a commit or a recovery delivered."""
+        a commit or a recovery delivered, the start once delivered."""
         step = payload.get("step", 0)
-        if kind == FeedKind.STEP:
+        if kind == FeedKind.START:
+            if self._started:
+                return True     # a run rolled back to its start tells it again
+            self._started = True
+        elif kind == FeedKind.STEP:
             if step <= self._step:
                 return True
             self._step = step

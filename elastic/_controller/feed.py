@@ -14,6 +14,7 @@ from typing import Any
 
 
 class FeedKind(enum.StrEnum):
+    START = "start"             # the run trains: its first step of this invocation is next (callbacks' on_start)
     STEP = "step"               # a step's metrics.jsonl line
     LOG = "log"                 # a `ctx.log(...)` line of metrics.jsonl
     RECOVERY = "recovery"       # a closed recovery, as summary.json lists it

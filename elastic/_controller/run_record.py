@@ -170,14 +170,23 @@ class RunRecorder:
 
     def on_step(self, record: StepRecord) -> None:
         line = self.metrics_log.append_step(record)
+        first = self.summary.newest_step == 0       # this invocation's first step (a replacement's summary has some)
         if self.summary.on_step(record) is not None:
             self._tell_ledger()            # a recovery's time is known: the run's parts moved
         if self._feed is not None:
+            if first:
+                self._feed.put(FeedKind.START, self._start_info(record))
             self._feed.put(FeedKind.STEP, dict(line))
         for listener in self._listeners:
             _tell(listener, listener.on_step, record)
         if self._clock() - self._ledger_told_at >= LEDGER_EVERY_S:
             self._tell_ledger()
+
+    def _start_info(self, first: StepRecord) -> dict[str, Any]:
+        """What a callback's `on_start` gets: enough to go on with the same tracker run on a resume."""
+        return {"run_id": self._run_id, "storage": self._storage.display_url, "config": self.summary.config,
+                "resumed_from": self.summary.resumed_from, "total_steps": self.summary.total_steps,
+                "step": first.step, "world_size": first.world_size}
 
     def on_log(self, record: StepRecord) -> None:
         """`ctx.log(...)` values at `record.step`: a line of their own, counting no step."""

@@ -63,6 +63,20 @@ class RunSummary:
         self._unsettled: dict[str, Any] | None = None
 
     @property
+    def config(self) -> dict[str, Any]:
+        """The run's effective configuration (summary.json's `config`)."""
+        return self._config
+
+    @property
+    def total_steps(self) -> int:
+        return self._total_steps
+
+    @property
+    def newest_step(self) -> int:
+        """The highest step this invocation kept (0: none yet)."""
+        return self._newest_step
+
+    @property
     def last_loss(self) -> float | None:
         return self._loss_last
 

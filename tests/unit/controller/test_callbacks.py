@@ -24,6 +24,9 @@ class Seen(Callback):
     def __init__(self):
         self.events = []
 
+    def on_start(self, start_info):
+        self.events.append(("start", start_info))
+
     def on_step(self, step_info):
         self.events.append(("step", step_info["step"]))
 
@@ -93,6 +96,10 @@ def test_callbacks_see_every_step_log_recovery_and_commit_once_in_order(tmp_path
     runner.end("the result")
     steps = [e[1] for e in seen.events if e[0] == "step"]
     assert steps == [1, 2, 3, 4, 5, 6, 6, 7]     # step 6 again: redone after the recovery that lost it
+    # on_start first, once, with what a tracker needs to go on with the same run.
+    assert [e[0] for e in seen.events].count("start") == 1 and seen.events[0][0] == "start"
+    assert seen.events[0][1] == {"run_id": None, "storage": str(tmp_path), "config": {}, "resumed_from": None,
+                                 "total_steps": 100, "step": 1, "world_size": 3}
     recovery = seen.events.index(("recovery", "worker_died", 5, 1))
     assert [e[1] for e in seen.events[:recovery] if e[0] == "step"] == [1, 2, 3, 4, 5, 6]
     assert seen.events[recovery + 1:recovery + 3] == [("step", 6), ("step", 7)]
@@ -172,3 +179,23 @@ def test_tensorboard_callback_without_tensorboard_says_what_to_install(tmp_path,
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     with pytest.raises(ConfigError, match=r"pip install elastic-train\[tensorboard\]"):
         TensorBoardCallback(str(tmp_path))
+
+
+def test_on_start_tells_a_resume_and_is_delivered_once_per_fit(tmp_path):
+    """A resumed run's start says the step it resumed from (a tracker goes on with the same run);
+    a start told again (a run rolled back to its first step, a replacing controller) is not."""
+    feed = RunFeed()
+    recorder = RunRecorder(str(tmp_path), None, total_steps=50, config={"seed": 0}, feed=feed, run_id="r1")
+    recorder.resumed(20)
+    recorder.on_generation_start(20, 2)
+    for n in (21, 22):
+        recorder.on_step(StepRecord(step=n, loss=1.0, world_size=2, time=float(n), samples_seen=n, global_batch=2))
+    seen = Seen()
+    runner = CallbackRunner([seen])
+    runner.poll(feed.after)
+    feed.put(FeedKind.START, {"step": 21})           # told again
+    runner.poll(feed.after)
+    assert [e[0] for e in seen.events] == ["start", "step", "step"]
+    assert seen.events[0][1] | {"storage": None} == {"run_id": "r1", "storage": None, "config": {"seed": 0},
+                                                      "resumed_from": 20, "total_steps": 50, "step": 21,
+                                                      "world_size": 2}
