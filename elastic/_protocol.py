@@ -8,6 +8,13 @@ from typing import Any
 
 from elastic.config import CheckpointConfig, FailureConfig, LRScalingConfig, ScalingConfig
 
+# The per-rank compute times of a step (straggler scores, metrics.jsonl's `compute_s`): up to
+# this many ranks every rank's step record carries them (N² floats a step: 256 at 16), so that a
+# step's metrics line has them whichever rank's record the controller takes first. Above it only
+# rank 0's does (every rank's would send the controller 906 MB a step at 10,000 ranks), and the
+# lines carry them on every k-th step, k = ceil(N / this): about this many floats per line.
+COMPUTE_TIMES_PER_LINE = 16
+
 
 class WorkerPhase(enum.StrEnum):
     IDLE = "idle"                # process up, in no group

@@ -3,10 +3,10 @@ run record: the step each generation really restored, the step records (each ste
 whichever rank has it), `ctx.log` records, straggler scores and checkpoint fallbacks; and what
 those learn when a run resumes, a generation starts and the run finishes.
 
-Per-rank compute times may come on every rank's record of a step or on one rank's only: a step's
-times are scored once, from whichever record carries them, whichever tick it arrives in. They
-reach metrics.jsonl on a sample of the steps only (`COMPUTE_TIMES_PER_LINE`), so that a line's
-size does not grow with the world size.
+Per-rank compute times come on every rank's record of a step up to `COMPUTE_TIMES_PER_LINE`
+ranks, on rank 0's only above: a step's times are scored once, from whichever record carries
+them, whichever tick it arrives in. They reach metrics.jsonl on a sample of the steps only above
+that many ranks, so that a line's size does not grow with the world size.
 
 It records; it decides nothing and acts on no worker (the controller does both).
 """
@@ -21,7 +21,14 @@ from elastic._controller.log_records import LogRecordPicker
 from elastic._controller.slot_table import DEAD, WorkerView
 from elastic._controller.states import Running
 from elastic._controller.stragglers import StragglerDetector
-from elastic._protocol import RestoreKind, RestorePlan, StepRecord, WorkerPhase, WorkerReport
+from elastic._protocol import (
+    COMPUTE_TIMES_PER_LINE,
+    RestoreKind,
+    RestorePlan,
+    StepRecord,
+    WorkerPhase,
+    WorkerReport,
+)
 from elastic.config import FailureConfig
 
 if TYPE_CHECKING:
@@ -30,9 +37,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("elastic.controller")
 
-# The per-rank compute times ride on every k-th step's metrics line, k = ceil(N / this): about
-# this many floats per line on average at any world size N (every line up to this many ranks).
-COMPUTE_TIMES_PER_LINE = 16
 SCORED_KEPT = 256        # steps remembered as scored: times that come later than this are stale
 
 

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from elastic._determinism import mix_seed
-from elastic._protocol import GenerationPlan, RunSpec, StepRecord
+from elastic._protocol import COMPUTE_TIMES_PER_LINE, GenerationPlan, RunSpec, StepRecord
 from elastic._worker import fingerprint as _fingerprint
 from elastic._worker import step_exchange, thread_position
 from elastic._worker.accumulation import Accumulation, as_float, new_accumulation
@@ -383,11 +383,12 @@ class StepBoundary:
             metrics["lr"] = step.lr
         mean_loss = float(rows[:, 0].sum()) / rows.shape[0] if step.has_loss else None
         # Every rank keeps the record (same all-gathered values): if rank 0 dies before the
-        # controller polls it, a survivor still has the step. The per-rank compute times (for
-        # straggler scoring) ride on rank 0's only: on every rank's, the controller would take
-        # in N² floats a step (906 MB at 10,000 ranks). The intake scores a step's times from
-        # whichever record carries them, in whatever tick it arrives.
-        carries = ranks > 1 and self.rank == 0
+        # controller polls it, a survivor still has the step. The per-rank compute times ride on
+        # every rank's up to COMPUTE_TIMES_PER_LINE ranks, so the step's metrics line has them
+        # whichever record the controller takes first (with rank 0's alone, a healthy 2-rank
+        # run's lines lacked them on about half the steps); above, on rank 0's only (N² floats a
+        # step otherwise). The intake scores a step's times from whichever record carries them.
+        carries = ranks > 1 and (self.rank == 0 or ranks <= COMPUTE_TIMES_PER_LINE)
         # One read of the column, not a float() per rank (part of the exchange's 23 ms a step at
         # 10,000 ranks: step_exchange); rounded for metrics.jsonl where its line is written.
         compute_s = tuple(shared[:, 3].tolist()) if carries else ()

@@ -13,11 +13,11 @@ from harness import make, start
 import elastic._controller.placement as placement
 import elastic._controller.ray_calls as ray_calls
 import elastic._controller.worker_group as ray_group
-from elastic._controller.intake import COMPUTE_TIMES_PER_LINE, carries_compute_times
+from elastic._controller.intake import carries_compute_times
 from elastic._controller.slot_table import DEAD, READY, Slot
 from elastic._controller.stragglers import StragglerDetector, others_medians
 from elastic._controller.worker_group import RayWorkerGroup
-from elastic._protocol import WorkerReport
+from elastic._protocol import COMPUTE_TIMES_PER_LINE, WorkerReport
 from elastic.config import FailureConfig, ScalingConfig
 
 pytestmark = pytest.mark.timeout(30)
