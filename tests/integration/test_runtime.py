@@ -78,6 +78,8 @@ def test_clean_run_finishes_learns_and_writes_the_contract_files(ray_session, ru
     lines = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     assert [m["step"] for m in lines] == list(range(1, 41))
     assert lines[-1]["samples_seen"] == 40 * 16 and lines[0]["world_size"] == 2 and lines[0]["lr"] == 3e-3
+    # Each rank's compute seconds on every line of a healthy run (they were on about half).
+    assert all(len(m["compute_s"]) == 2 for m in lines), [m["step"] for m in lines if len(m["compute_s"]) != 2]
     assert os.path.exists(os.path.join(run_dir, "checkpoints", "step_00000040", "COMMITTED"))
 
 
