@@ -27,7 +27,8 @@ from elastic.errors import (
     WorkerLostError,
 )
 from elastic.policies import Failure, FailureDecision, FailurePolicy, ResizeDecision, ScalingPolicy
-from elastic.trainer import ElasticTrainer, Result, RunMetrics
+from elastic.result import Result, RunMetrics
+from elastic.trainer import ElasticTrainer
 
 # Imported on first use: these pull in torch (and pyarrow), which the controller's process,
 # the CLI and a driver that only submits never need.

@@ -33,7 +33,7 @@ from elastic._controller.feed import Event, FeedKind
 from elastic.errors import ConfigError
 
 if TYPE_CHECKING:
-    from elastic.trainer import Result
+    from elastic.result import Result
 
 log = logging.getLogger("elastic.callbacks")
 

@@ -16,12 +16,12 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from elastic._credentials import mask_secrets, mask_text, mask_url, split_storage_env
+from elastic._following import RunFollower
 from elastic._protocol import RunSpec
-from elastic.callbacks import CallbackRunner, check_callbacks
+from elastic.callbacks import check_callbacks
 from elastic.config import (
     CONSTANT_GLOBAL_BATCH,
     LOG_LEVEL_ENV,
@@ -33,10 +33,11 @@ from elastic.config import (
     check_divisible,
     to_jsonable,
 )
-from elastic.errors import ConfigError, StorageConfigError, UserCodeError
+from elastic.errors import ConfigError, StorageConfigError
 from elastic.local_ray import LocalRay, quiet_local_ray_auth
 from elastic.local_ray import supported as local_ray_supported
 from elastic.policies import FailurePolicy, ScalingPolicy
+from elastic.result import Result
 from elastic.schemas import dumps, status_doc
 
 if TYPE_CHECKING:
@@ -88,47 +89,6 @@ def _foreign_config(name: str, value: Any, cls: type) -> str:
         return (f"{message} (Ray Train's). Write elastic.FailureConfig(max_failures={failures!r}) "
                 f"(None is unlimited, not -1)")
     return f"{message} (a Ray config; elastic has its own)"
-
-
-@dataclass(frozen=True)
-class RunMetrics:
-    """The loop's metrics over the kept steps (a step lost in a failure and redone counts once,
-    with its redone value; a resumed run's include the steps before the resume, read back from
-    metrics.jsonl): `loss`, `lr` (when the loop prepared an optimizer) and every metric it passed
-    to `ctx.report` (rank mean) or `ctx.log`. A non-finite value is a float here (NaN for one read
-    back as null).
-
-    `last`: name -> the value at the newest step that has one (summary.json's `metrics`).
-    `history`: name -> `[[step, value], ...]` in step order.
-    """
-
-    last: dict[str, float] = field(default_factory=dict)
-    history: dict[str, list[list]] = field(default_factory=dict)
-
-
-@dataclass
-class Result:
-    """Outcome of `ElasticTrainer.fit()`."""
-
-    status: str                          # "finished" | "failed" | "stopped" (elastic stop) | "stopped_early"
-    final_step: int
-    storage: str
-    summary: dict[str, Any] = field(default_factory=dict)   # summary.json as written (strict JSON values)
-    error: BaseException | None = None   # the user's exception (original type) or a typed ElasticError
-    error_traceback: str | None = None
-    metrics: RunMetrics = field(default_factory=RunMetrics)
-    checkpoint: str | None = None        # URL of the newest committed checkpoint, <storage>/checkpoints/step_<step:08d>
-
-    @property
-    def ok(self) -> bool:
-        """The run finished, or stopped on request (`elastic stop`, SIGTERM to the driver: `ray
-        job stop`) with its step committed, resumable: both are what was asked for. A run
-        that failed, or whose loop returned before total_steps ("stopped_early"), is not ok."""
-        return self.status in ("finished", "stopped")
-
-    def raise_for_error(self) -> None:
-        if self.error is not None:
-            raise self.error
 
 
 class ElasticTrainer:
@@ -314,7 +274,7 @@ class ElasticTrainer:
             scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
         ).remote(self._spec(storage_env=credentials), self.effective_config(), self.failure_policy,
                  self.scaling_policy, feed=bool(self._callbacks), run_id=self._run_id)
-        return self._follow(ray, actor, started)
+        return self._follower().follow(ray, actor, started)
 
     def _attach(self, ray: Any, conflict: RunConflictError) -> Result:
         """The storage is held by a live run (`conflict`, a RunConflictError): follow it to its
@@ -341,135 +301,13 @@ class ElasticTrainer:
         log.warning("the run %s on %s is live and has this configuration: following it to its end", owner,
                     mask_url(self.checkpoint.storage))
         self._run_id = owner
-        return self._follow(ray, actor, time.time())
+        return self._follower().follow(ray, actor, time.time())
 
-    def _follow(self, ray: Any, actor: Any, started: float) -> Result:
-        """Wait for the run of the controller `actor` to end (starting it, if it is not going yet),
-        showing progress and feeding the callbacks; the Result. A SIGTERM meanwhile (`ray job
-        stop`) asks the run to stop as `elastic stop` does, and the wait goes on to its end."""
-        done = actor.wait.remote()
-        runner = CallbackRunner(self._callbacks) if self._callbacks else None
-
-        def events(after: int) -> list:
-            return ray.get(actor.events.remote(after), timeout=30)
-
-        restore = self._stop_on_sigterm()
-        try:
-            outcome = self._wait(ray, actor, done, runner, events)
-        except Exception as error:   # noqa: BLE001 - the controller is gone: a failed run, not an exception
-            outcome = self._lost_controller(error, started)
-        finally:
-            restore()
-            self._close_progress()
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:   # a dead actor, or a Ray going down
-                log.debug("could not kill the controller actor", exc_info=True)
-            self._reap()
-        result = Result(status=outcome["status"], final_step=outcome["final_step"], storage=self.checkpoint.storage,
-                        summary=outcome["summary"], error=outcome["error"], error_traceback=outcome["traceback"],
-                        metrics=RunMetrics(**outcome["metrics"]),
-                        checkpoint=newest_checkpoint(self.checkpoint.storage, outcome["summary"].get("checkpoints")))
-        if runner is not None:
-            runner.end(result)
-        return result
-
-    def _stop_on_sigterm(self) -> Callable[[], None]:
-        """While fit() waits (in the main thread), SIGTERM writes the run's STOP request (`ray job
-        stop` sends it first): the run commits and ends "stopped", whether the driver is still
-        there then or not. Returns what puts the previous handler back."""
-        import signal
-        import threading
-        if threading.current_thread() is not threading.main_thread():
-            return lambda: None
-        run_id = self._run_id
-
-        def stop(signum: int, frame: Any) -> None:
-            from elastic.stop_request import request_stop
-            log.warning("SIGTERM: asking the run to stop (it commits at its next step and ends \"stopped\")")
-            try:
-                request_stop(self.checkpoint.storage, self.checkpoint.storage_options or None,
-                             reason="SIGTERM to the driver", run_id=run_id)
-            except Exception:   # the run goes on; `elastic stop` can still end it
-                log.exception("could not write the STOP request")
-        previous = signal.signal(signal.SIGTERM, stop)
-
-        def restore() -> None:
-            signal.signal(signal.SIGTERM, previous)
-        return restore
-
-    def _reap(self) -> None:
-        """The run's workers and placement groups that its controller left (one lost for good:
-        a finished run's controller removed its own), and its journal."""
-        from elastic._controller.journal import Journal, RayJournal
-        from elastic._run_names import reap
-        if self._run_id is None:
-            return
-        try:
-            killed = reap(self._run_id)
-            if killed:
-                log.warning("killed %d workers the run's lost controller left", killed)
-            Journal(RayJournal(self._run_id)).close()
-        except Exception:   # a Ray going down takes them with it
-            log.debug("could not reap the run's workers", exc_info=True)
-
-    def _close_progress(self) -> None:
-        """The display's `close()`, when it has one (elastic.progress.ProgressDisplay: the bar
-        goes before fit() returns and its caller prints)."""
-        close = getattr(self._progress, "close", None)
-        if callable(close):
-            try:
-                close()
-            except Exception:   # the Result matters more than the display
-                log.debug("closing the progress display failed", exc_info=True)
-
-    def _lost_controller(self, error: BaseException, started_at: float) -> dict[str, Any]:
-        """The outcome of a run whose controller's `run()` did not return (its actor died, or it
-        raised, or its outcome could not be fetched): recorded as failed on storage by the driver,
-        unless the controller's own record is complete (see elastic._driver_record)."""
-        from elastic._driver_record import lost_controller_error, record_lost_controller
-        lost = lost_controller_error(error)
-        log.error("%s", lost)
-        summary, own = record_lost_controller(self.checkpoint.storage, self.checkpoint.storage_options or None,
-                                              error=lost, traceback=str(error), config=self.effective_config(),
-                                              total_steps=self.total_steps, started_at=started_at)
-        status = summary.get("status", "failed") if own else "failed"
-        recorded = summary.get("error") if own else None
-        typed: BaseException | None = lost
-        if status == "finished":
-            typed, trace = None, None
-        elif isinstance(recorded, dict) and recorded.get("type"):
-            # The run's own error, whose exception could not reach the driver (as for a user
-            # exception that does not pickle).
-            typed, trace = UserCodeError(f"{recorded['type']}: {recorded.get('message')}"), recorded.get("traceback")
-        else:
-            trace = str(error)
-        return {"status": status, "final_step": summary.get("final_step", 0), "summary": summary,
-                "metrics": {"last": {}, "history": {}}, "error": typed, "traceback": trace}
-
-    def _wait(self, ray: Any, actor: Any, done: Any, runner: CallbackRunner | None,
-              events: Callable[[int], list]) -> dict[str, Any]:
-        """Wait for the controller's outcome, showing progress and feeding the callbacks."""
-        while not ray.wait([done], timeout=1.0)[0]:
-            if self._progress is not None:
-                try:
-                    self._progress(ray.get(actor.snapshot.remote(), timeout=5))
-                except Exception:   # progress display is best effort
-                    log.debug("progress snapshot failed", exc_info=True)
-            if runner is not None:
-                try:
-                    runner.poll(events)
-                except Exception:   # asked again next time: nothing is lost
-                    log.debug("fetching the callbacks' events failed", exc_info=True)
-        outcome = ray.get(done)
-        if runner is not None:
-            try:
-                runner.drain(events)
-            except Exception:   # the run's outcome matters more
-                log.warning("the callbacks missed the run's last events (after event %d)", runner.delivered,
-                            exc_info=True)
-        return outcome
-
+    def _follower(self) -> RunFollower:
+        """What follows the run this fit() started or attached to, to its end."""
+        return RunFollower(storage=self.checkpoint.storage, storage_options=self.checkpoint.storage_options or None,
+                           run_id=self._run_id, config=self.effective_config(), total_steps=self.total_steps,
+                           progress=self._progress, callbacks=self._callbacks)
 
 def _differences(theirs: Any, ours: Any, path: str = "") -> list[str]:
     """Where two configurations (plain JSON) differ, as dotted paths."""
@@ -516,12 +354,6 @@ def _starts_local_ray() -> bool:
         return canonicalize_bootstrap_address(None) is None  # type: ignore[arg-type]
     except Exception:   # noqa: BLE001 - only a log line is at stake
         return False
-
-
-def newest_checkpoint(storage: str, committed: list[int] | None) -> str | None:
-    """The URL of the newest committed checkpoint, or None."""
-    from elastic._controller.run_record import checkpoint_url
-    return checkpoint_url(storage, max(committed)) if committed else None
 
 
 def _dumps_user_code(obj: Any) -> bytes:
