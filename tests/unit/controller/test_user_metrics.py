@@ -7,7 +7,7 @@ import pytest
 
 from elastic._controller.run_record import RunRecorder
 from elastic._protocol import StepRecord
-from elastic.trainer import RunMetrics, newest_checkpoint
+from elastic.result import RunMetrics, newest_checkpoint
 
 pytestmark = pytest.mark.timeout(30)
 
