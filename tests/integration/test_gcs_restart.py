@@ -1,8 +1,9 @@
 """Ray's GCS restarted under a live run, with GCS fault tolerance (issue 32, docs/scale.md "The
 head node"): the GCS keeps its tables in an external Redis (Debian's `redis-server`, started by
-the test on loopback), its process is killed while the run trains and started again. The run
-goes on through it and finishes: no recovery, no worker restarted, no controller restarted (the
-controller's process lives in a raylet, not in the GCS), each step once in metrics.jsonl.
+the test on loopback), its process is killed while the run trains and started again once the run
+trained 20 steps without it. The run goes on through it and finishes: no recovery, no worker
+restarted, no controller restarted (the controller's process lives in a raylet, not in the GCS),
+each step once in metrics.jsonl.
 
 Skipped where `redis-server` is not installed (`apt-get install redis-server`).
 """
@@ -29,7 +30,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.exclusive, pytest.mark.timeou
               pytest.mark.skipif(REDIS is None, reason="needs Debian's redis-server (apt-get install redis-server)")]
 
 STEPS, HOLD = 400, 20
-GCS_DOWN_S = 5.0        # the GCS stays down this long while the run trains
+TRAINED_WHILE_DOWN = 20     # steps status.json shows past the hold before the GCS comes back
 
 
 def _answers(port: int) -> bool:
@@ -82,8 +83,10 @@ def test_the_run_goes_on_through_a_gcs_restart_with_no_worker_or_controller_rest
     open(release, "w").close()
     down_at = time.time()
     # The workers train on with no GCS: their step exchange is theirs (gloo), and status.json is
-    # the controller's, written to the run's storage.
-    time.sleep(GCS_DOWN_S)
+    # the controller's, written to the run's storage (its journal's put waits on a thread of its
+    # own: on the control loop's, status.json stood still for the whole outage).
+    wait_for(lambda: (read_json(run_dir, "status.json") or {}).get("step", 0) >= HOLD + TRAINED_WHILE_DOWN, 60,
+             "the run to train on while the GCS is down")
     during = read_json(run_dir, "status.json")
     cluster.head_node.start_gcs_server()
     up_at = time.time()
@@ -101,7 +104,6 @@ def test_the_run_goes_on_through_a_gcs_restart_with_no_worker_or_controller_rest
         rows = [row for row in map(json.loads, f) if "loss" in row]
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
     trained_while_down = [row["step"] for row in rows if down_at <= row["time"] <= up_at]
-    print("metrics times", [(r["step"], round(r["time"] - down_at, 2)) for r in rows[HOLD - 2:HOLD + 8]])
     print(f"GCS down {up_at - down_at:.1f}s: status.json went from step {before['step']} to {during['step']}, "
           f"{len(trained_while_down)} steps trained while it was down")
-    assert during["step"] > HOLD, "the run did not train while the GCS was down"
+    assert len(trained_while_down) >= TRAINED_WHILE_DOWN
