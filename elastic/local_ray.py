@@ -79,22 +79,27 @@ class LocalRay:
     def address(self) -> str | None:
         """The GCS address of this storage's Ray when it is up, else None (a record whose Ray is
         gone is removed)."""
+        record = self._live_record()
+        return None if record is None else str(record["address"])
+
+    def connect(self, *, num_cpus: int | None = None, num_gpus: int | None = None) -> tuple[str, bool]:
+        """The address of this storage's Ray, starting one when none is up; and whether this call
+        started it. Prepares this process's token authentication for it either way."""
+        record = self._live_record()
+        if record is not None:
+            self._use_auth_mode(record.get("auth_mode"))
+            return str(record["address"]), False
+        return self.start(num_cpus=num_cpus, num_gpus=num_gpus), True
+
+    def _live_record(self) -> dict | None:
+        """This storage's Ray's record when its GCS is up (one that outlived its Ray is removed)."""
         record = self._record()
         if record is None:
             return None
         if not any(name == "gcs_server" for _, name in processes(str(self.dir))):
             self._forget()
             return None
-        return str(record["address"])
-
-    def connect(self, *, num_cpus: int | None = None, num_gpus: int | None = None) -> tuple[str, bool]:
-        """The address of this storage's Ray, starting one when none is up; and whether this call
-        started it. Prepares this process's token authentication for it either way."""
-        address = self.address()
-        if address is not None:
-            self._use_auth_mode()
-            return address, False
-        return self.start(num_cpus=num_cpus, num_gpus=num_gpus), True
+        return record
 
     def start(self, *, num_cpus: int | None = None, num_gpus: int | None = None) -> str:
         """Start a new Ray for this storage (after stopping any left over); its GCS address."""
@@ -154,11 +159,10 @@ class LocalRay:
         except FileNotFoundError:
             pass
 
-    def _use_auth_mode(self) -> None:
-        """The token mode the Ray was started with, for this driver's `ray.init` (a driver with
-        another mode is refused by the GCS)."""
-        record = self._record() or {}
-        mode = record.get("auth_mode")
+    @staticmethod
+    def _use_auth_mode(mode: str | None) -> None:
+        """The token mode the Ray was started with (`mode`), for this driver's `ray.init` (a
+        driver with another mode is refused by the GCS)."""
         if mode and "RAY_AUTH_MODE" not in os.environ:
             if mode == "token":
                 quiet_local_ray_auth()
