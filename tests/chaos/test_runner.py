@@ -126,15 +126,18 @@ def test_a_non_empty_storage_is_refused(tmp_path):
 
 
 def test_a_job_that_ends_before_its_schedule_is_run_again_for_longer(tmp_path):
+    # The first attempt (100 fake steps of 20 ms) ends seconds before the second fault; the first
+    # fault must land inside it. With 40 steps (0.8 s) a loaded CI machine once injected it after
+    # the job's last look at its worker: the job finished with no recovery to match.
     def build(sc, seed):
-        return fixed([(0.2, KillWorker(target="one")), (4.0, KillWorker(target="one"))], seed=seed)
-    sc = Scenario(name="short", description="fake job shorter than its schedule", build=build, steps=40,
+        return fixed([(0.2, KillWorker(target="one")), (6.0, KillWorker(target="one"))], seed=seed)
+    sc = Scenario(name="short", description="fake job shorter than its schedule", build=build, steps=100,
                   workers="1:1", checkpoint_every=10, heartbeat_timeout_s=5.0, job_timeout_s=60)
     outcome = run(options(tmp_path, scenario=sc, reference="none"))
     assert outcome.ok, outcome.report["invariants"]
     attempts = outcome.report["attempts"]
     assert len(attempts) >= 2 and all(a["status"] == "finished" for a in attempts)
-    assert attempts[-1]["steps"] > 40 and attempts[-1]["resumed_from"] is not None
+    assert attempts[-1]["steps"] > 100 and attempts[-1]["resumed_from"] is not None
     assert outcome.report["faults_injected"] == 2
 
 
