@@ -18,7 +18,9 @@ import pytest
 from elastic.local_ray import LocalRay, processes
 from support import pid_alive, read_json, wait_for
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+# Exclusive, like the other tests that start a Ray of their own: a second cluster's processes
+# beside the shared one's would load the parallel pass's timing-sensitive tests on 2 cores.
+pytestmark = [pytest.mark.integration, pytest.mark.exclusive, pytest.mark.timeout(300)]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS, HOLD = 800, 10      # long enough that the run is still going when the second driver comes
