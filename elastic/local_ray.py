@@ -193,13 +193,39 @@ def processes(marker: str, seen: set[int] | None = None, variable: str = MARKER)
         if raylet.isdigit():
             by_raylet[int(entry)] = int(raylet)
     seen.update(marked)
+    agents = [p for p, raylet in by_raylet.items() if raylet in seen and p not in marked]
+    # An agent whose environment Ray's process title overwrote names nothing: it is known by the
+    # files it holds open under the marked Ray's directory (its logs).
+    agents += [pid for pid in _holding_files_under(marker) if pid not in marked and pid not in agents]
     found = []
-    for pid in marked + [p for p, raylet in by_raylet.items() if raylet in seen and p not in marked]:
+    for pid in marked + agents:
         try:
             with open(f"/proc/{pid}/comm") as f:
                 found.append((pid, f.read().strip()))
         except OSError:
             continue
+    return found
+
+
+def _holding_files_under(directory: str) -> list[int]:
+    """This user's processes with a file open under `directory` (a marker is a LocalRay's own
+    directory; for another marker nothing is open under it)."""
+    prefix = directory.rstrip("/") + "/"
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{entry}/fd")
+        except OSError:     # gone meanwhile, or another user's
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{entry}/fd/{fd}").startswith(prefix):
+                    found.append(int(entry))
+                    break
+            except OSError:
+                continue
     return found
 
 

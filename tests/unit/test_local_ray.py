@@ -45,16 +45,20 @@ def test_stop_kills_every_marked_process_and_the_agents_of_its_raylets_and_nothi
     other = LocalRay(str(tmp_path / "other"), root=tmp_path / "rays")
     marked = [_sleeper({MARKER: str(local.dir)}) for _ in range(2)]
     agent = _sleeper({"RAY_RAYLET_PID": str(marked[0].pid)})     # names only its raylet
+    # An agent whose environment its process title overwrote: known by its log open in the dir.
+    local.dir.mkdir(parents=True)
+    titled = subprocess.Popen([sys.executable, "-c", "import sys, time; f = open(sys.argv[1], 'a'); time.sleep(120)",
+                               str(local.dir / "agent.log")], env={})
     bystanders = [_sleeper({MARKER: str(other.dir)}), _sleeper({})]
     try:
-        wait_for(lambda: len(processes(str(local.dir))) == 3, 10, "the stand-ins to start")
-        assert local.stop() == 3
-        for p in (*marked, agent):
+        wait_for(lambda: len(processes(str(local.dir))) == 4, 10, "the stand-ins to start")
+        assert local.stop() == 4
+        for p in (*marked, agent, titled):
             assert p.wait(timeout=10) == -9
         assert all(p.poll() is None for p in bystanders)
         assert processes(str(local.dir)) == []
     finally:
-        for p in (*marked, agent, *bystanders):
+        for p in (*marked, agent, titled, *bystanders):
             p.kill()
             p.wait(timeout=10)
 
