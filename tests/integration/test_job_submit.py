@@ -84,7 +84,9 @@ def ray_head():
     process of it is stopped at the end, whatever the test did."""
     # Short: Ray's unix socket paths (<temp>/session_<date>_<pid>/sockets/...) must fit in 107 bytes.
     temp_dir = tempfile.mkdtemp(prefix="rj", dir="/tmp")
-    marker, token = uuid.uuid4().hex, secrets.token_hex(32)
+    # The marker is the cluster's own temp dir: an agent whose process title overwrote its
+    # environment is still found by the logs it holds open there (elastic.local_ray.processes).
+    marker, token = temp_dir, secrets.token_hex(32)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "AWS_"))}
     env.update({MARKER: marker, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
                 # As an activated venv: the job's `python` is the venv's (torch, elastic installed).
