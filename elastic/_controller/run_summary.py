@@ -172,12 +172,7 @@ class RunSummary:
         wall_s = now - self._started_at
         self.settle(now)
         time_ledger = self._ledger.close(now, status)
-        this = {"started_at": round(self._started_at, 3), "status": status, "resumed_from": self.resumed_from,
-                "final_step": final_step, "wall_s": round(wall_s, 3), "loss_first": self._loss_first,
-                "loss_last": self._loss_last, "recoveries": self._recoveries, "time_ledger": time_ledger,
-                "controller_restarts": self.controller_restarts,
-                "error": None if error is None else {k: error.get(k) for k in ("type", "message")}}
-        return summary_doc(
+        doc = summary_doc(
             status=status, final_step=final_step, total_steps=self._total_steps,
             world_size_history=self._world_size_history, recoveries=self._recoveries, checkpoints=checkpoints,
             layout_history=[[step, Layout.of(world, self._tp, self._pp).to_dict()]
@@ -189,7 +184,9 @@ class RunSummary:
             resumed_from=self.resumed_from, stragglers=self._stragglers, checkpoint_fallbacks=self._fallbacks,
             samples_consumed=self._data[0] if self._data else None,
             data_order_sha256=self._data[1] if self._data else None, config=self._config, error=error,
-            controller_restarts=self.controller_restarts, invocations=[*self.earlier, this])
+            controller_restarts=self.controller_restarts)
+        doc["invocations"] = [*self.earlier, invocation_entry(doc, started_at=round(self._started_at, 3))]
+        return doc
 
 
 def earlier_invocations(previous: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -200,10 +197,16 @@ def earlier_invocations(previous: dict[str, Any] | None) -> list[dict[str, Any]]
         return []
     if isinstance(previous.get("invocations"), list) and previous["invocations"]:
         return list(previous["invocations"])
-    error = previous.get("error")
-    return [{"started_at": None, "status": previous.get("status"), "resumed_from": previous.get("resumed_from"),
-             "final_step": previous.get("final_step"), "wall_s": previous.get("wall_s"),
-             "loss_first": previous.get("loss_first"), "loss_last": previous.get("loss_last"),
-             "recoveries": previous.get("recoveries") or [], "time_ledger": previous.get("time_ledger"),
-             "controller_restarts": previous.get("controller_restarts") or [],
-             "error": {k: error.get(k) for k in ("type", "message")} if isinstance(error, dict) else None}]
+    return [invocation_entry(previous, started_at=None)]
+
+
+def invocation_entry(summary: dict[str, Any], *, started_at: float | None) -> dict[str, Any]:
+    """One invocation's entry in summary.json's `invocations`, from its summary's top-level
+    fields (this invocation's, or a summary written before invocations were kept)."""
+    error = summary.get("error")
+    return {"started_at": started_at, "status": summary.get("status"), "resumed_from": summary.get("resumed_from"),
+            "final_step": summary.get("final_step"), "wall_s": summary.get("wall_s"),
+            "loss_first": summary.get("loss_first"), "loss_last": summary.get("loss_last"),
+            "recoveries": summary.get("recoveries") or [], "time_ledger": summary.get("time_ledger"),
+            "controller_restarts": summary.get("controller_restarts") or [],
+            "error": {k: error.get(k) for k in ("type", "message")} if isinstance(error, dict) else None}
