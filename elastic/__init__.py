@@ -28,6 +28,7 @@ from elastic.errors import (
 )
 from elastic.policies import Failure, FailureDecision, FailurePolicy, ResizeDecision, ScalingPolicy
 from elastic.result import Result, RunMetrics
+from elastic.trackers import MLflowCallback, WandbCallback  # light: mlflow and wandb are imported when one is made
 from elastic.trainer import ElasticTrainer
 
 # Imported on first use: these pull in torch (and pyarrow), which the controller's process,
@@ -50,6 +51,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "ElasticTrainer", "Result", "RunMetrics", "TrainContext", "Callback", "TensorBoardCallback",
+    "MLflowCallback", "WandbCallback",
     "ScalingConfig", "CheckpointConfig", "FailureConfig", "LRScalingConfig", "LoggingConfig",
     "FailurePolicy", "ScalingPolicy", "Failure", "FailureDecision", "ResizeDecision",
     "ParquetTokens", "write_token_shards", "read_corpus_marker",

@@ -250,6 +250,28 @@ class RunSpec:
             return self.checkpoint.in_memory_every_n_steps
         return None
 
+    def kept_through(self, newest: int) -> int:
+        """The newest step that no recovery with a survivor or a copy in memory takes back, once
+        step `newest` completed: what a tracker may record for good (the feed's KEPT events,
+        elastic.callbacks). A committed checkpoint keeps its step too (the recorder takes the
+        larger). Only a recovery that falls back to storage goes further back.
+
+        - No copies in memory (DDP without the corruption check, HSDP): a survivor's state is
+          the newest step's; one step of margin for a step whose record a dying rank sent.
+        - FSDP without copies: every lost rank goes back to storage; 0 (commits only).
+        - Copies every K steps: the newest multiple of K before `newest` (the copy of a step is
+          taken at its boundary, before the next step runs).
+        - DDP's spot check every C steps: a compute corruption rolls back to a copy from before
+          the last passed check, the newest multiple of C before `newest` (elastic._worker.spot_check)."""
+        every = self.in_memory_every
+        if every is None:
+            return 0 if self.scaling.strategy == "fsdp" else max(0, newest - 1)
+        verified = newest - 1
+        checks = self.failure.spot_check_every_n_steps
+        if self.scaling.strategy == "ddp" and self.failure.sdc_check and checks:
+            verified -= verified % checks
+        return max(0, verified - verified % every)
+
     def checkpoint_due(self, step: int) -> bool:
         """Whether the boundary after step `step` saves a scheduled checkpoint (the final
         commit comes with the run's end instead)."""

@@ -7,7 +7,10 @@ controller recorded things (a log line comes after its step's line, maybe after 
   `loss`, `world_size`, `time`, `lr`, `global_batch`, `accum_steps`, `samples_seen`,
   `compute_s` and every metric the loop reported, rank mean). A non-finite value is a float
   here (the file has `null`). A step lost in a failure is redone and comes again after the
-  recovery that lost it (`on_recovery`'s `step` is the step training went on from).
+  recovery that lost it (`on_recovery`'s `step` is the step training went on from): the
+  recovery takes the steps after its `step` back. A callback with `kept_steps_only = True` (the
+  MLflow and W&B ones: a tracker that cannot take a point back) gets a step only once no
+  recovery can take it back, so each step once (see Callback).
 - `on_log(log_info)`: once per `ctx.log(...)` line: `{"step", "kind": "log", "time", <metrics>}`.
 - `on_recovery(recovery)`: a recovery as summary.json lists it (`cause`, `rung`, `detect_s`,
   `recover_s`, `lost_steps`, `from_world`, `to_world`, `step`, ...), when the re-formed group
@@ -45,7 +48,16 @@ _HOOK_OF = {FeedKind.START: "on_start", FeedKind.STEP: "on_step", FeedKind.LOG: 
 
 
 class Callback:
-    """Base class of driver-side callbacks: override the hooks you need (the others do nothing)."""
+    """Base class of driver-side callbacks: override the hooks you need (the others do nothing).
+
+    `kept_steps_only`: False (the default), `on_step` and `on_log` come as soon as the step
+    completed, and a recovery that goes back takes the steps after its `step` back: they come again,
+    redone, after `on_recovery`. True, for a tracker that cannot take a point back (MLflow,
+    W&B): they come once no recovery can take their step back (elastic._protocol.RunSpec.kept_through:
+    a few steps later with copies in memory, at the next checkpoint under FSDP without them), each
+    step once, in step order; `on_recovery` may then come before the kept steps from before it."""
+
+    kept_steps_only: bool = False
 
     def on_start(self, start_info: dict[str, Any]) -> None:
         """The run trains, before its first step of this invocation is delivered, once per
@@ -85,10 +97,12 @@ def check_callbacks(callbacks: Any) -> tuple[Any, ...]:
 
 class CallbackRunner:
     """The driver's end of the feed: fetches the events after the last one delivered and calls
-    the hooks; a raising hook is logged, never raised."""
+    the hooks; a raising hook is logged, never raised. The steps and log lines of the callbacks
+    with `kept_steps_only` wait here until the feed says their step is kept (FeedKind.KEPT)."""
 
     def __init__(self, callbacks: Iterable[Any]):
         self._callbacks = tuple(callbacks)
+        self._holding = tuple(bool(getattr(callback, "kept_steps_only", False)) for callback in self._callbacks)
         self._delivered = 0                       # number of the newest event delivered
         self._errors: dict[int, int] = {}         # callback index -> errors raised
         # What was delivered, for the events a replacing controller sends again (its feed replays
@@ -98,6 +112,10 @@ class CallbackRunner:
         self._commit = 0                          # the newest commit delivered
         self._recoveries: set[Any] = set()        # the recoveries delivered (by detection time)
         self._started = False                     # on_start delivered (once per fit())
+        # The kept-steps-only callbacks' side: (hook, line) not kept yet, in arrival order.
+        self._held: list[tuple[str, dict[str, Any]]] = []
+        self._kept = 0                            # the newest kept step the feed announced
+        self._released = 0                        # the newest step line they were given
 
     @property
     def delivered(self) -> int:
@@ -112,9 +130,42 @@ class CallbackRunner:
                 continue           # delivered already (an answer that crossed a retry)
             self._delivered = number
             count += 1
-            if not self._repeated(FeedKind(kind), payload):
-                self._call(_HOOK_OF[FeedKind(kind)], payload)
+            kind = FeedKind(kind)
+            if kind == FeedKind.KEPT:
+                self._release(int(payload["step"]))
+            elif not self._repeated(kind, payload):
+                self._deliver(kind, payload)
         return count
+
+    def _deliver(self, kind: FeedKind, payload: dict[str, Any]) -> None:
+        hook = _HOOK_OF[kind]
+        if kind not in (FeedKind.STEP, FeedKind.LOG):
+            if kind == FeedKind.RECOVERY:        # the lines it takes back are never given to the holding ones
+                step = payload.get("step", 0)
+                self._held = [(name, line) for name, line in self._held if line.get("step", 0) <= step]
+            self._call(hook, payload)
+            return
+        self._call(hook, payload, holding=False)
+        step = payload.get("step", 0)
+        if kind == FeedKind.STEP and step <= self._released:
+            return     # redone after a storage fallback: the tracker keeps the first attempt (never twice)
+        if step <= self._kept:
+            self._call(hook, payload, holding=True)     # a log line of a kept step, come late
+        else:
+            self._held.append((hook, payload))
+
+    def _release(self, kept: int) -> None:
+        """Give the held lines of the steps up to `kept` to the kept-steps-only callbacks, in step order."""
+        self._kept = max(self._kept, kept)
+        ready = sorted((entry for entry in self._held if entry[1].get("step", 0) <= self._kept),
+                       key=lambda entry: entry[1].get("step", 0))
+        if not ready:
+            return
+        self._held = [entry for entry in self._held if entry[1].get("step", 0) > self._kept]
+        for hook, line in ready:
+            if hook == "on_step":
+                self._released = max(self._released, line.get("step", 0))
+            self._call(hook, line, holding=True)
 
     def _repeated(self, kind: FeedKind, payload: dict[str, Any]) -> bool:
         """Whether the event tells what was delivered already (a replacing controller's replay):
@@ -156,14 +207,23 @@ class CallbackRunner:
             pass
 
     def end(self, result: Result) -> None:
+        """The run ended. Finished or stopped, nothing takes a held step back: they are given. A
+        failed run's held steps are not: its resume redoes them from its newest checkpoint."""
+        if self._held and result.ok:
+            self._release(max(line.get("step", 0) for _, line in self._held))
+        self._held = []
         self._call("on_end", result)
         for index, errors in self._errors.items():
             if errors > 1:
                 log.warning("callback %r raised %d times in this run (the first is logged above)",
                             self._callbacks[index], errors)
 
-    def _call(self, hook: str, argument: Any) -> None:
+    def _call(self, hook: str, argument: Any, *, holding: bool | None = None) -> None:
+        """Call `hook` of every callback, or of those that do (`holding` True) or do not hold
+        their lines for kept steps."""
         for index, callback in enumerate(self._callbacks):
+            if holding is not None and self._holding[index] != holding:
+                continue
             method = getattr(callback, hook, None)
             if method is None:
                 continue

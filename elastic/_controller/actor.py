@@ -159,7 +159,8 @@ class ControllerActor:
         self._recorder = RunRecorder(checkpoint.storage, options, total_steps=total_steps, config=config,
                                      background=True, feed=self._feed,
                                      listeners=[RayMetricsListener(run=checkpoint.storage)], run_id=run_id,
-                                     holds_storage=self._lease.holds if self._lease is not None else None)
+                                     holds_storage=self._lease.holds if self._lease is not None else None,
+                                     kept_through=spec.kept_through)
         self._checkpoints = CheckpointView(checkpoint.storage, options, checkpoint.keep, run_id)
         commits = CommitWatch(self._checkpoints)
         commits.start()

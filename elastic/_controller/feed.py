@@ -19,6 +19,9 @@ class FeedKind(enum.StrEnum):
     LOG = "log"                 # a `ctx.log(...)` line of metrics.jsonl
     RECOVERY = "recovery"       # a closed recovery, as summary.json lists it
     CHECKPOINT = "checkpoint"   # a newly committed checkpoint: {step, url}
+    # {step}: no recovery but a storage fallback takes the steps up to it back (RunSpec.kept_through);
+    # what the callbacks that record only kept steps wait for (Callback.kept_steps_only)
+    KEPT = "kept"
 
 
 Event = tuple[int, FeedKind, dict[str, Any]]   # (number, kind, payload); numbers start at 1

@@ -96,7 +96,8 @@ class RunRecorder:
     def __init__(self, url: str, storage_options: dict | None, *, total_steps: int,
                  config: dict[str, Any], min_interval_s: float = 1.0, background: bool = False,
                  feed: RunFeed | None = None, listeners: Iterable[RunListener] = (), run_id: str | None = None,
-                 clock: Callable[[], float] = time.time, holds_storage: Callable[[], bool] | None = None):
+                 clock: Callable[[], float] = time.time, holds_storage: Callable[[], bool] | None = None,
+                 kept_through: Callable[[int], int] | None = None):
         self._url = url
         self._holds_storage = holds_storage            # None: no lease kept (the files are always this run's)
         self._let_go = False                           # the files are not written now (said once per change)
@@ -111,6 +112,11 @@ class RunRecorder:
                                           min_interval_s=min_interval_s, background=background,
                                           name=self._storage.display_url)
         self._feed = feed                             # the driver's callbacks' events (None: no callbacks)
+        # The newest step no recovery but a storage fallback takes back, given the newest step
+        # completed (RunSpec.kept_through); None: a step is kept once completed.
+        self._kept_through = kept_through
+        self._kept = 0                                # the newest kept step the feed announced
+        self._kept_lock = threading.Lock()            # steps (controller's thread) and commits announce it
         self._listeners = list(listeners)
         self._commits_lock = threading.Lock()         # on_commits: the controller's thread, then the run's end
         self._newest_commit = 0                       # newest committed step the feed announced (or resumed)
@@ -177,6 +183,7 @@ class RunRecorder:
             if first:
                 self._feed.put(FeedKind.START, self._start_info(record))
             self._feed.put(FeedKind.STEP, dict(line))
+            self._announce_kept(record.step if self._kept_through is None else self._kept_through(record.step))
         for listener in self._listeners:
             _tell(listener, listener.on_step, record)
         if self._clock() - self._ledger_told_at >= LEDGER_EVERY_S:
@@ -235,6 +242,17 @@ class RunRecorder:
         if self._feed is not None:
             for step in new:
                 self._feed.put(FeedKind.CHECKPOINT, {"step": step, "url": checkpoint_url(self._url, step)})
+            if new:
+                self._announce_kept(new[-1])
+
+    def _announce_kept(self, step: int) -> None:
+        """The feed's KEPT event, when the kept step moved on (it never moves back: see
+        RunSpec.kept_through for the recoveries that go further back)."""
+        with self._kept_lock:
+            if self._feed is None or step <= self._kept:
+                return
+            self._kept = step
+            self._feed.put(FeedKind.KEPT, {"step": step})
 
     def on_straggler(self, flag: dict[str, Any]) -> None:
         self.summary.on_straggler(flag)

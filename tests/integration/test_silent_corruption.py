@@ -11,7 +11,8 @@
   replaced, the run goes back to the copy of step 10 (from before step 13), and the checkpoint due
   at 16 is committed by the re-formed generation only.
 
-Both end on the fault-free run's model, bit for bit."""
+Both end on the fault-free run's model, bit for bit. The memory fault's run also feeds an
+MLflowCallback (MLflow's local file store): each step once, the lost attempts of 21-24 never sent."""
 from __future__ import annotations
 
 import glob
@@ -19,9 +20,10 @@ import json
 import os
 
 import pytest
+from mlflow.tracking import MlflowClient
 
 import gpt
-from elastic import CheckpointConfig, ElasticTrainer, FailureConfig, ScalingConfig
+from elastic import Callback, CheckpointConfig, ElasticTrainer, FailureConfig, MLflowCallback, ScalingConfig
 from elastic._worker.fault_gate import BadGradientAt, BitFlipAt
 
 pytestmark = [pytest.mark.integration]
@@ -29,15 +31,25 @@ pytestmark = [pytest.mark.integration]
 STEPS, FLIP_AFTER, BAD_AFTER, SPOT_EVERY = 30, 23, 13, 4
 
 
-def fit(run_dir: str, extra: dict | None = None):
+def fit(run_dir: str, extra: dict | None = None, callbacks: list | None = None):
     result = ElasticTrainer(
         gpt.train_loop, train_loop_config={"model_size": "tiny", "batch_size": 4, **(extra or {})},
         total_steps=STEPS, seed=0,
         scaling=ScalingConfig(min_workers=3, max_workers=3, startup_wait_s=120),
         checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=8, in_memory_every_n_steps=10),
-        failure=FailureConfig(max_failures=3, spot_check_every_n_steps=SPOT_EVERY)).fit()
+        failure=FailureConfig(max_failures=3, spot_check_every_n_steps=SPOT_EVERY), callbacks=callbacks).fit()
     assert result.ok, result.error_traceback
     return result, [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+
+
+class LiveSteps(Callback):
+    """Every step line as it comes, lost attempts included."""
+
+    def __init__(self):
+        self.steps: list[int] = []
+
+    def on_step(self, step_info):
+        self.steps.append(step_info["step"])
 
 
 def only_the_new_generation_committed(run_dir: str, step: int, generation: int) -> None:
@@ -50,11 +62,13 @@ def only_the_new_generation_committed(run_dir: str, step: int, generation: int) 
 
 @pytest.mark.timeout(420)
 def test_a_flipped_bit_and_a_wrong_gradient_are_found_their_rank_replaced_and_the_run_ends_on_the_clean_model(
-        ray_session, tmp_path):
+        ray_session, tmp_path, monkeypatch):
     clean, _ = fit(str(tmp_path / "clean" / "run"))
     run_dir = str(tmp_path / "flipped" / "run")
     flip = BitFlipAt(step=FLIP_AFTER, rank=1, marker_file=str(tmp_path / "flipped.marker"))
-    faulted, metrics = fit(run_dir, flip.as_config())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")     # MLflow 3's local file store, kept for clients
+    tracker, live = MLflowCallback((tmp_path / "mlruns").as_uri()), LiveSteps()
+    faulted, metrics = fit(run_dir, flip.as_config(), callbacks=[tracker, live])
     assert os.path.exists(flip.marker_file), "the bit was never flipped"
 
     (recovery,) = faulted.summary["recoveries"]
@@ -68,6 +82,12 @@ def test_a_flipped_bit_and_a_wrong_gradient_are_found_their_rank_replaced_and_th
     only_the_new_generation_committed(run_dir, 24, recovery["generation"])
     # Each step once in metrics.jsonl, and the fault-free model, bit for bit.
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    # MLflow too: steps 21-24 were held (the spot check's last pass was at 20) and their lost
+    # attempts never sent; each step once, with the kept attempt's loss.
+    assert sorted(set(live.steps)) == list(range(1, STEPS + 1)) and len(live.steps) > STEPS   # lost attempts came
+    history = MlflowClient((tmp_path / "mlruns").as_uri()).get_metric_history(tracker.run_id, "loss")
+    assert sorted(m.step for m in history) == list(range(1, STEPS + 1))
+    assert {m.step: m.value for m in history} == pytest.approx({m["step"]: m["loss"] for m in metrics})
     assert faulted.summary["model_sha256"] == clean.summary["model_sha256"]
     assert faulted.summary["data_order_sha256"] == clean.summary["data_order_sha256"]
 
