@@ -14,6 +14,7 @@ Public API:
                                rewrite on every append
     export_model_state(url)    the model weights of a committed checkpoint, plain CPU tensors
     export(url, out)           the same, written as one file `torch.load(out, weights_only=True)` reads
+    export_hf(url, out)        the same as a directory `from_pretrained(out)` reads (safetensors, config.json)
     ExportResult               what export wrote
     CheckpointError > StorageError, CorruptCheckpointError, SaveFailureLimitError,
                       SaveCancelledError, FencedError > RunConflictError
@@ -23,6 +24,7 @@ by one writer, in one PUT. This package does not import the runtime (`elastic`).
 """
 
 from checkpointing._export import ExportResult, export, export_model_state
+from checkpointing._export_hf import HF_CONFIG, export_hf
 from checkpointing.appendlog import AppendLog, read_log
 from checkpointing.errors import (
     CheckpointError,
@@ -60,6 +62,8 @@ __all__ = [
     "read_fence",
     "export_model_state",
     "export",
+    "export_hf",
+    "HF_CONFIG",
     "ExportResult",
     "acquire_run_lease",
     "release_run_lease",

@@ -16,7 +16,9 @@
                                    (status, report and stop take --option KEY=VALUE)
     elastic ckpt list|verify|gc URL   committed checkpoints (same as `python -m checkpointing`)
     elastic export URL [--step N] --out FILE   the model weights of a committed checkpoint as one
-                                   file that plain `torch.load(FILE, weights_only=True)` reads
+                                   file that plain `torch.load(FILE, weights_only=True)` reads;
+                                   --format hf [--config FILE] [--module NAME]: a directory that
+                                   transformers' from_pretrained reads (model.safetensors, config.json)
     elastic chaos run|list|schedule|heal ...   fault injection (same as `python -m chaos`)
 """
 from __future__ import annotations
@@ -206,13 +208,28 @@ def cmd_export(args: argparse.Namespace) -> int:
     except _Unreadable as bad:
         print(f"error: {bad}", file=sys.stderr)
         return 2
+
+    def report(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
     try:
-        result = export(args.url, args.out, step=args.step, storage_options=options,
-                        progress=lambda line: print(line, file=sys.stderr, flush=True))
+        if args.format == "hf":
+            from checkpointing import export_hf
+            result = export_hf(args.url, args.out, config=args.config, module=args.module, step=args.step,
+                               storage_options=options, progress=report)
+        else:
+            if args.config is not None or args.module is not None:
+                print("error: --config and --module go with --format hf", file=sys.stderr)
+                return 2
+            result = export(args.url, args.out, step=args.step, storage_options=options, progress=report)
     except CheckpointError as error:
         one_line = " ".join(str(error).split())
         print(f"error: {one_line}", file=sys.stderr)
         return 1 if isinstance(error, CorruptCheckpointError) else 2
+    if args.format == "hf":
+        print(f"exported step {result.step} of '{result.modules[0]}' to {result.out} (from_pretrained reads it): "
+              f"{result.tensors} tensors, {result.bytes / 1e6:.1f} MB")
+        return 0
     shape = (f"{{name: state_dict}} for {', '.join(result.modules)}" if result.nested
              else f"the state dict of '{result.modules[0]}'")
     size = f"{result.bytes / 1e6:.1f} MB" if result.bytes >= 1e5 else f"{result.bytes / 1e3:.1f} kB"
@@ -267,7 +284,16 @@ def main(argv: list[str] | None = None) -> int:
     export_cmd.add_argument("url", metavar="STORAGE", help="the run's storage URL (checkpoints/ is below it)")
     export_cmd.add_argument("--step", type=int, default=None,
                             help="this committed step (default: the newest that verifies)")
-    export_cmd.add_argument("--out", required=True, metavar="FILE", help="local file to write")
+    export_cmd.add_argument("--out", required=True, metavar="PATH",
+                            help="local file to write (--format hf: the directory)")
+    export_cmd.add_argument("--format", choices=("torch", "hf"), default="torch",
+                            help="torch: one torch.save file (default); hf: a Hugging Face directory, "
+                                 "model.safetensors and config.json (needs safetensors: elastic-train[hf])")
+    export_cmd.add_argument("--config", default=None, metavar="FILE",
+                            help="--format hf: the model's config.json (or the directory holding it); default: "
+                                 "<URL>/hf/config.json, where examples/hf_llama.py writes it")
+    export_cmd.add_argument("--module", default=None, metavar="NAME",
+                            help="--format hf: the checkpoint's module entry to export (default: the only one)")
     export_cmd.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                             help="fsspec storage option, e.g. endpoint_url=http://127.0.0.1:9000 "
                                  "(credentials and endpoint also come from the AWS_* variables)")

@@ -25,6 +25,7 @@ from torch import nn
 from elastic._determinism import mix_seed
 from elastic._protocol import GenerationPlan, RunSpec
 from elastic._worker import fault_gate as _fault_gate
+from elastic._worker import grad_norm as _grad_norm
 from elastic._worker import spot_check as _spot_check
 from elastic._worker import thread_position as _thread_position
 from elastic._worker import wrap as _wrap
@@ -284,6 +285,18 @@ class TrainContext(RankPlace):
     def backward(self, loss: torch.Tensor) -> None:
         """`loss.backward()`, scaled by the GradScaler under fp16 (required there)."""
         self._precision.backward(loss)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of every prepared model by their global norm, as
+        `torch.nn.utils.clip_grad_norm_` does on one unsplit model, on any layout: DDP, FSDP2,
+        FSDP x TP (where torch's own fails on gradients that live on different meshes) and
+        pipeline stages (their norms are combined). Call it between the backward and
+        `optimizer.step()`; under fp16 it unscales the gradients first. Returns the norm before
+        clipping, the same on every rank."""
+        self._precision.unscale(self._optimizers)
+        parameters = [p for wrapped, _ in self._models for p in wrapped.parameters()]
+        pp_group = self._mesh.pp_group() if self._mesh.pipelined else None
+        return _grad_norm.clip_grad_norm_(parameters, max_norm, norm_type, pp_group)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Register the optimizer: the LR rule and gradient accumulation act on it (the first one

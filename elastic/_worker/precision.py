@@ -30,6 +30,7 @@ class Precision:
         self.precision, self.strategy, self.device, self.scaler = precision, strategy, device, scaler
         self._scaled_backward = False
         self._in_scaler = False
+        self._unscaled: set[int] = set()     # optimizers whose gradients were unscaled this step
 
     @staticmethod
     def new_scaler(precision: str, device: torch.device) -> Any:
@@ -46,6 +47,16 @@ class Precision:
             return
         self.scaler.scale(loss).backward()
         self._scaled_backward = True
+
+    def unscale(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """fp16: the gradients back to their true scale before they are clipped
+        (GradScaler.unscale_, which its step then skips; once per optimizer and step)."""
+        if self.scaler is None or not self._scaled_backward:
+            return
+        for optimizer in optimizers:
+            if id(optimizer) not in self._unscaled:
+                self.scaler.unscale_(optimizer)
+                self._unscaled.add(id(optimizer))
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """With fp16, route `optimizer.step()` through the scaler (an instance attribute, so the
@@ -68,6 +79,7 @@ class Precision:
                 scaler.update()
             finally:
                 self._in_scaler = self._scaled_backward = False
+                self._unscaled.clear()
             return result
 
         optimizer.step = step      # type: ignore[method-assign]  # an instance attribute on purpose (see above)

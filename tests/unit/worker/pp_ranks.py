@@ -18,6 +18,7 @@ from elastic.context import TrainContext
 
 BATCH = 4          # per replica
 STEPS = 3
+MAX_NORM = 0.05    # below the gradients' norm: every step clips (ctx.clip_grad_norm_ sums the stages' norms)
 MICRO = 2
 WIDTH = 8
 
@@ -95,10 +96,13 @@ def _objects(ctx: TrainContext, seed: int, schedule: str):
     return pipeline, optimizer
 
 
-def _train(ctx: TrainContext, pipeline, optimizer, steps: int) -> list[float]:
+def _train(ctx: TrainContext, pipeline, optimizer, steps: int, norms: list | None = None) -> list[float]:
     losses = []
     for x in ctx.prepare_data(Points(), batch_size=BATCH):
         loss = pipeline.step(x, x.roll(1, dims=1))
+        norm = ctx.clip_grad_norm_(MAX_NORM)
+        if norms is not None:
+            norms.append(norm.item())
         optimizer.step()
         optimizer.zero_grad()
         ctx.report(loss=loss)
@@ -148,16 +152,19 @@ def reference(steps: int, dp: int) -> dict:
     model = Stack()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2 * dp)    # the linear rule: base_world_size 1
     data = Points()
-    losses = []
+    losses: list[float] = []
+    norms: list[float] = []
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(mix_seed(0, "epoch", 0)))
     for step in range(steps):
         x = torch.stack([data[i] for i in order[step * BATCH * dp:(step + 1) * BATCH * dp].tolist()])
         loss = loss_fn(model(x), x.roll(1, dims=1))
         loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return {"params": {k: v.flatten().tolist() for k, v in model.state_dict().items()}, "losses": losses}
+    return {"params": {k: v.flatten().tolist() for k, v in model.state_dict().items()}, "losses": losses,
+            "norms": norms}
 
 
 def layout(rank: int, world: int, strategy: str, schedule: str, pp: int = 2, tp: int = 1,
@@ -170,11 +177,12 @@ def layout(rank: int, world: int, strategy: str, schedule: str, pp: int = 2, tp:
     ctx = _context(rank, world, 1, RestorePlan("fresh"), worker, strategy=strategy, pp=pp, tp=tp)
     pipeline, optimizer = _objects(ctx, 1, schedule)
     ctx.restore(model=pipeline, optimizer=optimizer)
-    out = {"places": places.seen,
+    norms: list[float] = []
+    out = {"places": places.seen, "norms": norms,
            "place": {"dp_rank": ctx.dp_rank, "pp_rank": ctx.pp_rank, "tp_rank": ctx.tp_rank,
                      "mesh": list(ctx.mesh.mesh_dim_names or ())},
            "names": sorted(n for n, _ in pipeline.named_parameters()),
-           "losses": _train(ctx, pipeline, optimizer, STEPS), "params": _params(pipeline),
+           "losses": _train(ctx, pipeline, optimizer, STEPS, norms), "params": _params(pipeline),
            "lr": optimizer.param_groups[0]["lr"],
            "records": [[r.step, r.loss] for r in ctx._worker.outbox.records if r.kind == "step"]}
     if not warm:

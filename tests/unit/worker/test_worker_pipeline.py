@@ -23,9 +23,12 @@ def _close(a: list[float], b: list[float], tol: float = 1e-5) -> bool:
 
 def _check_against_reference(results: list[dict], *, pp: int, tp: int = 1, dp: int = 2) -> None:
     ref = pp_ranks.reference(pp_ranks.STEPS, dp=dp)
+    assert min(ref["norms"]) > pp_ranks.MAX_NORM        # every step clipped
     unit = pp * tp
     held: dict[str, list] = {}
     for rank, result in enumerate(results):
+        # ctx.clip_grad_norm_: the whole model's global norm on every stage of every replica.
+        assert _close(result["norms"], ref["norms"]), f"rank {rank}: {result['norms']} vs {ref['norms']}"
         place = result["place"]
         assert (place["dp_rank"], place["pp_rank"], place["tp_rank"]) == (rank // unit, rank // tp % pp, rank % tp)
         for name, values in result["params"].items():

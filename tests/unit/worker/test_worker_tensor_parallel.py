@@ -21,7 +21,11 @@ def _close(a: list[float], b: list[float], tol: float = 1e-5) -> bool:
 
 def _check_against_reference(results: list[dict], dp: int = 2, tp: int = 2) -> None:
     ref = tp_ranks.reference(tp_ranks.STEPS, dp=dp)
+    assert min(ref["norms"]) > tp_ranks.MAX_NORM        # every step clipped
     for rank, result in enumerate(results):
+        # ctx.clip_grad_norm_: the unsharded model's global norm on every rank (under FSDP x TP
+        # the gradients live on two meshes: the LayerNorm's on the DP mesh, the TP layers' on both).
+        assert _close(result["norms"], ref["norms"]), f"rank {rank}: {result['norms']} vs {ref['norms']}"
         assert result["place"]["dp_rank"] == rank // tp and result["place"]["tp_rank"] == rank % tp
         assert result["place"]["dp_size"] == dp and result["place"]["tp_size"] == tp
         for name, values in ref["params"].items():

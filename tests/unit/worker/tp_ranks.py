@@ -18,6 +18,7 @@ from elastic.context import TrainContext
 
 BATCH = 3          # per replica
 STEPS = 3
+MAX_NORM = 0.05    # below the gradients' norm: every step clips (ctx.clip_grad_norm_ on two meshes under FSDP x TP)
 
 
 class MLP(nn.Module):
@@ -65,12 +66,15 @@ def _objects(ctx: TrainContext, seed: int):
     return model, optimizer
 
 
-def _train(ctx: TrainContext, model, optimizer, steps: int, seen: list) -> list[float]:
+def _train(ctx: TrainContext, model, optimizer, steps: int, seen: list, norms: list | None = None) -> list[float]:
     losses = []
     for x in ctx.prepare_data(Points(), batch_size=BATCH):
         seen.append(x.sum().item())
         loss = model(x).square().mean()
         loss.backward()
+        norm = ctx.clip_grad_norm_(MAX_NORM)
+        if norms is not None:
+            norms.append(norm.item())
         optimizer.step()
         optimizer.zero_grad()
         ctx.report(loss=loss)
@@ -115,7 +119,8 @@ def reference(steps: int, dp: int) -> dict:
     model = MLP()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2 * dp)    # the linear rule: base_world_size 1
     data = Points()
-    losses = []
+    losses: list[float] = []
+    norms: list[float] = []
     for step in range(steps):
         # The loader's order: a shuffled epoch, each step's global batch cut in DP-rank order.
         order = torch.randperm(len(data), generator=torch.Generator().manual_seed(_epoch_seed()))
@@ -123,10 +128,12 @@ def reference(steps: int, dp: int) -> dict:
         x = torch.stack([data[i] for i in ids])
         loss = model(x).square().mean()
         loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return {"params": {k: v.flatten().tolist() for k, v in model.state_dict().items()}, "losses": losses}
+    return {"params": {k: v.flatten().tolist() for k, v in model.state_dict().items()}, "losses": losses,
+            "norms": norms}
 
 
 def _epoch_seed() -> int:
@@ -146,8 +153,9 @@ def layouts(rank: int, world: int, strategy: str, tp: int = 2, shard: int | None
     place = {"dp_rank": ctx.dp_rank, "dp_size": ctx.dp_size, "tp_rank": ctx.tp_rank, "tp_size": ctx.tp_size,
              "mesh": list(ctx.mesh.mesh_dim_names or ())}
     seen: list[float] = []
-    losses = _train(ctx, model, optimizer, STEPS, seen)
-    out = {"place": place, "seen": seen, "losses": losses, "params": _full(model),
+    norms: list[float] = []
+    losses = _train(ctx, model, optimizer, STEPS, seen, norms)
+    out = {"place": place, "seen": seen, "losses": losses, "norms": norms, "params": _full(model),
            "lr": optimizer.param_groups[0]["lr"], "samples": ctx.samples_seen,
            "records": [[r.step, r.loss] for r in ctx._worker.outbox.records if r.kind == "step"]}
     if strategy == "fsdp":
