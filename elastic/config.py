@@ -252,9 +252,16 @@ class ScalingConfig:
     (AttributeError) instead of at run time. An explicit None means the same as UNLIMITED: since
     the default is no longer None, writing None can only be a request for no bound."""
     startup_wait_s: float = 10.0
-    """At start, how long to wait for max_workers to be ready before starting with fewer (at
+    """At start, how long to wait for max_workers to be placed before starting with fewer (at
     least min_workers); the rest join by a warm scale-up once ready. Raise it where every run
-    must begin at full size (a slow image pull, a test that checks the starting world size)."""
+    must begin at full size (a slow image pull, a test that checks the starting world size).
+    Workers already placed and starting are waited for up to starting_wait_s instead."""
+    starting_wait_s: float = 60.0
+    """At start, how long to wait for workers that are placed and starting (their process
+    importing torch, initialising its device) before starting with fewer: they are coming, and a
+    join after the first step re-forms the group, which costs more than the rest of their start
+    (7 s at step 1 on a loaded 2-core machine, against seconds). The longer of the two waits
+    applies to them; 0 starts as soon as startup_wait_s allows."""
     spare_workers: int = 0
     """Hot spares: workers started beyond max_workers, imported and idle, so that a lost member
     is replaced at once instead of after a new worker's start (seconds of imports, or a new
@@ -326,6 +333,7 @@ class ScalingConfig:
                  "ScalingConfig.spare_workers needs a bounded max_workers (not UNLIMITED): with no maximum "
                  "every placed worker already joins the run")
         _number("ScalingConfig.startup_wait_s", self.startup_wait_s, at_least=0, unit="seconds")
+        _number("ScalingConfig.starting_wait_s", self.starting_wait_s, at_least=0, unit="seconds")
         _flag("ScalingConfig.use_gpu", self.use_gpu)
         _flag("ScalingConfig.node_agents", self.node_agents)
         _require(self.strategy in STRATEGIES,

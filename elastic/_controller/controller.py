@@ -195,7 +195,7 @@ class Controller:
         ready = self.slots.ready(self.views)
         now = self.clock()
         gate = self.start_gate.judge(ready=len(ready), pending=self.slots.pending(self.views),
-                                     waited_s=now - self.state.since, now=now)
+                                     starting=self.slots.starting(self.views), waited_s=now - self.state.since, now=now)
         if gate == Gate.START:
             ok, plan = self._storage("read the checkpoints to resume from", self._resume_plan)
             if ok and plan is not None:

@@ -2,8 +2,11 @@
 
 `StartGate` judges the placement while the run is SCHEDULING: start once `max_workers` are
 ready, or once `min_workers` are and the placement has settled (nothing pending; with no
-maximum, the ready count held PROBE_GRACE_S with at most the probe placement pending) or
-ScalingConfig.startup_wait_s has passed; give up (too few) after rendezvous_timeout_s.
+maximum, the ready count held PROBE_GRACE_S with at most the probe placement pending) or the
+wait is over: ScalingConfig.startup_wait_s for placements still pending, the longer of it and
+starting_wait_s while a placed worker is starting (it is coming: waiting for the rest of its
+start costs less than a re-form after the first step). Give up (too few) after
+rendezvous_timeout_s.
 """
 from __future__ import annotations
 
@@ -29,7 +32,9 @@ class StartGate:
         self._ready_count = 0
         self._ready_since = 0.0
 
-    def judge(self, *, ready: int, pending: int, waited_s: float, now: float) -> Gate:
+    def judge(self, *, ready: int, pending: int, waited_s: float, now: float, starting: int = 0) -> Gate:
+        """`pending`: slots not ready (placement pending or starting); `starting`: those of
+        them placed, whose worker is starting."""
         scaling = self._scaling
         if ready != self._ready_count:
             self._ready_count, self._ready_since = ready, now
@@ -38,7 +43,8 @@ class StartGate:
         settled = not pending if maximum is not None else (
             pending <= 1 and now - self._ready_since >= PROBE_GRACE_S)
         enough = ready >= scaling.min_workers
-        if (maximum is not None and ready >= maximum) or (enough and (settled or waited_s >= scaling.startup_wait_s)):
+        wait_s = max(scaling.startup_wait_s, scaling.starting_wait_s) if starting else scaling.startup_wait_s
+        if (maximum is not None and ready >= maximum) or (enough and (settled or waited_s >= wait_s)):
             return Gate.START
         if not enough and waited_s > self._rendezvous_timeout_s:
             return Gate.TOO_FEW

@@ -72,6 +72,11 @@ class Slots:
         return sum(1 for v in views.values() if v.status not in (READY, DEAD))
 
     @staticmethod
+    def starting(views: dict[int, WorkerView]) -> int:
+        """Slots placed whose worker is starting."""
+        return sum(1 for v in views.values() if v.status == STARTING)
+
+    @staticmethod
     def preempted_spares(views: dict[int, WorkerView], members: list[int]) -> list[int]:
         """Ready workers outside the group that got a preemption notice: nothing to save, they go."""
         group = set(members)

@@ -6,7 +6,7 @@ from fakes import FakeGroup
 from harness import interrupt, make, start, stop_requested
 
 from elastic._controller.controller import run_loop
-from elastic._controller.slot_table import READY, STARTING
+from elastic._controller.slot_table import PENDING, READY, STARTING
 from elastic._controller.states import RunState
 from elastic._protocol import PositionReport, ThreadPlace, WorkerPhase
 from elastic.config import FailureConfig
@@ -35,10 +35,35 @@ def test_happy_path_every_transition_is_announced():
 def test_start_waits_startup_wait_s_for_max_workers_then_starts_with_the_ready_ones(startup_wait_s):
     controller, group, clock, _ = make(min_workers=2, max_workers=3, startup_wait_s=startup_wait_s)
     controller.tick()                                  # places 3 workers
-    group.views[2].status = STARTING                   # the third is slow to start
+    group.views[2].status = PENDING                    # the third's placement waits for resources
     clock.advance(startup_wait_s - 1)
     controller.tick()
     assert controller.state.state == RunState.SCHEDULING   # still waiting, and not failed
+    clock.advance(2)
+    controller.tick()
+    assert controller.state.state == RunState.RUNNING and sorted(controller.state.members) == [0, 1]
+
+
+def test_a_worker_placed_and_starting_is_waited_for_up_to_starting_wait_s():
+    """Review 3 (user), point 11: one of two workers still importing when startup_wait_s ran out
+    made a run of world 1 that re-formed at step 1 (a 7 s scale-up). A placed worker is coming:
+    it is waited for up to starting_wait_s (60 s)."""
+    controller, group, clock, _ = make(min_workers=2, max_workers=3, startup_wait_s=10.0)
+    controller.tick()
+    group.views[2].status = STARTING                   # placed, its process still starting
+    clock.advance(30)
+    controller.tick()
+    assert controller.state.state == RunState.SCHEDULING
+    group.views[2].status = READY
+    controller.tick()
+    assert controller.state.state == RunState.RUNNING and len(controller.state.members) == 3
+    # One that never gets ready: the run starts with the others once starting_wait_s is over.
+    controller, group, clock, _ = make(min_workers=2, max_workers=3, startup_wait_s=10.0)
+    controller.tick()
+    group.views[2].status = STARTING
+    clock.advance(59)
+    controller.tick()
+    assert controller.state.state == RunState.SCHEDULING
     clock.advance(2)
     controller.tick()
     assert controller.state.state == RunState.RUNNING and sorted(controller.state.members) == [0, 1]
