@@ -177,26 +177,32 @@ def processes(marker: str, seen: set[int] | None = None, variable: str = MARKER)
     (RAY_RAYLET_PID). `seen` keeps every marked pid across calls, so an agent whose raylet has
     gone is still known."""
     wanted = f"{variable}={marker}".encode()
+    # An agent whose environment Ray's process title overwrote names nothing: it is known by the
+    # files it holds open under the marked Ray's directory (its logs; for another marker nothing
+    # is open under it). One walk of /proc finds all three kinds.
+    prefix = marker.rstrip("/") + "/"
     seen = set() if seen is None else seen
-    marked, by_raylet = [], {}
+    marked, by_raylet, holding = [], {}, []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
+        pid = int(entry)
         try:
             with open(f"/proc/{entry}/environ", "rb") as f:
                 environ = f.read().split(b"\0")
         except OSError:     # gone meanwhile, or another user's
             continue
         if wanted in environ:
-            marked.append(int(entry))
+            marked.append(pid)
+            continue
         raylet = next((v.split(b"=", 1)[1] for v in environ if v.startswith(b"RAY_RAYLET_PID=")), b"")
         if raylet.isdigit():
-            by_raylet[int(entry)] = int(raylet)
+            by_raylet[pid] = int(raylet)
+        if pid != os.getpid() and _holds_file_under(pid, prefix):
+            holding.append(pid)
     seen.update(marked)
-    agents = [p for p, raylet in by_raylet.items() if raylet in seen and p not in marked]
-    # An agent whose environment Ray's process title overwrote names nothing: it is known by the
-    # files it holds open under the marked Ray's directory (its logs).
-    agents += [pid for pid in _holding_files_under(marker) if pid not in marked and pid not in agents]
+    agents = [p for p, raylet in by_raylet.items() if raylet in seen]
+    agents += [pid for pid in holding if pid not in agents]
     found = []
     for pid in marked + agents:
         try:
@@ -207,26 +213,19 @@ def processes(marker: str, seen: set[int] | None = None, variable: str = MARKER)
     return found
 
 
-def _holding_files_under(directory: str) -> list[int]:
-    """This user's processes with a file open under `directory` (a marker is a LocalRay's own
-    directory; for another marker nothing is open under it)."""
-    prefix = directory.rstrip("/") + "/"
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
+def _holds_file_under(pid: int, prefix: str) -> bool:
+    """Whether process `pid` has a file open whose path starts with `prefix`."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:     # gone meanwhile, or another user's
+        return False
+    for fd in fds:
         try:
-            fds = os.listdir(f"/proc/{entry}/fd")
-        except OSError:     # gone meanwhile, or another user's
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(prefix):
+                return True
+        except OSError:
             continue
-        for fd in fds:
-            try:
-                if os.readlink(f"/proc/{entry}/fd/{fd}").startswith(prefix):
-                    found.append(int(entry))
-                    break
-            except OSError:
-                continue
-    return found
+    return False
 
 
 def stop_marked(marker: str) -> int:
