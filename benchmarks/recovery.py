@@ -14,6 +14,9 @@ says it cost (`lost_s`: detection + redone + re-form + restore), then prints one
     python benchmarks/recovery.py --tp 2 --workers 6 --min-workers 4 --trials 5 [--whole-group]
                            # R1-TP: TP 2 x DP 3; --whole-group: every rank killed, the group
                            # restarted from the newest checkpoint (the peers' way)
+    python benchmarks/recovery.py --kill-all --workers 2 --min-workers 2 --trials 3 [--strategy fsdp]
+                           # R6: every rank killed at once, each trial twice: restored from the
+                           # nodes' keepers (CheckpointConfig.node_copies) and from the checkpoint
 
 `--storage s3` runs against moto's S3 server on loopback (started here), `file` (the default) on
 a local temporary folder.
@@ -78,7 +81,7 @@ def inject(run_dir: str, at_step: int, sig: int, rank: int | None, out: dict) ->
         time.sleep(0.01)
 
 
-def trial(args: argparse.Namespace, run_dir: str, whole_group: bool = False) -> dict:
+def trial(args: argparse.Namespace, run_dir: str, whole_group: bool = False, node_copies: bool = True) -> dict:
     sig = getattr(signal, f"SIG{args.signal}")
     fault: dict = {}
     rank = None if whole_group else args.rank
@@ -93,7 +96,7 @@ def trial(args: argparse.Namespace, run_dir: str, whole_group: bool = False) -> 
                               spare_workers=args.spare_workers, strategy=args.strategy,
                               tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp),
         checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=args.checkpoint_every,
-                                    in_memory_every_n_steps=args.in_memory_every),
+                                    in_memory_every_n_steps=args.in_memory_every, node_copies=node_copies),
         failure=FailureConfig(heartbeat_timeout_s=args.heartbeat_timeout),
         total_steps=args.steps, seed=0).fit()
     if "stopped_pid" in fault:
@@ -166,6 +169,9 @@ def main() -> int:
     p.add_argument("--whole-group", action="store_true",
                    help="alternate each trial with one whose signal goes to every rank: the group restarts from "
                         "the newest checkpoint (the peers' way of recovering a TP replica group), in the same run")
+    p.add_argument("--kill-all", action="store_true",
+                   help="every trial's signal goes to every rank, each trial twice: restored from the nodes' keepers "
+                        "(CheckpointConfig.node_copies) and without them (the checkpoint), in the same run")
     p.add_argument("--verbose", action="store_true", help="show the workers' and controller's logs")
     args = p.parse_args()
     if args.pp == 1 and (args.microbatches is not None or args.pp_schedule != "1f1b"):
@@ -180,12 +186,15 @@ def main() -> int:
     try:
         with storage(args.storage) as base:
             for i in range(args.trials):
-                for whole in (False, True) if args.whole_group else (False,):
+                # --whole-group: ours (one rank) then the peers' (every rank, from the checkpoint);
+                # --kill-all: every rank, from the keepers then from the checkpoint.
+                for other in (False, True) if args.whole_group or args.kill_all else (False,):
                     with tempfile.TemporaryDirectory(prefix="r1-") as run_dir:
-                        url = os.path.join(run_dir, "run") if base is None else f"{base}/trial{i}{'g' * whole}"
-                        (restarts if whole else trials).append(trial(args, url, whole))
-                        print(f"trial {i}{' (whole group)' * whole}: {(restarts if whole else trials)[-1]}",
-                              file=sys.stderr, flush=True)
+                        url = os.path.join(run_dir, "run") if base is None else f"{base}/trial{i}{'g' * other}"
+                        (restarts if other else trials).append(
+                            trial(args, url, whole_group=other or args.kill_all, node_copies=not other))
+                        print(f"trial {i}{' (whole group, no node copies)' * other}: "
+                              f"{(restarts if other else trials)[-1]}", file=sys.stderr, flush=True)
     finally:
         ray.shutdown()
     recovery = [t["recovery_s"] for t in trials]
@@ -198,7 +207,8 @@ def main() -> int:
                      "ratio_whole_group_to_ours": round(statistics.median(again) / statistics.median(recovery), 2),
                      "whole_group_per_trial": restarts}
     print(json.dumps({
-        "benchmark": {"KILL": "R1", "STOP": "R2", "TERM": "R3"}[args.signal], "system": "elastic",
+        "benchmark": "R6" if args.kill_all else {"KILL": "R1", "STOP": "R2", "TERM": "R3"}[args.signal],
+        "system": "elastic",
         "signal": f"SIG{args.signal}",
         "workers": args.workers, "spare_workers": args.spare_workers, "model_size": args.model_size,
         "tp": args.tp, **({"pp": args.pp, "pp_schedule": args.pp_schedule,

@@ -79,6 +79,21 @@ class KillWorker(Fault):
 
 
 @dataclass(frozen=True, kw_only=True)
+class KillAllWorkers(KillWorker):
+    """SIGKILL to every worker of the generation at once: a job-wide crash (the OOM killer on
+    every node, a bad driver or library release). The workers' copies in memory die with them;
+    the nodes' keepers still hold theirs, so the recovery restores from memory, not storage."""
+
+    kind: ClassVar[str] = "kill_all_workers"
+    target: str = "all"
+
+    def __post_init__(self) -> None:
+        if self.target != "all":
+            raise ValueError(f"kill_all_workers kills every worker (target 'all'), got target {self.target!r}; "
+                             f"use kill_worker for others")
+
+
+@dataclass(frozen=True, kw_only=True)
 class KillController(Fault):
     """SIGKILL to the run's controller process (status.json names it), while its generation runs.
     Ray restarts the controller, which adopts the live workers: no recovery is expected, no
@@ -357,8 +372,9 @@ class SecondRun(Fault):
 
 
 FAULT_TYPES: dict[str, type[Fault]] = {cls.kind: cls for cls in (
-    KillWorker, KillController, KillDriver, KillNode, Hang, Slow, Partition, StorageOutage, StorageStall,
-    CrashBeforeCommit, CorruptCheckpoint, Preempt, UserError, LateCommit, SecondRun, BitFlip, BadGradient)}
+    KillWorker, KillAllWorkers, KillController, KillDriver, KillNode, Hang, Slow, Partition, StorageOutage,
+    StorageStall, CrashBeforeCommit, CorruptCheckpoint, Preempt, UserError, LateCommit, SecondRun, BitFlip,
+    BadGradient)}
 
 
 def fault_from_dict(data: dict[str, Any]) -> Fault:

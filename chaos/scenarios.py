@@ -24,6 +24,7 @@ from chaos.faults import (
     CorruptCheckpoint,
     CrashBeforeCommit,
     Hang,
+    KillAllWorkers,
     KillController,
     KillDriver,
     KillNode,
@@ -184,6 +185,7 @@ def _storage_stall(sc: Scenario, seed: int) -> Schedule:
 NOT_IN_MIXED = ("bitflip", "bad_gradient")
 MIXED_MENU = [
     (3.0, lambda r: KillWorker(target=r.choice(["one", "one", "minority"]))),
+    (1.0, lambda r: KillAllWorkers()),
     (1.5, lambda r: KillNode(target="one")),
     (1.5, lambda r: Hang(target="one", duration_s=round(r.uniform(16, 24), 1))),
     (1.5, lambda r: Slow(target="one", duration_s=round(r.uniform(8, 15), 1),

@@ -146,11 +146,14 @@ class RestoreKind(enum.StrEnum):
 @dataclass(frozen=True)
 class ReplicaSource:
     """A MEMORY restore's sources: the shards of the `world_size` ranks of generation
-    `generation`, rank j's held by the new generation's rank `holders[j]`."""
+    `generation`, rank j's held by the new generation's rank `holders[j]`; with `keepers`, rank
+    j's copy is in the node keeper named `keepers[j]` (elastic._node_keeper), which rank
+    `holders[j]` fetches it from (the workers that held the copies were lost)."""
 
     generation: int
     world_size: int
     holders: tuple[int, ...]
+    keepers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -6,11 +6,19 @@ process that placed them) and named after the run, in Ray's `elastic` namespace:
 that replaces a lost one finds them by name (adoption) and the driver of a run whose controller is
 lost for good removes them (`reap`). A worker's name says which placement group and bundle it
 holds, since a replacement under tensor parallelism goes into a bundle of its peers' group.
+
+The actors that hold a run's data and copies outside its workers, its Ray Datasets' sources
+(elastic._worker.ray_data) and its node keepers (elastic._node_keeper), are detached and named
+after the run too: every rank, and every replacement, finds the one the first rank created. The
+controller removes them when the run ends (`remove_holders`), by name: its process imports neither
+Ray Data nor torch; and each ends itself once the run's controller is gone for good
+(`end_when_orphaned`), as a worker's orphan watch does.
 """
 from __future__ import annotations
 
 import logging
 import re
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -23,6 +31,7 @@ NAMESPACE = "elastic"
 # controller in about a second, and a worker also ends once the controller's actor is gone for
 # good (the driver that owned it ended), within two of its looks 5 s apart.
 ORPHAN_AFTER_S = 300.0
+ORPHAN_CHECK_S = 5.0        # how often a detached holder (data source, node keeper) looks for its run's controller
 
 
 class WorkerName(NamedTuple):
@@ -55,6 +64,31 @@ class RunNames:
 
     def owns_placement_group(self, name: str) -> bool:
         return name.startswith(f"{self.run_id}.pg.")
+
+    @classmethod
+    def of_controller(cls, name: str | None) -> RunNames | None:
+        """The run whose controller actor is named `name` (what a worker is told), or None."""
+        suffix = ".controller"
+        if not name or not name.endswith(suffix):
+            return None
+        return cls(name[:-len(suffix)])
+
+    def data_source(self, n: int) -> str:
+        """The actor holding the n-th Ray Dataset the loop prepares (0-based, in the order of its
+        ctx.prepare_data calls: the same in every generation)."""
+        return f"{self.run_id}.data{n}"
+
+    def data_sources(self) -> list[str]:
+        """The names of the run's data-source actors alive in the cluster."""
+        return _named(re.compile(rf"{re.escape(self.run_id)}\.data\d+"))
+
+    def keeper(self, node_id: str) -> str:
+        """The actor holding the copies of the run's state on node `node_id` (elastic._node_keeper)."""
+        return f"{self.run_id}.keeper.{node_id}"
+
+    def keepers(self) -> list[str]:
+        """The names of the run's node keepers alive in the cluster."""
+        return _named(re.compile(rf"{re.escape(self.run_id)}\.keeper\..+"))
 
     def workers(self) -> dict[str, WorkerName]:
         """The run's named workers alive in the cluster: actor name -> what it names."""
@@ -91,10 +125,55 @@ def controller_gone(name: str) -> bool:
         return False
 
 
+def _named(pattern: re.Pattern[str]) -> list[str]:
+    """The names of the actors in the elastic namespace that `pattern` matches whole."""
+    import ray
+    return sorted(entry["name"] for entry in ray.util.list_named_actors(all_namespaces=True)
+                  if isinstance(entry, dict) and entry.get("namespace") == NAMESPACE
+                  and pattern.fullmatch(entry.get("name", "")))
+
+
+def remove_holders(run_id: str) -> int:
+    """Kill the actors that hold the run's data and copies, detached so that they outlive its
+    workers: its Ray Datasets' sources (their blocks go with them) and its node keepers (the
+    copies of its state). Returns how many it killed; failures are logged, never raised (the
+    run's outcome matters more)."""
+    import ray
+    killed = 0
+    names = RunNames(run_id)
+    try:
+        holders = names.data_sources() + names.keepers()
+    except Exception:   # the GCS unreachable: each also ends once the controller is gone
+        log.warning("could not list the run's data sources and node keepers", exc_info=True)
+        return 0
+    for name in holders:
+        try:
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+            killed += 1
+        except Exception:   # gone meanwhile
+            log.debug("could not kill %s", name, exc_info=True)
+    if killed:
+        log.info("removed the run's %d data source(s) and node keeper(s)", killed)
+    return killed
+
+
+def end_when_orphaned(controller: str, what: str) -> None:
+    """A detached holder's thread (a data source, a node keeper): kill the calling actor, with no
+    restart, once the run's controller is gone for good. Two looks in a row, since a name is
+    released only once its actor is dead for good."""
+    import ray
+    missing = 0
+    while missing < 2:
+        time.sleep(ORPHAN_CHECK_S)
+        missing = missing + 1 if controller_gone(controller) else 0
+    log.warning("this %s ends: the run's controller %s is gone", what, controller)
+    ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+
+
 def reap(run_id: str) -> int:
-    """Kill a run's named workers and remove its placement groups (the driver of a run whose
-    controller is gone for good: nothing else would end them before their orphan watch does).
-    Returns how many workers it killed."""
+    """Kill a run's named workers, data sources and node keepers and remove its placement groups (the driver
+    of a run whose controller is gone for good: nothing else would end them before their orphan
+    watch does). Returns how many workers it killed."""
     import ray
     from ray.util.placement_group import remove_placement_group
     names = RunNames(run_id)
@@ -110,4 +189,5 @@ def reap(run_id: str) -> int:
             remove_placement_group(group)
         except Exception:
             log.debug("could not remove placement group %s", name, exc_info=True)
+    remove_holders(run_id)
     return killed

@@ -468,6 +468,14 @@ class CheckpointConfig:
     and optimizer state in host memory, and one copy's worth of network per rank every this many
     steps: +2.5 % step time at 10 and +11.5 % at 1 on 2 CPU ranks with the base model (BENCHMARKS.md
     F2). None turns it off."""
+    node_copies: bool = True
+    """With copies in memory (in_memory_every_n_steps), each rank also hands its own copy to its
+    node's keeper, an actor of the run that outlives the workers (elastic._node_keeper): a fault
+    that kills every worker at once (a job-wide crash, the OOM killer) restores from there, with
+    no storage read and at most in_memory_every_n_steps steps redone, instead of going back to
+    the checkpoint. Under DDP one rank per node hands its copy over. Costs one more copy of each
+    rank's own state in host memory (the keeper's), handed over in the background every
+    in_memory_every_n_steps steps. False: the workers' copies only."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     """Extra fsspec options (for s3: endpoint_url, key, secret); AWS_* variables also work. Shown
     (repr, summary.json) with every secret-named key masked at any depth."""
@@ -484,6 +492,7 @@ class CheckpointConfig:
         _count("CheckpointConfig.keep", self.keep, 1, none="keep all")
         _flag("CheckpointConfig.async_save", self.async_save)
         _flag("CheckpointConfig.takeover", self.takeover)
+        _flag("CheckpointConfig.node_copies", self.node_copies)
         _count("CheckpointConfig.max_consecutive_failures", self.max_consecutive_failures, 1)
         _count("CheckpointConfig.in_memory_every_n_steps", self.in_memory_every_n_steps, 1, none="off")
         _require(isinstance(self.storage_options, Mapping) and all(isinstance(k, str) for k in self.storage_options),

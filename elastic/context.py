@@ -26,12 +26,13 @@ from elastic._determinism import mix_seed
 from elastic._protocol import GenerationPlan, RunSpec
 from elastic._worker import fault_gate as _fault_gate
 from elastic._worker import grad_norm as _grad_norm
+from elastic._worker import ray_data as _ray_data
 from elastic._worker import spot_check as _spot_check
 from elastic._worker import thread_position as _thread_position
 from elastic._worker import wrap as _wrap
 from elastic._worker.accumulation import wrap_optimizer
 from elastic._worker.keeping import StateKeeper
-from elastic._worker.loader import ElasticLoader
+from elastic._worker.loader import ElasticLoader, check_options
 from elastic._worker.mesh import GenerationMesh
 from elastic._worker.pipeline import Pipeline, build_pipeline, unpipelined
 from elastic._worker.precision import Precision
@@ -146,6 +147,7 @@ class TrainContext(RankPlace):
         if worker.grad_scaler is None:
             worker.grad_scaler = Precision.new_scaler(self._scaling.precision, device)
         self._precision = Precision(self._scaling.precision, spec.scaling.strategy, device, worker.grad_scaler)
+        self._ray_datasets = 0        # ray.data.Datasets prepared so far in this generation (prepare_data)
 
     @property
     def _state(self) -> TrainState | None:
@@ -335,8 +337,24 @@ class TrainContext(RankPlace):
                      collate_fn: Callable[[list[Any]], Any] | None = None, **loader_options: Any) -> ElasticLoader:
         """A loader of this rank's batches from the current step to `total_steps`.
 
+        `dataset`: a map-style dataset (`__len__`, `__getitem__` by index), such as
+        `elastic.ParquetTokens`, or a `ray.data.Dataset`, which is materialized once per run into
+        the object store and read by row index (its rows are dicts of numpy values, batched into
+        dicts of tensors; elastic._worker.ray_data). Iterables (a torch IterableDataset, a
+        generator, a Ray DataIterator) are refused with a ConfigError: they can be neither
+        sharded by rank nor resumed mid-epoch.
+
         `loader_options` (num_workers, pin_memory, prefetch_factor, ...) go to the torch
-        DataLoader that builds the batches; see ElasticLoader."""
+        DataLoader that builds the batches; see ElasticLoader. A Ray Dataset takes num_workers=0
+        only (worker processes have no Ray connection)."""
+        if _ray_data.is_ray_dataset(dataset):
+            check_options(loader_options)
+            _ray_data.check_loader_options(loader_options)
+            # Numbered by the order of the calls in the loop, the same in every generation: every
+            # rank, and a replacement, finds the one materialization of the run's n-th dataset.
+            n, self._ray_datasets = self._ray_datasets, self._ray_datasets + 1
+            dataset = _ray_data.open_rows(dataset, names=self._worker.run_names, n=n,
+                                          storage=self._spec.checkpoint.storage)
         return ElasticLoader(self._boundary, dataset, batch_size, shuffle=shuffle, collate_fn=collate_fn,
                              **loader_options)
 

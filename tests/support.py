@@ -103,7 +103,8 @@ def run_processes(procs: list, timeout_s: float) -> None:
 
 # ---- faults injected from outside ---------------------------------------------------------------
 class SignalAtStep(threading.Thread):
-    """Send `sig` to the worker with `rank` once status.json shows the run past `at_step`.
+    """Send `sig` to the worker with `rank` (None: to every worker at once) once status.json
+    shows the run past `at_step`.
 
     Pass `hold_config()` in the run's `train_loop_config` and the framework's fault gate
     (elastic/_worker/fault_gate.py) holds every rank after `at_step` until the signal is sent (the
@@ -117,7 +118,7 @@ class SignalAtStep(threading.Thread):
     10 ms poll), in a step's compute or sync rather than in the hold, with the steps between
     `at_step` and the next checkpoint as the margin."""
 
-    def __init__(self, run_dir: str, at_step: int, sig: int, rank: int, timeout_s: float = 120.0,
+    def __init__(self, run_dir: str, at_step: int, sig: int, rank: int | None, timeout_s: float = 120.0,
                  gate: str | None = None, when: Callable[[dict], bool] = lambda status: True,
                  after_release_s: float | None = None):
         super().__init__(daemon=True)
@@ -146,14 +147,15 @@ class SignalAtStep(threading.Thread):
         while time.monotonic() < deadline:
             status = read_json(self.run_dir, "status.json") or {}
             if status.get("state") == "running" and status.get("step", 0) >= self.at_step and self.when(status):
-                pids = [w["pid"] for w in status.get("workers", []) if w["rank"] == self.rank]
+                pids = [w["pid"] for w in status.get("workers", []) if self.rank is None or w["rank"] == self.rank]
                 if pids:
                     self.pid, self.step_seen, self.status_seen = pids[0], status["step"], status
                     if self.after_release_s is not None:
                         open(self.gate, "w").close()
                         time.sleep(self.after_release_s)    # the run's steps after the hold, not a wait for a state
                     self.sent_at = time.time()
-                    os.kill(self.pid, self.sig)
+                    for pid in pids:
+                        os.kill(pid, self.sig)
                     return
             if status.get("state") in ("finished", "failed"):
                 return

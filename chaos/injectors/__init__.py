@@ -118,6 +118,7 @@ def build_injectors(env: Env) -> dict[str, Injector]:
         BadGradientInjector,
         BitFlipInjector,
         HangInjector,
+        KillAllWorkersInjector,
         KillControllerInjector,
         KillDriverInjector,
         KillWorkerInjector,
@@ -130,8 +131,8 @@ def build_injectors(env: Env) -> dict[str, Injector]:
         StorageOutageInjector,
         StorageStallInjector,
     )
-    classes = (KillWorkerInjector, PreemptInjector, HangInjector, SlowInjector, KillNodeInjector,
-               PartitionInjector, StorageOutageInjector, StorageStallInjector, CrashBeforeCommitInjector,
-               CorruptCheckpointInjector, LateCommitInjector, SecondRunInjector, BitFlipInjector,
-               BadGradientInjector, KillControllerInjector, KillDriverInjector)
+    classes = (KillWorkerInjector, KillAllWorkersInjector, PreemptInjector, HangInjector, SlowInjector,
+               KillNodeInjector, PartitionInjector, StorageOutageInjector, StorageStallInjector,
+               CrashBeforeCommitInjector, CorruptCheckpointInjector, LateCommitInjector, SecondRunInjector,
+               BitFlipInjector, BadGradientInjector, KillControllerInjector, KillDriverInjector)
     return {cls.kind: cls(env) for cls in classes}

@@ -41,6 +41,13 @@ class KillWorkerInjector(_OneSignal):
     sig = signal.SIGKILL
 
 
+class KillAllWorkersInjector(_OneSignal):
+    """Every worker at once. Nothing to heal: the runtime restores from its nodes' keepers."""
+
+    kind = "kill_all_workers"
+    sig = signal.SIGKILL
+
+
 class KillControllerInjector(Injector):
     """SIGKILL to the controller's process, only while status.json says the run is running (the
     runtime adopts its workers from that state; a controller lost in the middle of a re-form

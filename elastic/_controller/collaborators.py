@@ -31,6 +31,9 @@ class WorkerGroup(Protocol):
         """The id the next worker slot gets (the controller's journal keeps it)."""
     def bury(self, wid: int, reason: str) -> None:
         """A replacing controller's: a worker the lost one had, found gone (a dead slot)."""
+    def node_copies(self) -> list[tuple[str, int, int, int, int]]:
+        """(keeper, generation, world size, rank, step) of every copy of the state the nodes'
+        keepers hold (elastic._node_keeper), for a group whose members lost theirs."""
 
 
 class CheckpointView(Protocol):

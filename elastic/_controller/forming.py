@@ -89,6 +89,10 @@ class GenerationFormer:
         memory = memory_source(members, settled)
         if self._unit > 1 and any(w in settled and settled[w].has_state for w in members):
             memory = warm      # why the survivors' memory is not enough (copies are not kept under TP)
+        if isinstance(memory, str):
+            # The workers holding the copies were lost (all of them, say): their nodes' keepers may have them.
+            kept = keeper_source(self.group.node_copies(), len(members), self._unit)
+            memory = kept if isinstance(kept, RestorePlan) else f"{memory}; {kept}"
         if before is not None and isinstance(memory, RestorePlan) and memory.step >= before:
             memory = f"the copies in memory are of step {memory.step}, not from before step {before}"
         # Fence the next generation before listing (the protocol of checkpointing.manifest's
@@ -193,3 +197,27 @@ def memory_source(members: list[int], settled: dict[int, WorkerReport]) -> Resto
                                              holders=tuple(holders[r] for r in range(world))),
                        reason=f"every rank of generation {generation} has a copy in a member's memory "
                               f"(step {step}); no storage read")
+
+
+def keeper_source(copies: list[tuple[str, int, int, int, int]], world: int, unit: int) -> RestorePlan | str:
+    """A MEMORY restore from the nodes' keepers (elastic._node_keeper), or why there is none.
+    `copies`: (keeper, generation, world size, rank, step) of every copy they hold. Of the
+    (generation, step)s with a copy of every old rank, the newest step wins; old rank j's copy is
+    fetched and broadcast by new rank j mod `world` (at the same place in its replica of `unit`
+    ranks, as the rebuild needs, when `unit` divides `world`)."""
+    by_key: dict[tuple[int, int, int], dict[int, str]] = {}     # (step, generation, world) -> old rank -> keeper
+    for keeper, generation, old_world, rank, step in copies:
+        by_key.setdefault((step, generation, old_world), {}).setdefault(rank, keeper)
+    complete = [key for key, kept in by_key.items() if len(kept) == key[2]]
+    if not complete:
+        return "no node keeper holds a copy of every rank" if copies else "no node keeper holds a copy"
+    step, generation, old_world = max(complete)
+    if old_world % unit or world % unit:
+        return f"the keepers' copies are of {old_world} ranks, not whole replicas of {unit} for {world} ranks"
+    kept = by_key[(step, generation, old_world)]
+    return RestorePlan(RestoreKind.MEMORY, step=step,
+                       replica=ReplicaSource(generation=generation, world_size=old_world,
+                                             holders=tuple(rank % world for rank in range(old_world)),
+                                             keepers=tuple(kept[rank] for rank in range(old_world))),
+                       reason=f"every rank of generation {generation} has a copy in its node's keeper (step {step}), "
+                              f"outliving the workers that took it; no storage read")

@@ -24,8 +24,9 @@ from elastic._controller.agent_pool import AgentPool
 from elastic._controller.placement import Placements
 from elastic._controller.ray_calls import answered, first_line, poll_failure
 from elastic._controller.slot_table import DEAD, READY, STARTING, Slot, SlotTable, WorkerView
+from elastic._node_keeper import kept_copies
 from elastic._protocol import GenerationPlan, PollFailure, RunSpec, WorkerInfo, WorkerReport
-from elastic._run_names import NAMESPACE, RunNames
+from elastic._run_names import NAMESPACE, RunNames, remove_holders
 from elastic.errors import WorkerLostError
 from elastic.policies import Cause
 
@@ -316,7 +317,20 @@ class RayWorkerGroup:
                 pass
         self._mark_dead(slot, reason)
 
+    def node_copies(self) -> list[tuple[str, int, int, int, int]]:
+        if self._names is None:
+            return []
+        try:
+            return kept_copies(self._names)
+        except Exception:   # the GCS unreachable: the run takes the checkpoint
+            log.warning("could not ask the nodes' keepers for their copies", exc_info=True)
+            return []
+
     def shutdown(self, graceful: bool = True) -> None:
+        """The run ended: its workers leave (gracefully: each returns from its shutdown first),
+        then what they left in Ray goes too: the node agents, and the actors holding the run's Ray
+        Datasets and its copies in the nodes' keepers (after the workers, which would find, or
+        make, them again)."""
         live = [s for s in self._slots if s.status in (READY, STARTING)]
         if graceful and live:
             refs = [s.actor.shutdown.remote() for s in live if s.status == READY]
@@ -326,6 +340,8 @@ class RayWorkerGroup:
                 self.kill(slot.wid, "run ended")
         if self._agents is not None:
             self._agents.shutdown()
+        if self._names is not None:
+            remove_holders(self._names.run_id)
 
     def _death_reason(self, slot: Slot, error: str) -> tuple[str, Cause]:
         """Node lost when the worker's node is gone from the cluster, else the actor died

@@ -11,6 +11,8 @@
 - `step_exchange.py`   the step's values gathered across ranks (read at the next step's report);
 - `checkpoint_session.py`  the rules around commits;
 - `fault_gate.py`      the tests' hold at a step (inactive unless the config names it);
+- `ray_data.py`        a ray.data.Dataset as indexable rows for the loader: the run's data-source
+                       actor that materializes it once, and each rank's view of its blocks;
 - `broadcast.py`, `group_sockets.py`, `precision.py`, `wrap.py`, `step_timer.py`,
   `checkpoint_io.py`: the mechanisms those use.
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from elastic._determinism import state_sha256
+from elastic._node_keeper import CopyHandover
 from elastic._protocol import GenerationPlan, RunSpec
 from elastic._worker import checkpoint_io as _checkpoint_io
 from elastic._worker import thread_position as _thread_position
@@ -35,6 +36,9 @@ class StateKeeper:
         self._copy_device = device if spec.scaling.use_gpu else torch.device("cpu")
         self.state: TrainState | None = None     # set when the generation restored (ctx.restore)
         self.compression: Any = None              # the PowerSGD state checkpoints carry (the first compressed model's)
+        handover = self._handover()
+        if handover is not None:
+            handover.prepare()
 
     def save(self, *, wait: bool = False) -> None:
         """Collective: commit a checkpoint of the current step (async unless `wait`)."""
@@ -136,12 +140,35 @@ class StateKeeper:
             self._worker.replicas.refresh(self.state, generation=self._plan.generation, rank=self._plan.rank % size,
                                           world_size=size, step=self._boundary.step, device=self._copy_device,
                                           replica_size=size)
+            self._hand_to_keeper()
             return
         # Unsplit, the ring is the world: no mesh is built for it (its process groups cost a collective).
         group = mesh.dp_group() if mesh.split else None
         self._worker.replicas.refresh(self.state, generation=self._plan.generation, rank=self._plan.rank,
                                       world_size=self._plan.world_size, step=self._boundary.step,
                                       device=self._copy_device, replica_size=mesh.layout.replica_size, group=group)
+        self._hand_to_keeper()
+
+    def _hand_to_keeper(self) -> None:
+        """This rank's own copy to its node's keeper, which outlives the workers
+        (elastic._node_keeper), in the background. Under DDP only the node's first replica
+        hands its copies over: every replica holds the same."""
+        own, handover = self._worker.replicas.own(), self._handover()
+        if own is not None and handover is not None:
+            handover.hand(own.generation, own.world_size, own.rank, own.step, own.state)
+
+    def _handover(self) -> CopyHandover | None:
+        """This worker's handover to its node's keeper, when this rank hands copies over: copies
+        are taken and node_copies is on, in a run (not a benchmark's bare context), and under DDP
+        in the node's first replica (every replica holds the same state)."""
+        worker, spec = self._worker, self._spec
+        if worker.run_names is None or spec.in_memory_every is None or not spec.checkpoint.node_copies:
+            return None
+        if spec.scaling.strategy == "ddp" and self._plan.local_rank >= self._mesh.layout.replica_size:
+            return None
+        if worker.copy_handover is None:
+            worker.copy_handover = CopyHandover(worker.run_names)
+        return worker.copy_handover
 
     def finish(self) -> str | None:
         """After the loop: commit the final state and hash the full models (collective); the

@@ -20,6 +20,10 @@ accounting in step order: it computes the step's ids, calls `begin_step`, takes 
 batch (checked to be that step's), seeds the step's randomness, and yields. Prefetched batches
 of steps that never run (a rescale unwinds the loop) are dropped uncounted: only `begin_step`
 and `report` count.
+
+The dataset is map-style (`check_map_style` refuses iterables, which can be neither sharded nor
+resumed). A ray.data.Dataset reaches the loader as such a dataset: ctx.prepare_data turns it into
+indexable rows first (elastic._worker.ray_data).
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from elastic._determinism import mix_seed
 from elastic._worker.accumulation import rank_positions
+from elastic._worker.ray_data import is_ray_dataset, is_ray_iterator
 from elastic.config import check_dataset_covers_global_batch
 from elastic.errors import ConfigError, ElasticError
 
@@ -257,7 +262,8 @@ def _to_device(data: Any, device: torch.device, non_blocking: bool) -> Any:
     return data
 
 
-def _check_options(options: dict[str, Any]) -> None:
+def check_options(options: dict[str, Any]) -> None:
+    """Refuse a DataLoader option prepare_data does not pass on, or a value it cannot take."""
     for name in options:
         if name in REFUSED_OPTIONS:
             raise ConfigError(f"prepare_data: the DataLoader option {name}= is not accepted: {REFUSED_OPTIONS[name]}")
@@ -286,6 +292,37 @@ def _check_options(options: dict[str, Any]) -> None:
                           f"a number >= 0, got {timeout!r}")
 
 
+_SUPPORTED_SOURCES = ("a map-style dataset (__len__, and __getitem__ by index: a torch Dataset, a list, a tensor), "
+                      "elastic.ParquetTokens (Parquet token shards on storage, read on demand), or a "
+                      "ray.data.Dataset (materialized once per run; see docs/concepts.md, Ray Data)")
+
+
+def check_map_style(dataset: Any) -> None:
+    """Refuse a source the loader cannot address by index: an iterable (a torch IterableDataset, a
+    generator, a Ray DataIterator, anything without __len__ and __getitem__) can be neither sharded
+    by rank nor resumed mid-epoch without reading, and throwing away, what came before. A
+    ray.data.Dataset is converted by ctx.prepare_data, never here."""
+    what = type(dataset).__name__
+    if is_ray_dataset(dataset):
+        why = (f"a ray.data.Dataset ({what}) must go through ctx.prepare_data, which materializes it once per run "
+               f"into indexable rows")
+    elif is_ray_iterator(dataset):
+        why = (f"a Ray DataIterator ({what}) streams its rows once, in an order no rank can address or resume; pass "
+               f"the ray.data.Dataset itself to ctx.prepare_data")
+    elif isinstance(dataset, torch.utils.data.IterableDataset):
+        why = (f"a torch IterableDataset ({what}) yields its samples in an order of its own: the loader can neither "
+               f"give each rank its share nor resume mid-epoch")
+    elif isinstance(dataset, Iterator):
+        why = f"an iterator or generator ({what}) can be read once, in order, and cannot be resumed"
+    elif not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        why = f"{what} has no __len__ and __getitem__ by index"
+    else:
+        return
+    raise ConfigError(f"prepare_data: {why}. The elastic loader reads samples by index, in an order that is a pure "
+                      f"function of (seed, epoch), so that each rank reads its share and a resume neither repeats "
+                      f"nor skips one. Pass {_SUPPORTED_SOURCES}")
+
+
 class ElasticLoader:
     """Iterable of per-rank batches from the current step up to `total_steps`.
 
@@ -299,9 +336,10 @@ class ElasticLoader:
                  **loader_options: Any):
         if batch_size < 1:
             raise ElasticError(f"prepare_data: batch_size must be >= 1, got {batch_size}")
+        check_map_style(dataset)
         if len(dataset) == 0:
             raise ElasticError("prepare_data: the dataset is empty")
-        _check_options(loader_options)
+        check_options(loader_options)
         self._ctx = ctx
         self._dataset = dataset
         self.batch_size = batch_size

@@ -241,6 +241,11 @@ class ReplicaStore:
         return ReplicaHeld(generation=own.generation, world_size=own.world_size, step=own.step,
                            ranks=tuple(c.rank for c in pair))
 
+    def own(self) -> Copy | None:
+        """This rank's own copy (the newest), if any."""
+        pair = self._pair
+        return pair[0] if pair else None
+
     def copy_of(self, generation: int, rank: int) -> dict[str, Any]:
         for kept in self._pair:
             if (kept.generation, kept.rank) == (generation, rank):

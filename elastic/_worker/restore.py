@@ -131,7 +131,7 @@ class Restorer:
         copies only then) the shards of each place in a replica (stage and TP rank) come from the
         old ranks of that place, broadcast within its data-parallel group: every holder sits at
         the place of the copies it holds."""
-        replicas, mesh = self._worker.replicas, self._mesh
+        mesh = self._mesh
         old_ranks, group = range(source.world_size), None
         if mesh.split:
             size = mesh.layout.replica_size
@@ -146,15 +146,24 @@ class Restorer:
         rebuild = Rebuild(state.state_dict())
         for old_rank in old_ranks:
             holder = source.holders[old_rank]
-            payload = replicas.copy_of(source.generation, old_rank) if self._plan.rank == holder else None
+            payload = self._held_copy(source, old_rank, step) if self._plan.rank == holder else None
             rebuild.take(broadcast_state(payload, holder, self._comm_device, group=group))
-        state.load_state_dict(rebuild.result(), source=f"the in-memory copies of generation {source.generation}'s "
+        where = "the nodes' keepers' copies" if source.keepers else "the in-memory copies"
+        state.load_state_dict(rebuild.result(), source=f"{where} of generation {source.generation}'s "
                                                        f"{source.world_size} ranks at step {step}")
         if self._worker.progress.step != step:
             raise StateError(f"the in-memory copies hold step {self._worker.progress.step}, the plan said {step}")
         session = self._worker.checkpoints
         if session.last_saved_step is not None and session.last_saved_step > step:
             session.last_saved_step = None      # that save's steps are redone: save them again
+
+    def _held_copy(self, source: ReplicaSource, old_rank: int, step: int) -> dict[str, Any]:
+        """Old rank `old_rank`'s copy: from this worker's memory, or fetched from the node keeper
+        that holds it (the workers that took the copies were lost: elastic._node_keeper)."""
+        if not source.keepers:
+            return self._worker.replicas.copy_of(source.generation, old_rank)
+        from elastic._node_keeper import fetch_copy
+        return fetch_copy(source.keepers[old_rank], source.generation, source.world_size, old_rank, step)
 
     def _checkpoint(self, state: TrainState, compression: Any) -> None:
         session = self._worker.checkpoints

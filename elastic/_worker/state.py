@@ -6,7 +6,9 @@ A generation's `TrainContext` is discarded at every rescale; what outlives it is
 - `CheckpointSession` (elastic._worker.checkpoint_session): the checkpoint manager and what this rank
   knows of its saves and loads;
 - `ReplicaStore` (elastic._worker.replicas): FSDP's copies of this rank's and its neighbour's state;
-- `Outbox`: step records waiting for the controller's poll, and the event that wakes a held poll.
+- `Outbox`: step records waiting for the controller's poll, and the event that wakes a held poll;
+- the run's Ray names (elastic._run_names), by which the ranks find the actors that hold the run's
+  Ray Datasets (elastic._worker.ray_data).
 """
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from elastic._node_keeper import CopyHandover
 from elastic._protocol import StepRecord
+from elastic._run_names import RunNames
 from elastic._worker.checkpoint_session import CheckpointSession
 from elastic._worker.replicas import ReplicaStore
 from elastic._worker.train_state import Progress
@@ -114,3 +118,7 @@ class WorkerState:
     replicas: ReplicaStore = field(default_factory=ReplicaStore)
     grad_scaler: Any = None                    # fp16: the framework's torch.amp.GradScaler
     spot_verified: int = 0                     # the newest step whose spot check passed (elastic._worker.spot_check)
+    run_names: RunNames | None = None          # the run's (None: a context built outside a run, e.g. a benchmark)
+    # Hands this rank's copies in memory to its node's keeper, which outlives the workers
+    # (elastic._node_keeper); made with the first copy of a run's worker.
+    copy_handover: CopyHandover | None = None

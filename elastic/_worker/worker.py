@@ -204,7 +204,8 @@ class TrainWorker:
         self._lock = threading.Lock()
         self._phase = WorkerPhase.IDLE
         self._plan: GenerationPlan | None = None
-        self._state = WorkerState()
+        from elastic._run_names import RunNames
+        self._state = WorkerState(run_names=RunNames.of_controller(controller))
         self._stop_requested = threading.Event()
         self._preempted = threading.Event()
         self._commit_requested = threading.Event()   # `elastic stop`: the group commits before it leaves

@@ -4,23 +4,40 @@ retains its newest checkpoints, counts consumption in global samples, and has co
 the samples of a fault-free single run, in the same order (its hash computed from the loader's
 order function). Both runs load with two DataLoader worker processes per rank (--loader-workers 2):
 batches fetched ahead of the kill are not counted, and the recovery and the resume read on from the
-step they restore."""
+step they restore.
+
+The same corpus through Ray Data (ray.data.read_parquet passed to ctx.prepare_data): a kill and a
+resume at another world size, each rank recording the ids it trained on; over the steps the runs
+kept, every id was read exactly once, in the loader's order, from one materialization per run."""
 from __future__ import annotations
 
+import glob
 import json
 import os
 import pickle
 import signal
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 import gpt
-from elastic import DatasetError, ParquetTokens, write_token_shards
+from elastic import (
+    CheckpointConfig,
+    DatasetError,
+    ElasticTrainer,
+    FailureConfig,
+    ParquetTokens,
+    ScalingConfig,
+    write_token_shards,
+)
+from elastic._run_names import NAMESPACE
+from elastic._worker.loader import ElasticLoader
 from elastic.local_ray import LocalRay
-from support import SignalAtStep, read_json
+from support import SignalAtStep, read_json, wait_for
 from test_runtime import expected_data_order
 
 pytestmark = [pytest.mark.integration]
@@ -101,3 +118,81 @@ def test_dataset_on_s3_reads_lazily_pickles_and_lists_fresh(s3_env):
     assert len(ParquetTokens(url, 4)) == 15                # a new listing, not a cached one
     with pytest.raises(DatasetError, match=r"s3://.*shard-00000.parquet.*seq_len=8 needs 9"):
         ParquetTokens(url, 8)
+
+
+RAY_ROWS, RAY_SEQ, RAY_BATCH = 400, 4, 4
+
+
+def ray_data_loop(ctx):
+    """A linear model on the Ray Data rows of the corpus at config["corpus"] (row r: tokens all r).
+    Each rank appends, per batch, the ids it trains on and the data source it read them from to a
+    file of its process under config["record"]."""
+    import ray.data
+    cfg = ctx.config
+    model = ctx.prepare_model(torch.nn.Linear(RAY_SEQ + 1, 1))
+    optimizer = ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=1e-2))
+    loader = ctx.prepare_data(ray.data.read_parquet(cfg["corpus"], file_extensions=["parquet"]), batch_size=RAY_BATCH)
+    ctx.restore(model=model, optimizer=optimizer)
+    source = loader._dataset._source._actor_id.hex()        # the run's data source (a test's peek)
+    path = os.path.join(cfg["record"], f"{os.getpid()}.jsonl")
+    for batch in loader:
+        tokens = batch["tokens"]
+        with open(path, "a") as f:
+            f.write(json.dumps({"run": cfg["run"], "generation": ctx.generation, "step": ctx.step,
+                                "rank": ctx.dp_rank, "ids": tokens[:, 0].tolist(), "source": source}) + "\n")
+        loss = model(tokens.float() / RAY_ROWS).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        ctx.report(loss=loss)
+
+
+def ray_data_fit(run_dir: str, config: dict, workers: int, steps: int):
+    return ElasticTrainer(ray_data_loop, train_loop_config=config, total_steps=steps, seed=0,
+                          scaling=ScalingConfig(min_workers=workers, max_workers=workers, startup_wait_s=120),
+                          checkpoint=CheckpointConfig(storage=run_dir, every_n_steps=10),
+                          failure=FailureConfig(max_failures=3, rendezvous_timeout_s=60.0)).fit()
+
+
+def data_sources_alive() -> list[str]:
+    import ray
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a.get("namespace") == NAMESPACE and ".data" in a.get("name", "")]
+
+
+@pytest.mark.timeout(300)
+def test_ray_data_through_a_kill_and_a_resume_reads_each_id_exactly_once(ray_session, run_dir, tmp_path):
+    # 400 rows, more than the runs read (30 steps x 2 x 4, then 10 x 3 x 4: 360): one epoch, so
+    # "exactly once" is literal.
+    corpus, record = str(tmp_path / "corpus"), tmp_path / "record"
+    record.mkdir()
+    write_token_shards(corpus, [np.arange(k * 100, (k + 1) * 100)[:, None].repeat(RAY_SEQ + 1, axis=1)
+                                for k in range(RAY_ROWS // 100)], row_group_size=25)
+    config = {"corpus": corpus, "record": str(record)}
+    fault = SignalAtStep(run_dir, at_step=10, sig=signal.SIGKILL, rank=1)
+    fault.start()
+    first = ray_data_fit(run_dir, config | {"run": "first"} | fault.hold_config(), workers=2, steps=30)
+    fault.join(timeout=5)
+    assert fault.fired() and first.ok, first.error_traceback
+    assert [r["cause"] for r in first.summary["recoveries"]] == ["worker_died"]
+    second = ray_data_fit(run_dir, config | {"run": "second"}, workers=3, steps=40)
+    assert second.ok and second.summary["resumed_from"] == 30 and second.final_step == 40, second.error_traceback
+    # Removed when each run ended: no data source outlives its run.
+    wait_for(lambda: not data_sources_alive(), 30, "the runs' data sources to be removed")
+
+    records = [json.loads(line) for name in glob.glob(str(record / "*.jsonl")) for line in open(name)]
+    # One materialization per run, shared by every rank, generation and replacement.
+    sources = {run: {r["source"] for r in records if r["run"] == run} for run in ("first", "second")}
+    assert all(len(found) == 1 for found in sources.values()) and sources["first"] != sources["second"]
+    assert {r["generation"] for r in records if r["run"] == "first"} != {0}    # a recovery happened in between
+    # A step attempted again after a failure is kept in its last attempt: the newest run and generation.
+    kept = {}
+    for r in sorted(records, key=lambda r: (r["run"] == "second", r["generation"])):
+        kept[(r["step"], r["rank"])] = r["ids"]
+    ids = [i for step in range(40) for rank in range(2 if step < 30 else 3) for i in kept[(step, rank)]]
+    assert len(ids) == 360 and len(set(ids)) == 360            # every id exactly once over the kept steps
+    # ... in the loader's order over the rows, which Ray Data materialized in the corpus's order.
+    order = ElasticLoader(SimpleNamespace(seed=0, dp_size=1, total_steps=1), range(RAY_ROWS), batch_size=1)
+    assert ids == order._dataset_indices(0, 360)
+    assert second.summary["samples_consumed"] == 360
+    assert second.summary["data_order_sha256"] == expected_data_order(360, n_samples=RAY_ROWS)

@@ -16,6 +16,13 @@ from elastic._protocol import GenerationPlan, StepRecord, WorkerInfo, WorkerPhas
 from elastic.policies import Cause
 
 
+class NoNodeCopies:
+    """A worker group whose nodes' keepers hold nothing: for a GenerationFormer on its own."""
+
+    def node_copies(self) -> list[tuple[str, int, int, int, int]]:
+        return []
+
+
 class FakeGroup:
     """Workers become ready at once, up to `capacity` live ones. Tests script their reports."""
 
@@ -32,6 +39,7 @@ class FakeGroup:
         self.avoided: tuple[str, ...] = ()      # avoid_nodes' last
         self.shut_down = False
         self.waits: list[float] = []            # wait()'s timeouts, per call
+        self.kept: list[tuple[str, int, int, int, int]] = []   # the nodes' keepers' copies (node_copies)
         self._next = 0
 
     def live(self) -> list[int]:
@@ -88,6 +96,9 @@ class FakeGroup:
     def bury(self, wid: int, reason: str) -> None:
         self.views[wid] = WorkerView(wid=wid, status=DEAD, death=reason, death_cause=Cause.WORKER_DIED)
         self._next = max(self._next, wid + 1)
+
+    def node_copies(self) -> list[tuple[str, int, int, int, int]]:
+        return list(self.kept)
 
     # ---- scripting --------------------------------------------------------------------
     def set_report(self, wid: int, phase: WorkerPhase, *, generation: int, rank: int = 0, step: int = 0,

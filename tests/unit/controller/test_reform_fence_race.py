@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from fakes import FakeCheckpoints
+from fakes import FakeCheckpoints, NoNodeCopies
 
 from checkpointing import CheckpointError, CheckpointManager
 from elastic._controller.actor import CheckpointView
@@ -33,7 +33,7 @@ _STORAGE_CALLS = ("read_bytes", "open_read", "exists", "size", "listdir", "find"
 
 def _former(view: Any, generation: int) -> GenerationFormer:
     """A former over `view`, its storage calls made at once (reform_plan's whole use of storage)."""
-    former = GenerationFormer(None, view, lambda what, fn: (True, fn()),  # type: ignore[arg-type]
+    former = GenerationFormer(NoNodeCopies(), view, lambda what, fn: (True, fn()),  # type: ignore[arg-type]
                               failure=FailureConfig(), clock=lambda: 0.0)
     former.generation = generation
     return former

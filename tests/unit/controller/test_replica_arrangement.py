@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from fakes import NoNodeCopies
 
 from elastic._controller.forming import GenerationFormer
 from elastic._controller.replica_arrangement import arrange, warm_sources, whole_replicas
@@ -61,7 +62,7 @@ def test_survivors_holding_the_wrong_shard_are_moved_to_it_or_named_as_the_reaso
     assert [members[0], members[2]] == [7, 8]               # each at TP rank 0
     reason = warm_sources(members, settled, 2)
     assert isinstance(reason, str) and "position(s) [1] of a unit" in reason
-    former = GenerationFormer(None, _NoCheckpoints(), lambda what, fn: (True, fn()),  # type: ignore[arg-type]
+    former = GenerationFormer(NoNodeCopies(), _NoCheckpoints(), lambda what, fn: (True, fn()),  # type: ignore[arg-type]
                               failure=FailureConfig(), clock=time.monotonic, unit=2)
     ok, plan = former.reform_plan(members, settled)
     assert ok and plan is not None and plan.kind == RestoreKind.FRESH and "position(s) [1] of a unit" in plan.reason

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from fakes import NoNodeCopies
 
 from elastic._controller.forming import GenerationFormer
 from elastic._controller.running import reported_fault
@@ -46,8 +47,8 @@ class _Checkpoints:
 
 
 def _former(latest: int | None) -> GenerationFormer:
-    return GenerationFormer(None, _Checkpoints(latest), lambda what, call: (True, call()),  # type: ignore[arg-type]
-                            failure=FailureConfig(), clock=time.monotonic)
+    return GenerationFormer(NoNodeCopies(), _Checkpoints(latest),  # type: ignore[arg-type]
+                            lambda what, call: (True, call()), failure=FailureConfig(), clock=time.monotonic)
 
 
 def _survivor(step: int, copy_step: int) -> WorkerReport:
