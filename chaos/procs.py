@@ -13,6 +13,9 @@ import signal
 from dataclasses import dataclass
 
 WORKER_TITLE = "ray::"
+# The runtime's node keepers (elastic/_node_keeper.py: the actor class NodeKeeper), by the title
+# Ray gives an actor's process; named here, since chaos/ does not import the runtime.
+KEEPER_TITLE = "ray::NodeKeeper"
 
 
 def _stat_fields(pid: int) -> list[str] | None:
@@ -68,6 +71,34 @@ class Proc:
             return True
         except ProcessLookupError:
             return False
+
+
+def parent(pid: int) -> int | None:
+    fields = _stat_fields(pid)
+    return int(fields[1]) if fields else None     # field 4 of stat: the parent's pid
+
+
+def siblings_titled(procs: list[Proc], title: str) -> list[Proc]:
+    """Processes whose command line starts with `title` and whose parent is that of one of
+    `procs` (the raylet that started them: the same Ray, on the same node), themselves excluded."""
+    parents = {parent(p.pid) for p in procs} - {None}
+    mine = {p.pid for p in procs}
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in mine:
+            continue
+        pid = int(entry)
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if not f.read().startswith(title.encode()):
+                    continue
+        except OSError:
+            continue
+        if parent(pid) in parents:
+            started = start_time(pid)
+            if started is not None:
+                found.append(Proc(pid, started))
+    return found
 
 
 def resume_and_kill(procs: list[Proc]) -> list[int]:

@@ -41,6 +41,17 @@ GENERATIONS_KEPT = 2        # a new generation's copies replace the older ones o
 HANDOVER_TIMEOUT_S = 120.0
 
 
+def _lower_priority(*, thread_only: bool) -> None:
+    """The handover is background work: its pickling (in the worker's thread) and unpickling (in
+    the keeper's process) yield the CPU to training (nice 19; on Linux a thread has a nice of its
+    own). On 2 shared cores, unniced, it slowed the handing rank enough to hide a straggler."""
+    import os
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id() if thread_only else 0, 19)
+    except (AttributeError, OSError):     # not Linux, or not allowed: the work still gets done
+        pass
+
+
 class NodeKeeper:
     """The actor: copies by (generation, world size, rank), the newest step of each."""
 
@@ -49,6 +60,7 @@ class NodeKeeper:
         good (elastic._run_names.end_when_orphaned)."""
         self._copies: dict[tuple[int, int, int], tuple[int, Any]] = {}
         self._lock = threading.Lock()       # a threaded actor: held() answers while a copy arrives
+        _lower_priority(thread_only=False)
         if controller is not None:
             threading.Thread(target=end_when_orphaned, args=(controller, "node keeper"), name="orphan-watch",
                              daemon=True).start()
@@ -125,6 +137,7 @@ class CopyHandover:
         self._ready.notify_all()
 
     def _loop(self) -> None:
+        _lower_priority(thread_only=True)
         while True:
             with self._ready:
                 self._ready.wait_for(lambda: self._pending is not None or self._find)

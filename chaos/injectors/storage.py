@@ -9,7 +9,7 @@ import time
 from chaos.faults import CorruptCheckpoint, CrashBeforeCommit, Fault, StorageStall
 from chaos.injectors import Active, Injector, Skip, Unsupported
 from chaos.injectors.process import _detail
-from chaos.procs import Proc
+from chaos.procs import KEEPER_TITLE, Proc, siblings_titled
 
 _POLL_S = 0.005   # polling interval of the local-storage watch for a half-written checkpoint
 
@@ -132,8 +132,10 @@ class CrashBeforeCommitInjector(Injector):
 
 class CorruptCheckpointInjector(Injector):
     """Flip bytes in one shard of the newest committed checkpoint. With `force_load`, freeze
-    every worker first (no commit can land while we pick the newest), then kill them all, so
-    the restore must come from storage and meet the corrupt checkpoint first."""
+    every worker first (no commit can land while we pick the newest), then kill them all, and
+    the run's node keepers with them (they hold copies of the state outside the workers: the
+    `kill_all_workers` fault is the one they answer), so the restore must come from storage and
+    meet the corrupt checkpoint first."""
 
     kind = "corrupt_checkpoint"
 
@@ -148,6 +150,9 @@ class CorruptCheckpointInjector(Injector):
                            "no older one to fall back to")
             time.sleep(0.2)   # polling interval of the condition
         procs = self.procs(self.targets("all", rng)) if fault.force_load else []
+        # The keepers are Ray actors of the workers' own raylets: their siblings, by process title.
+        keepers = siblings_titled(procs, KEEPER_TITLE) if procs else []
+        procs += keepers
         for p in procs:
             p.signal(signal.SIGSTOP)
         killed = False
@@ -168,7 +173,8 @@ class CorruptCheckpointInjector(Injector):
                 for p in procs:
                     p.signal(signal.SIGCONT)
         return Active(fault, {"step": corrupted[-1]["step"], "corrupted": corrupted, "intact_older": intact_older,
-                              "pids": [p.pid for p in procs], "killed_all": killed})
+                              "pids": [p.pid for p in procs], "keepers": [p.pid for p in keepers],
+                              "killed_all": killed})
 
     def _corrupt(self, info) -> dict:
         shards = sorted((f for f in info.files if not f.endswith(".metadata")),

@@ -19,10 +19,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGES = ("elastic", "checkpointing", "chaos")
-EXTRAS = {"plot", "chaos", "tensorboard", "bench", "progress", "test"}
+EXTRAS = {"plot", "chaos", "tensorboard", "bench", "progress", "data", "mlflow", "wandb", "hf", "test"}
 # Only some users need these; none may be a requirement of the base install.
 NOT_IN_BASE = {"moto", "matplotlib", "pytest", "pytest-timeout", "pytest-xdist", "tensorboard", "ruff", "mypy",
-               "rich", "jsonschema"}
+               "rich", "jsonschema", "mlflow-skinny", "wandb", "transformers", "safetensors"}
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,11 @@ def test_each_extra_brings_what_it_is_for(wheel):
     assert {"pytest", "ruff", "mypy"} <= names("test")
     # The suite exercises every other extra (a self-reference that pip resolves).
     assert names("progress") == {"rich"}
-    assert "elastic-train[bench,chaos,plot,progress,tensorboard]" in names("test") and "jsonschema" in names("test")
+    assert "ray[data]" in names("data")
+    assert names("mlflow") == {"mlflow-skinny"} and names("wandb") == {"wandb"}
+    assert names("hf") == {"transformers", "safetensors"}
+    assert "elastic-train[bench,chaos,data,hf,mlflow,plot,progress,tensorboard,wandb]" in names("test")
+    assert "jsonschema" in names("test")
 
 
 def test_the_base_install_needs_no_optional_dependency(wheel):

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import struct
+import time
+import traceback
 from types import SimpleNamespace
 
 import pytest
@@ -108,9 +111,23 @@ def rolled_back_run(feed: RunFeed, *, storage: str, start: int = 1, resumed_from
 
 
 def deliver(callbacks, feed: RunFeed, status: str = "finished") -> None:
-    runner = CallbackRunner(callbacks)
-    runner.drain(feed.after)
-    runner.end(SimpleNamespace(status=status, ok=status in ("finished", "stopped")))
+    """Through the driver's runner, which logs a raising callback and goes on: a test fails with it."""
+    errors = []
+
+    class Raised(logging.Handler):
+        def emit(self, record):
+            if record.exc_info:
+                errors.append("".join(traceback.format_exception(*record.exc_info)))
+
+    handler = Raised()
+    logging.getLogger("elastic.callbacks").addHandler(handler)
+    try:
+        runner = CallbackRunner(callbacks)
+        runner.drain(feed.after)
+        runner.end(SimpleNamespace(status=status, ok=status in ("finished", "stopped")))
+    finally:
+        logging.getLogger("elastic.callbacks").removeHandler(handler)
+    assert not errors, errors[0]
 
 
 def test_kept_steps_only_callbacks_get_each_kept_step_once_with_the_redone_values(tmp_path):
@@ -176,12 +193,24 @@ def test_mlflow_holds_each_step_once_and_a_resume_goes_on_with_the_same_run(tmp_
     assert run.info.status == "FINISHED" and run.data.tags["elastic.run_id"] == "r2"
 
 
-def wandb_history(run_dir: str) -> list[dict]:
-    """The history rows of an offline W&B run, read from its .wandb file: W&B's record log is
-    LevelDB's log format (32 KiB blocks of records with a 7-byte header each) after a 7-byte
-    file header, holding protobuf Records; wandb 0.2x dropped its Python reader."""
-    from wandb.proto import wandb_internal_pb2
+def wandb_history(run_dir: str, timeout_s: float = 60.0) -> list[dict]:
+    """The history rows of an offline W&B run, read from its .wandb file once its exit record is
+    there (wandb's own service process writes the file; under load it can still be flushing
+    when finish() returns). W&B's record log is LevelDB's log format (32 KiB blocks of records
+    with a 7-byte header each) after a 7-byte file header, holding protobuf Records; wandb 0.2x
+    dropped its Python reader."""
     (path,) = glob.glob(f"{run_dir}/wandb/offline-run-*/run-*.wandb")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        kinds, rows = _wandb_records(path)
+        if "exit" in kinds:
+            return rows
+        assert time.monotonic() < deadline, f"no exit record in {path} after {timeout_s} s: {kinds}"
+        time.sleep(0.1)     # the poll of a file another process writes
+
+
+def _wandb_records(path: str) -> tuple[list[str], list[dict]]:
+    from wandb.proto import wandb_internal_pb2
     data = open(path, "rb").read()
     assert data[:4] == b":W&B"
     records, chunk, offset, block = [], b"", 7, 32768
@@ -190,19 +219,22 @@ def wandb_history(run_dir: str) -> list[dict]:
             offset += block - offset % block      # a block's tail too short for a header: padding
             continue
         _, length, kind = struct.unpack("<IHB", data[offset:offset + 7])
+        if offset + 7 + length > len(data):
+            break                                  # a record still being written
         chunk += data[offset + 7:offset + 7 + length]
         offset += 7 + length
         if kind in (1, 4):                         # FULL, LAST
             records.append(chunk)
             chunk = b""
-    rows = []
+    kinds, rows = [], []
     for raw in records:
         record = wandb_internal_pb2.Record()
         record.ParseFromString(raw)
-        if record.WhichOneof("record_type") == "history":
+        kinds.append(record.WhichOneof("record_type"))
+        if kinds[-1] == "history":
             rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                          for item in record.history.item})
-    return rows
+    return kinds, rows
 
 
 def test_wandb_offline_holds_each_step_once(tmp_path, monkeypatch):
