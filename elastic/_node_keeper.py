@@ -105,7 +105,6 @@ class CopyHandover:
         self._ready = threading.Condition()
         self._pending: tuple[Any, ...] | None = None     # (generation, world size, rank, step, state)
         self._find = False                                # find or make the keeper (prepare)
-        self._sending = False
         self._thread: threading.Thread | None = None
         self._keeper: Any = None
         self._failing = False
@@ -124,12 +123,6 @@ class CopyHandover:
             self._pending = (generation, world_size, rank, step, state)
             self._wake()
 
-    def wait(self, timeout_s: float) -> bool:
-        """Until nothing is waiting or on its way (tests); whether so."""
-        with self._ready:
-            return self._ready.wait_for(lambda: self._pending is None and not self._find and not self._sending,
-                                        timeout_s)
-
     def _wake(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="copy-handover", daemon=True)
@@ -141,13 +134,8 @@ class CopyHandover:
         while True:
             with self._ready:
                 self._ready.wait_for(lambda: self._pending is not None or self._find)
-                copy, self._pending, self._find, self._sending = self._pending, None, False, True
-            try:
-                self._send(copy)
-            finally:
-                with self._ready:
-                    self._sending = False
-                    self._ready.notify_all()
+                copy, self._pending, self._find = self._pending, None, False
+            self._send(copy)
 
     def _send(self, copy: tuple[Any, ...] | None) -> None:
         import ray

@@ -58,12 +58,6 @@ def _total(groups: list[_MeshGroup], norm_type: float, pp_group: dist.ProcessGro
     return total if math.isinf(norm_type) else total ** (1.0 / norm_type)
 
 
-def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0,
-                    pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """The norm of all gradients of `parameters` together, as one plain CPU tensor, equal on every rank."""
-    return _total(_by_mesh(parameters), norm_type, pp_group)
-
-
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
                     pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Scale the gradients of `parameters` so that their global norm is at most `max_norm`;
