@@ -56,7 +56,7 @@ def touch(state: dict) -> None:
         t.add_(1e-3)
 
 
-def c1_stall(url: str, state: dict, reps: int) -> dict:
+def c1_stall(url: str, state: dict, reps: int, *, write_process: bool = False) -> dict:
     sync = CheckpointManager(url + "/sync", async_save=False, keep=1)
     sync_s = []
     for i in range(reps):
@@ -67,7 +67,7 @@ def c1_stall(url: str, state: dict, reps: int) -> dict:
         assert sync.wait() is not None, sync.last_error
     sync.close()
 
-    amgr = CheckpointManager(url + "/async", async_save=True, keep=1)
+    amgr = CheckpointManager(url + "/async", async_save=True, keep=1, write_process=write_process)
     stalls, first = [], None
     for i in range(reps + 1):
         touch(state)

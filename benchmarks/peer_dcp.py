@@ -5,11 +5,16 @@ through s3fs; moto's server on loopback unless --use-env), single rank, a state 
 
 - blocking time: DCP sync save, our sync save (DCP + manifest + checksums + commit), and our async
   save's stall (staging to host memory); ratios against DCP sync.
+- DCP's own asynchronous save from a separate process (`dcp.async_save` with
+  `AsyncCheckpointerType.PROCESS`, its default stager; issue 35): its stall (until `async_save`
+  returns), and its first save's (which starts the process) apart.
 - training slowdown: a training loop in the same process (the runs' GPT, --model-size, one
   thread) with one save of the state at its start; slowdown = loop wall time - the same loop
-  without a save. Ours async keeps uploading while the loop runs (if the upload outlasts the
-  loop, the rest of the wait is counted). Ratio ours-async / DCP-sync. With the S3 endpoint on
-  this machine (moto), the endpoint's own CPU competes with the loop: it is reported.
+  without a save. The async saves keep uploading while the loop runs (if the upload outlasts the
+  loop, the rest of the wait is counted). Ours twice: the files written by the save's background
+  thread, and by a child process (`CheckpointManager(write_process=True)`). Ratios against
+  DCP-sync and DCP-process. With the S3 endpoint on this machine (moto), the endpoint's own CPU competes with
+  the loop: it is reported.
 
     python benchmarks/peer_dcp.py --mb 256 --reps 3 [--plot c1.png]
 
@@ -29,9 +34,11 @@ import uuid
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 import _peer_common as pc
 import checkpoint as ours_bench  # benchmarks/checkpoint.py: moto server, state, C1
@@ -50,6 +57,14 @@ def dcp_save(url: str, state: dict, endpoint: str | None) -> float:
     t0 = time.perf_counter()
     dcp.save(state, storage_writer=dcp_writer(url, endpoint), no_dist=True)
     return time.perf_counter() - t0
+
+
+def dcp_process_save(url: str, state: dict, endpoint: str | None):
+    """DCP's async save from its checkpoint process: (stall, the future of the upload)."""
+    t0 = time.perf_counter()
+    future = dcp.async_save(state, storage_writer=dcp_writer(url, endpoint),
+                            async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+    return time.perf_counter() - t0, future
 
 
 def _drop(url: str) -> None:
@@ -89,14 +104,19 @@ def _endpoint_cpu() -> float:
 
 
 def slowdown(url: str, state: dict, loop: Loop, n: int, reps: int, endpoint: str | None) -> dict:
-    """Per rep: the loop alone, then DCP sync save + loop, then our async save + loop."""
-    walls: dict[str, list[float]] = {"base": [], "dcp": [], "ours": []}
-    steps: dict[str, list[float]] = {"base": [], "dcp": [], "ours": []}
-    endpoint_cpu: dict[str, list[float]] = {"dcp": [], "ours": []}
+    """Per rep: the loop alone, then DCP sync save + loop, then DCP's process-based async save
+    + loop, then our async save + loop."""
+    arms = ("base", "dcp", "dcp_process", "ours", "ours_process")
+    walls: dict[str, list[float]] = {k: [] for k in arms}
+    steps: dict[str, list[float]] = {k: [] for k in arms}
+    endpoint_cpu: dict[str, list[float]] = {k: [] for k in arms[1:]}
     waits, uploads = [], []
     mgr = CheckpointManager(url + "/slow_ours", async_save=True, keep=1)
-    mgr.save(0, state, generation=0)   # allocate the staging buffers outside the timed region
-    mgr.wait()
+    # Ours with the files written by a child process (CheckpointManager(write_process=True)).
+    mgr_process = CheckpointManager(url + "/slow_ours_process", async_save=True, keep=1, write_process=True)
+    for m in (mgr, mgr_process):
+        m.save(0, state, generation=0)   # staging buffers (and the writer process) outside the timed region
+        m.wait()
     for i in range(reps):
         ours_bench.touch(state)
         t0 = time.perf_counter()
@@ -110,6 +130,14 @@ def slowdown(url: str, state: dict, loop: Loop, n: int, reps: int, endpoint: str
         endpoint_cpu["dcp"].append(_endpoint_cpu() - c0)
         _drop(f"{url}/slow_dcp/{i}")
 
+        c0, t0 = _endpoint_cpu(), time.perf_counter()
+        _, future = dcp_process_save(f"{url}/slow_dcp_process/{i}", state, endpoint)
+        steps["dcp_process"] += loop.run(n)
+        future.result()   # an upload outlasting the loop is counted
+        walls["dcp_process"].append(time.perf_counter() - t0)
+        endpoint_cpu["dcp_process"].append(_endpoint_cpu() - c0)
+        _drop(f"{url}/slow_dcp_process/{i}")
+
         c0, t0, wall0 = _endpoint_cpu(), time.perf_counter(), time.time()
         mgr.save(i + 1, state, generation=0)
         steps["ours"] += loop.run(n)
@@ -120,12 +148,25 @@ def slowdown(url: str, state: dict, loop: Loop, n: int, reps: int, endpoint: str
         uploads.append(info.committed_at - wall0)   # save() to COMMITTED, while the loop ran
         endpoint_cpu["ours"].append(_endpoint_cpu() - c0)
         waits.append(round(time.perf_counter() - t_loop, 3))
+
+        c0, t0 = _endpoint_cpu(), time.perf_counter()
+        mgr_process.save(i + 1, state, generation=0)
+        steps["ours_process"] += loop.run(n)
+        assert mgr_process.wait() is not None, mgr_process.last_error
+        walls["ours_process"].append(time.perf_counter() - t0)
+        endpoint_cpu["ours_process"].append(_endpoint_cpu() - c0)
     mgr.close()
+    mgr_process.close()
     base = statistics.median(walls["base"])
     d, o = statistics.median(walls["dcp"]) - base, statistics.median(walls["ours"]) - base
+    p = statistics.median(walls["dcp_process"]) - base
+    op = statistics.median(walls["ours_process"]) - base
     out = {"loop_steps": n, "loop_s": round(base, 3), "step_s_median": round(statistics.median(steps["base"]), 4),
-           "dcp_sync_slowdown_s": round(d, 3), "ours_async_slowdown_s": round(o, 3),
+           "dcp_sync_slowdown_s": round(d, 3), "dcp_process_slowdown_s": round(p, 3),
+           "ours_async_slowdown_s": round(o, 3), "ours_write_process_slowdown_s": round(op, 3),
+           "ratio_ours_write_process_vs_dcp_process": round(op / p, 3) if p > 0 else None,
            "ratio_ours_async_vs_dcp_sync": round(o / d, 3) if d > 0 else None,
+           "ratio_ours_async_vs_dcp_process": round(o / p, 3) if p > 0 else None,
            "upload_wait_after_loop_s": waits,
            # How long our async save took from save() to COMMITTED while the loop ran beside it.
            "ours_async_commit_s_median": round(statistics.median(uploads), 3),
@@ -143,12 +184,29 @@ def measure(url: str, state: dict, args: argparse.Namespace, endpoint: str | Non
         ours_bench.touch(state)
         dcp_s.append(dcp_save(f"{url}/dcp/{i}", state, endpoint))
         _drop(f"{url}/dcp/{i}")
+    # DCP's checkpoint process starts at its first save: that stall is reported apart.
+    first_process_s, future = dcp_process_save(f"{url}/dcp_process/first", state, endpoint)
+    future.result()
+    _drop(f"{url}/dcp_process/first")
+    process_s = []
+    for i in range(args.reps):
+        ours_bench.touch(state)
+        stall, future = dcp_process_save(f"{url}/dcp_process/{i}", state, endpoint)
+        future.result()
+        process_s.append(stall)
+        _drop(f"{url}/dcp_process/{i}")
     ours = ours_bench.c1_stall(url, state, args.reps)
-    d = statistics.median(dcp_s)
+    ours_process = ours_bench.c1_stall(url + "/write_process", state, args.reps, write_process=True)
+    d, p = statistics.median(dcp_s), statistics.median(process_s)
     out = {"dcp_sync_save_s": round(d, 4), "dcp_sync_per_rep": [round(x, 3) for x in dcp_s],
            "ours_sync_save_s": ours["sync_save_s"], "ours_async_stall_s": ours["async_stall_s"],
            "ours_async_first_stall_s": ours["async_first_stall_s"],
            "C1_stall_vs_dcp_sync": round(ours["async_stall_s"] / d, 4),
+           "dcp_process_stall_s": round(p, 4), "dcp_process_per_rep": [round(x, 3) for x in process_s],
+           "dcp_process_first_stall_s": round(first_process_s, 3),
+           "ours_async_stall_vs_dcp_process_stall": round(ours["async_stall_s"] / p, 3),
+           "ours_write_process_stall_s": ours_process["async_stall_s"],
+           "ours_write_process_stall_vs_dcp_process_stall": round(ours_process["async_stall_s"] / p, 3),
            "ours_sync_vs_dcp_sync": round(ours["sync_save_s"] / d, 3),
            "dcp_sync_MBps": round(args.mb * (1 << 20) / d / 1e6, 1)}
     loop = Loop(args.model_size, args.batch_size)
@@ -161,11 +219,13 @@ def plot(fig, result: dict) -> None:
     import numpy as np
     ax = fig.add_subplot(1, 1, 1)
     stores = [s for s in ("local", "s3") if s in result]
-    labels = ["DCP sync save", "ours sync save", "ours async stall", "slowdown DCP sync", "slowdown ours async"]
+    labels = ["DCP sync save", "ours sync save", "DCP process stall", "ours async stall", "slowdown DCP sync",
+              "slowdown DCP process", "slowdown ours async"]
     for j, s in enumerate(stores):
         r = result[s]
-        vals = [r["dcp_sync_save_s"], r["ours_sync_save_s"], r["ours_async_stall_s"],
-                r["training_slowdown"]["dcp_sync_slowdown_s"], r["training_slowdown"]["ours_async_slowdown_s"]]
+        slow = r["training_slowdown"]
+        vals = [r["dcp_sync_save_s"], r["ours_sync_save_s"], r["dcp_process_stall_s"], r["ours_async_stall_s"],
+                slow["dcp_sync_slowdown_s"], slow["dcp_process_slowdown_s"], slow["ours_async_slowdown_s"]]
         x = np.arange(len(labels)) + j * 0.4
         bars = ax.bar(x, vals, width=0.38, label=s)
         ax.bar_label(bars, fmt="%.3f", fontsize=7)
@@ -189,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="also write the JSON line to this file")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    # DCP's process-based save needs a process group (with a CPU backend): one rank of gloo.
+    store = dist.FileStore(tempfile.mktemp(prefix="c1dcp-store-"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     state = ours_bench.make_state(args.mb)
     out = {"benchmark": "C1-vs-DCP", "state_mb": args.mb, "reps": args.reps, "loop_model": args.model_size,
            "torch_threads": 1, **pc.machine()}

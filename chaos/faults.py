@@ -275,11 +275,16 @@ class CrashBeforeCommit(Fault):
 @dataclass(frozen=True, kw_only=True)
 class CorruptCheckpoint(Fault):
     """Bytes flipped in a shard of the newest committed checkpoint (once an older one exists).
-    With `force_load`, every worker is then killed, so the next restore must read storage and
-    meet the rotted checkpoint first: it must fall back to an older one."""
+    With `force_load`, every worker is then killed. With `kill_keepers` too, the run's node
+    keepers die with them, so the next restore must read storage and meet the rotted checkpoint
+    first: it must fall back to an older one (the storage campaigns' point). Without, the keepers
+    answer the kill-all from memory, as they answer `kill_all_workers`: no checkpoint is read, and
+    the rotted one is found by the final verification (the `mixed` campaign's choice: a job-wide
+    crash beside a rotted commit costs what a kill costs)."""
 
     kind: ClassVar[str] = "corrupt_checkpoint"
     force_load: bool = True
+    kill_keepers: bool = True
     within_s: float = 60.0           # wait this long for two committed checkpoints to exist
 
     def __post_init__(self) -> None:

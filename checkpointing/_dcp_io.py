@@ -37,14 +37,17 @@ from contextlib import contextmanager
 from typing import Any
 
 from torch.distributed.checkpoint.filesystem import (
+    DEFAULT_SUFFIX,
     FileSystemBase,
     FileSystemReader,
     FileSystemWriter,
+    _split_by_size_and_type,
 )
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from checkpointing._write_process import WriteProcess, resolve
 from checkpointing.errors import CorruptCheckpointError
 from checkpointing.manifest import HashingWriter
 from checkpointing.storage import Storage
@@ -142,11 +145,14 @@ class StorageWriter(FileSystemWriter):
     """DCP writer into `<storage path>`; `written` has size + sha256 of this rank's files."""
 
     def __init__(self, storage: Storage, path: str, *, thread_count: int = 1,
-                 cancel: threading.Event | None = None) -> None:
+                 cancel: threading.Event | None = None, process: WriteProcess | None = None) -> None:
+        """`process`: write this rank's files from that child process (checkpointing._write_process)
+        instead of this one; DCP's planning stays here."""
         # sync_files=False: DCP's fallback is a global os.sync(); _StorageFS fsyncs local files.
         super().__init__(path, single_file_per_rank=True, sync_files=False,
                          thread_count=thread_count, overwrite=True)
         self._storage_fs = _StorageFS(storage, path, cancel=cancel)
+        self._storage, self._cancel, self._process = storage, cancel, process
         # DCP takes any FileSystemBase here (torch's FsspecWriter does the same); the base class
         # annotates `fs` with its local FileSystem.
         self.fs = self._storage_fs  # type: ignore[assignment]
@@ -169,7 +175,22 @@ class StorageWriter(FileSystemWriter):
             done: Future[list[WriteResult]] = Future()
             done.set_result([])
             return done
-        return super().write_data(plan, planner)
+        if self._process is None:
+            return super().write_data(plan, planner)
+        # The files as DCP's own writer names and fills them (one per bucket), written by the child.
+        files = []
+        for number, bucket in enumerate(_split_by_size_and_type(self.thread_count, plan.items)):
+            name = f"{plan.storage_data.prefix}{number}{DEFAULT_SUFFIX}"
+            files.append((self.fs.concat_path(self.path, name), name, bucket))
+        storage = self._storage
+        results, written = self._process.write(storage.url, storage.storage_options, os.fspath(self.path), files,
+                                               resolve(planner, plan.items), self.transforms,
+                                               self.serialization_format, self._cancel)
+        with self._storage_fs._lock:
+            self._storage_fs.written.update(written)
+        done = Future()
+        done.set_result(results)
+        return done
 
 
 class StorageReader(FileSystemReader):

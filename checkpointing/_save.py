@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.planner import SavePlanner
 from checkpointing import manifest as mf
 from checkpointing._dcp_io import StorageWriter, unaddressable_dtensors
 from checkpointing._groups import GroupView
+from checkpointing._write_process import WriteProcess
 from checkpointing.errors import CheckpointError, FencedError, SaveCancelledError, StorageError
 from checkpointing.masking import mask_text
 from checkpointing.storage import PreconditionFailed, Storage
@@ -57,6 +58,7 @@ class SaveJob:
     after_commit: Callable[[mf.CommitInfo], None] | None = None
     meta: dict | None = None  # strict JSON stored in the manifest
     cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
+    process: WriteProcess | None = None  # writes this rank's files from a child (checkpointing._write_process)
 
 
 def _caching_planner(job: SaveJob) -> DefaultSavePlanner:
@@ -175,7 +177,7 @@ def run_save(job: SaveJob) -> mf.CommitInfo:
         raise _fenced(storage, job, verdict[1])
 
     path = f"{mf.step_path(storage, job.step)}/{mf.data_dir_name(job.generation)}"
-    writer = StorageWriter(storage, path, cancel=job.cancel)
+    writer = StorageWriter(storage, path, cancel=job.cancel, process=job.process)
     try:
         dcp.save(job.state, storage_writer=writer, planner=_caching_planner(job), process_group=group.pg,
                  no_dist=group.pg is None)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from checkpointing import manifest as mf
 from checkpointing import retention
 from checkpointing._groups import SideGroup
+from checkpointing._write_process import WriteProcess
 from checkpointing.errors import CheckpointError, FencedError, SaveFailureLimitError
 from checkpointing.masking import mask_text
 from checkpointing.storage import Storage
@@ -40,11 +41,17 @@ class CheckpointManager:
     def __init__(self, url: str, *, keep: int | None = 3, storage_options: dict | None = None,
                  async_save: bool = True, max_consecutive_failures: int = 3,
                  collective_timeout_s: float = 600.0,
-                 peer_failure: Callable[[BaseException], bool] | None = None) -> None:
+                 peer_failure: Callable[[BaseException], bool] | None = None,
+                 write_process: bool = False) -> None:
         """`peer_failure(error)`: whether a failed save broke because its process group did (a
         peer died, hung or was cut off); such a save does not count against
         `max_consecutive_failures`. Default: torch's DistError or a RuntimeError naming the
-        backend (gloo, nccl, c10d). A runtime with a finer classifier passes its own."""
+        backend (gloo, nccl, c10d). A runtime with a finer classifier passes its own.
+
+        `write_process`: an async save's files are serialised, hashed and uploaded by a child
+        process of this one (checkpointing._write_process), not by its background thread, so
+        that work does not hold the training process's GIL. Not for memory:// (a process's own
+        memory) nor synchronous saves (they write the caller's live tensors)."""
         if keep is not None and keep < 1:
             raise ValueError(f"CheckpointManager(keep={keep}): keep must be >= 1, or None to keep all")
         if max_consecutive_failures < 1:
@@ -58,6 +65,8 @@ class CheckpointManager:
         self.max_consecutive_failures = max_consecutive_failures
         self._peer_failure = peer_failure or _peer_failure
         self.storage = Storage(url, storage_options)
+        self._writer = (WriteProcess() if write_process and async_save and not self.storage.process_local
+                        else None)
         self._group = SideGroup(collective_timeout_s)
         self._lock = threading.Lock()  # guards gc against the background commit's retention pass
         self._inflight: tuple[Future, int] | None = None
@@ -119,7 +128,7 @@ class CheckpointManager:
                         self.storage.display_url)
         self._staged = stage_state_dict(state, self._staged)
         job = SaveJob(self.storage, step, generation, self._staged, group, self._before_commit,
-                      self._retention, meta=meta)
+                      self._retention, meta=meta, process=self._writer)
         future: Future = Future()
         # A daemon thread per save (one at a time): a save stuck in a collective with a dead
         # peer (see abandon) must not keep the interpreter from exiting.
@@ -217,6 +226,8 @@ class CheckpointManager:
         finally:
             self._closed = True
             self._staged = None
+            if self._writer is not None:
+                self._writer.close()
 
     def abandon(self) -> None:
         """Stop waiting for the in-flight save, without blocking: call this instead of wait()

@@ -147,6 +147,11 @@ class Storage:
         self.is_local = "file" in protocols or "local" in protocols
 
     @property
+    def process_local(self) -> bool:
+        """Whether the storage lives in this process's memory (memory://): no other process sees it."""
+        return self._is_memory()
+
+    @property
     def appends_in_place(self) -> bool:
         """Whether `append` adds bytes without rewriting the object (local files, memory://);
         object stores rewrite it (see `checkpointing.appendlog.AppendLog` for a log that does not)."""

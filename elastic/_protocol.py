@@ -197,6 +197,29 @@ class GenerationPlan:
     local_rank: int = 0
     local_world_size: int = 1
     node_rank: int = 0
+    # Where FSDP's copies in memory go (elastic._worker.replicas): rank r's copy to the rank
+    # `copy_shift` replicas on, around the data-parallel ring; chosen so that it lands on another
+    # node when the group spans nodes (copy_shift).
+    copy_shift: int = 1
+
+
+def copy_shift(infos: list[WorkerInfo | None], replica_size: int = 1) -> int:
+    """The step of the copies' ring, in replicas: the smallest s for which every rank's copy
+    (at the same place, s replicas on) is held on another node than its own, so that losing one
+    node never loses a shard with its only copy (Gemini, SOSP'23, places them so). Ranks are
+    placed node by node, so the ring's plain step of one keeps a copy on its own node for all but
+    a node's last rank. Where no step places every copy elsewhere (one node, uneven nodes), the
+    step that places the most does (the smallest of those). A member whose node is not known yet
+    counts as a node of its own."""
+    nodes = [info.node_id if info is not None else f"?{rank}" for rank, info in enumerate(infos)]
+    world = len(nodes)
+    replicas = world // replica_size if replica_size > 0 and world % replica_size == 0 else 0
+    if replicas < 2:
+        return 1
+
+    def apart(shift: int) -> int:
+        return sum(nodes[rank] != nodes[(rank + shift * replica_size) % world] for rank in range(world))
+    return max(range(1, replicas), key=lambda shift: (apart(shift), -shift))
 
 
 def placement(infos: list[WorkerInfo | None]) -> list[dict[str, int]]:

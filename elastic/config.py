@@ -476,6 +476,13 @@ class CheckpointConfig:
     the checkpoint. Under DDP one rank per node hands its copy over. Costs one more copy of each
     rank's own state in host memory (the keeper's), handed over in the background every
     in_memory_every_n_steps steps. False: the workers' copies only."""
+    write_process: bool = False
+    """With async_save, each rank's checkpoint files are serialised, hashed and uploaded by a child
+    process of the worker (checkpointing._write_process) instead of the save's background thread,
+    so that work does not hold the training process's GIL while the loop runs. The planning and
+    the commit (fence, manifest, retention) stay in the worker. The child starts at the first
+    save (a second or more: it imports torch) and ends with the worker. Not for memory:// storage.
+    BENCHMARKS.md C3 measures it against the thread and DCP's process-based async save."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     """Extra fsspec options (for s3: endpoint_url, key, secret); AWS_* variables also work. Shown
     (repr, summary.json) with every secret-named key masked at any depth."""
@@ -493,6 +500,7 @@ class CheckpointConfig:
         _flag("CheckpointConfig.async_save", self.async_save)
         _flag("CheckpointConfig.takeover", self.takeover)
         _flag("CheckpointConfig.node_copies", self.node_copies)
+        _flag("CheckpointConfig.write_process", self.write_process)
         _count("CheckpointConfig.max_consecutive_failures", self.max_consecutive_failures, 1)
         _count("CheckpointConfig.in_memory_every_n_steps", self.in_memory_every_n_steps, 1, none="off")
         _require(isinstance(self.storage_options, Mapping) and all(isinstance(k, str) for k in self.storage_options),

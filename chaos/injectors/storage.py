@@ -132,10 +132,9 @@ class CrashBeforeCommitInjector(Injector):
 
 class CorruptCheckpointInjector(Injector):
     """Flip bytes in one shard of the newest committed checkpoint. With `force_load`, freeze
-    every worker first (no commit can land while we pick the newest), then kill them all, and
-    the run's node keepers with them (they hold copies of the state outside the workers: the
-    `kill_all_workers` fault is the one they answer), so the restore must come from storage and
-    meet the corrupt checkpoint first."""
+    every worker first (no commit can land while we pick the newest), then kill them all; with
+    `kill_keepers`, the run's node keepers with them (they hold copies of the state outside the
+    workers), so the restore must come from storage and meet the corrupt checkpoint first."""
 
     kind = "corrupt_checkpoint"
 
@@ -151,7 +150,7 @@ class CorruptCheckpointInjector(Injector):
             time.sleep(0.2)   # polling interval of the condition
         procs = self.procs(self.targets("all", rng)) if fault.force_load else []
         # The keepers are Ray actors of the workers' own raylets: their siblings, by process title.
-        keepers = siblings_titled(procs, KEEPER_TITLE) if procs else []
+        keepers = siblings_titled(procs, KEEPER_TITLE) if procs and fault.kill_keepers else []
         procs += keepers
         for p in procs:
             p.signal(signal.SIGSTOP)

@@ -108,7 +108,7 @@ class Controller:
         self.slots = Slots(scaling)
         self.bad_nodes = resumed.bad_nodes if resumed else BadNodes()
         self.former = GenerationFormer(group, checkpoints, self._storage, failure=failure, clock=clock,
-                                       unit=scaling.unit_size)
+                                       unit=scaling.unit_size, replica=scaling.replica_size)
         self.recovery = RecoveryCourse(group, self.recoveries, self.former, self.slots, self.budget, scaling=scaling,
                                        failure=failure, total_steps=total_steps, clock=clock, kill=self._kill,
                                        place=self._place_slots)

@@ -24,7 +24,15 @@ from elastic._controller.replica_arrangement import warm_sources
 from elastic._controller.running import Fault
 from elastic._controller.slot_table import WorkerView
 from elastic._controller.states import Running, Starting
-from elastic._protocol import GenerationPlan, ReplicaSource, RestoreKind, RestorePlan, WorkerReport, placement
+from elastic._protocol import (
+    GenerationPlan,
+    ReplicaSource,
+    RestoreKind,
+    RestorePlan,
+    WorkerReport,
+    copy_shift,
+    placement,
+)
 from elastic.config import FailureConfig
 from elastic.errors import WorkerLostError
 from elastic.policies import Cause, Failure
@@ -49,9 +57,9 @@ class GenerationFormer:
     nothing to the other parts (the controller does, with what `form` returns)."""
 
     def __init__(self, group: WorkerGroup, checkpoints: CheckpointView, storage: StorageCall, *,
-                 failure: FailureConfig, clock: Callable[[], float], unit: int = 1):
+                 failure: FailureConfig, clock: Callable[[], float], unit: int = 1, replica: int = 1):
         self.group, self._checkpoints, self._storage = group, checkpoints, storage
-        self._failure, self._clock, self._unit = failure, clock, unit
+        self._failure, self._clock, self._unit, self._replica = failure, clock, unit, replica
         self.generation = -1
 
     def resume_plan(self) -> RestorePlan:
@@ -136,10 +144,11 @@ class GenerationFormer:
         fault: Fault | None = None
         try:
             addr, port = self.group.rendezvous_address(st.members[0])
-            places = placement([views[wid].info for wid in st.members])
+            infos = [views[wid].info for wid in st.members]
+            places, shift = placement(infos), copy_shift(infos, self._replica)
             self.group.start_generation({wid: GenerationPlan(
                 generation=self.generation, rank=rank, world_size=world, master_addr=addr, master_port=port,
-                restore=st.restore, timeout_s=failure.collective_timeout_s, **places[rank])
+                restore=st.restore, timeout_s=failure.collective_timeout_s, copy_shift=shift, **places[rank])
                 for rank, wid in enumerate(st.members)})
         except WorkerLostError as error:
             log.warning("generation %d could not start: %s", self.generation, error)

@@ -94,16 +94,16 @@ def broadcast_state(state: Any | None, src: int, device: torch.device, group: di
     return _fill_tree(skeleton, _unflatten(slots, groups, flats, device, copy=True))
 
 
-def swap_ring(state: Any, device: torch.device, group: dist.ProcessGroup | None = None) -> Any:
-    """Collective over `group` (default: the world): every rank sends `state` to the next rank
-    of the group (around the ring, in group rank order) and returns what the previous one sent
-    it; tensors arrive on `device`.
+def swap_ring(state: Any, device: torch.device, group: dist.ProcessGroup | None = None, shift: int = 1) -> Any:
+    """Collective over `group` (default: the world): every rank sends `state` to the rank
+    `shift` places on (around the ring, in group rank order) and returns what the one `shift`
+    places back sent it; tensors arrive on `device`.
 
     Point to point, so the bytes each rank moves do not grow with the world size: a skeleton's
     length, the skeleton, then one flat buffer per dtype, each a send and a receive posted
     together (no rank waits for its receiver before it can receive)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    right, left = _global_rank(group, (rank + 1) % world), _global_rank(group, (rank - 1) % world)
+    right, left = _global_rank(group, (rank + shift) % world), _global_rank(group, (rank - shift) % world)
     tensors: list[torch.Tensor] = []
     mine = _split_tree(state, tensors)
     blob = pickle.dumps(mine)

@@ -40,7 +40,7 @@ class CheckpointSession:
             self.manager = CheckpointManager(
                 c.storage, keep=c.keep, storage_options=c.storage_options or None, async_save=c.async_save,
                 max_consecutive_failures=c.max_consecutive_failures,
-                collective_timeout_s=spec.failure.collective_timeout_s)
+                collective_timeout_s=spec.failure.collective_timeout_s, write_process=c.write_process)
         return self.manager
 
     def save(self, spec: Any, step: int, payload: dict[str, Any], *, generation: int, wait: bool,

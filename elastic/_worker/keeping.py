@@ -146,7 +146,8 @@ class StateKeeper:
         group = mesh.dp_group() if mesh.split else None
         self._worker.replicas.refresh(self.state, generation=self._plan.generation, rank=self._plan.rank,
                                       world_size=self._plan.world_size, step=self._boundary.step,
-                                      device=self._copy_device, replica_size=mesh.layout.replica_size, group=group)
+                                      device=self._copy_device, replica_size=mesh.layout.replica_size, group=group,
+                                      shift=self._plan.copy_shift)
         self._hand_to_keeper()
 
     def _hand_to_keeper(self) -> None:

@@ -5,14 +5,17 @@ to the newest checkpoint (or to step 0 before the first commit). Here, every
 `CheckpointConfig.in_memory_every_n_steps` steps, each rank copies its whole state to host
 memory (its shards of the parameters and the optimizer state, and the replicated rest: the
 framework's progress, schedulers, the user's counters) and swaps a copy with its ring
-neighbours: rank r sends its copy to r + 1 and keeps r - 1's (Gemini, SOSP'23, with one peer). A
-lost rank's state then survives on its right neighbour; a group that lost two neighbours falls
-back to the checkpoint. Cost: two copies of the rank's state in host memory, and one copy's
+neighbours: rank r sends its copy to r + s and keeps r - s's (Gemini, SOSP'23, with one peer). The
+controller picks the step s (GenerationPlan.copy_shift) so that every copy lands on another node
+than its rank's when the group spans nodes: ranks are placed node by node, so s = 1 would keep
+all but a node's last rank's copy on its own node, and a lost node would take them together. A
+lost rank's (or node's) state then survives on its ring neighbour; a group that lost two
+neighbours falls back to the checkpoint. Cost: two copies of the rank's state in host memory, and one copy's
 worth of point-to-point traffic per rank every K steps (elastic._worker.broadcast.swap_ring).
 
 Under tensor parallelism (T > 1, FSDP x TP: torchtitan's 2-D) the ring runs along the
 data-parallel dimension, within each TP rank's data-parallel group: rank r sends its copy to
-r + T (the same TP rank in the next replica) and keeps r - T's. A lost rank's copy then lives in
+r + s x T (the same TP rank s replicas on) and keeps r - s x T's. A lost rank's copy then lives in
 another replica, at its own TP rank, where a rebuild needs it; at T = 1 this is the ring above.
 
 When the copies are taken. At the K-step boundaries, and when the group leaves the loop
@@ -255,23 +258,25 @@ class ReplicaStore:
                          f"worker holds {held} (generation, rank, step)")
 
     def refresh(self, state: TrainState, *, generation: int, rank: int, world_size: int, step: int,
-                device: torch.device, replica_size: int = 1, group: ProcessGroup | None = None) -> None:
+                device: torch.device, replica_size: int = 1, group: ProcessGroup | None = None,
+                shift: int = 1) -> None:
         """Collective over `group` (default: the world): take this rank's copy and swap copies
-        around the ring.
+        around the ring, `shift` replicas on (the controller's GenerationPlan.copy_shift, which
+        puts each copy on another node).
 
         Under tensor or pipeline parallelism (`replica_size` R = T x P > 1) the ring is this
         rank's data-parallel group (`group`: the same place in every replica), so rank r keeps
-        the copy of r - R."""
+        the copy of r - shift x R."""
         from elastic._worker.broadcast import swap_ring
         self._pair = ()     # the previous pair is dropped first: memory holds one pair, not two
         own = Copy(generation, world_size, rank, step, to_host(state.state_dict()))
         self._pair = (own,)
         if world_size == replica_size:
             return
-        theirs = swap_ring(own.state, device, group=group)
+        theirs = swap_ring(own.state, device, group=group, shift=shift)
         if device.type != "cpu":
             theirs = to_host(theirs)
-        self._pair = (own, Copy(generation, world_size, (rank - replica_size) % world_size, step, theirs))
+        self._pair = (own, Copy(generation, world_size, (rank - shift * replica_size) % world_size, step, theirs))
 
 
 class Rebuild:

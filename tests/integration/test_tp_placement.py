@@ -95,4 +95,6 @@ def test_each_tp_replica_stays_on_one_node_through_a_node_loss_and_the_regrowth(
     assert s["status"] == "stopped" and s["final_step"] > HOLD_STEP + 10, result.error_traceback
     lost = [r for r in s["recoveries"] if r["cause"] != "scale_up"]
     assert lost and lost[0]["cause"] == "node_lost" and lost[0]["from_world"] == 4 and lost[0]["to_world"] == 2
+    # DDP x TP: the other node's replica holds the whole state, every TP rank of it.
+    assert lost[0]["rung"] == "warm", lost[0]
     assert [w for _, w in s["world_size_history"]] == [4, 2, 4], s["world_size_history"]

@@ -16,14 +16,15 @@ from elastic.config import CheckpointConfig, FailureConfig, ScalingConfig
 from elastic.context import TrainContext
 
 
-def _context(rank: int, world: int, generation: int, restore: RestorePlan, worker: WorkerState) -> TrainContext:
+def _context(rank: int, world: int, generation: int, restore: RestorePlan, worker: WorkerState,
+             shift: int = 1) -> TrainContext:
     spec = RunSpec(user_code=b"", total_steps=100, seed=0,
                    scaling=ScalingConfig(strategy="fsdp", use_gpu=False),
                    checkpoint=CheckpointConfig(storage="memory://unused", keep=None,
                                                async_save=False, max_consecutive_failures=3, in_memory_every_n_steps=1),
                    failure=FailureConfig(collective_timeout_s=60.0))
     plan = GenerationPlan(generation=generation, rank=rank, world_size=world, master_addr="127.0.0.1",
-                          master_port=0, restore=restore, timeout_s=60.0)
+                          master_port=0, restore=restore, timeout_s=60.0, copy_shift=shift)
     return TrainContext(plan=plan, spec=spec, worker=worker, loop_config=None, stop_requested=threading.Event(),
                         preempted=threading.Event(), device=torch.device("cpu"))
 
@@ -62,11 +63,12 @@ def _full(model, optimizer) -> dict[str, list]:
     return {k: torch.as_tensor(v).flatten().tolist() for k, v in sorted(flat.items())}
 
 
-def train_and_copy(rank: int, world: int, out: str, steps: int) -> dict:
-    """Generation 1 at `world` ranks: `steps` steps, copies at every step; the pair each rank
-    holds is saved to `out` (the memory a survivor keeps), with the full state as the truth."""
+def train_and_copy(rank: int, world: int, out: str, steps: int, shift: int = 1) -> dict:
+    """Generation 1 at `world` ranks: `steps` steps, copies at every step, each sent `shift`
+    ranks on; the pair each rank holds is saved to `out` (the memory a survivor keeps), with the
+    full state as the truth."""
     worker = WorkerState()
-    ctx = _context(rank, world, 1, RestorePlan("fresh"), worker)
+    ctx = _context(rank, world, 1, RestorePlan("fresh"), worker, shift)
     model, optimizer = _objects(ctx)
     ctx.restore()
     for _ in range(steps):

@@ -1,5 +1,6 @@
 """FSDP's copies in host memory (elastic._worker.replicas): the row arithmetic, the controller's
-choice of holders, and a real rebuild at 2 and 4 ranks from copies taken at 3 (gloo processes,
+choice of holders and of the ring's step across nodes, and a real rebuild at 2 and 5 ranks (a lost
+node, a growth) from copies taken at 4 on two nodes of two (gloo processes,
 no Ray), equal to the state the copies were taken from."""
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from elastic._controller.forming import memory_source
-from elastic._protocol import ReplicaHeld, RestoreKind, RestorePlan, WorkerPhase, WorkerReport
+from elastic._protocol import ReplicaHeld, RestoreKind, RestorePlan, WorkerInfo, WorkerPhase, WorkerReport, copy_shift
 from elastic._worker.replicas import chunk_rows
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "integration" / "ckpt"))
@@ -63,17 +64,43 @@ def test_memory_source_takes_the_newest_step_every_rank_has():
     assert plan.replica.generation == 2 and plan.replica.holders == (0, 0)
 
 
+def _on(*nodes: str) -> list[WorkerInfo | None]:
+    return [WorkerInfo(pid, node, f"actor{pid}", "ip") for pid, node in enumerate(nodes)]
+
+
+def test_the_copies_ring_steps_over_each_node_so_no_copy_stays_on_its_ranks_node():
+    # Ranks are placed node by node: a step of one keeps 0's copy at 1, on node a.
+    assert copy_shift(_on("a", "a", "b", "b")) == 2
+    assert copy_shift(_on("a", "a", "a", "b", "b", "b")) == 3
+    assert copy_shift(_on("a", "b", "a", "b")) == 1            # interleaved: the next rank is elsewhere
+    assert copy_shift(_on("a", "a", "a")) == 1                 # one node: nothing to gain
+    assert copy_shift(_on("a")) == 1 and copy_shift([]) == 1
+    # Uneven nodes: no step places every copy elsewhere; the one that places most (5 of 6) wins.
+    assert copy_shift(_on("a", "a", "a", "a", "b", "b")) == 2
+    # A member whose node is not known yet is a node of its own.
+    assert copy_shift([None, None]) == 1
+    # Under tensor parallelism (replicas of 2 ranks: one, then two per node) the step counts
+    # replicas: a copy goes to the same TP rank of a replica on another node.
+    assert copy_shift(_on("a", "a", "b", "b"), replica_size=2) == 1
+    assert copy_shift(_on("a", "a", "a", "a", "b", "b", "b", "b"), replica_size=2) == 2
+    assert copy_shift(_on("a", "a", "b"), replica_size=2) == 1   # not whole replicas: the plain ring
+
+
 @pytest.fixture(scope="module")
 def copies(tmp_path_factory):
-    """Three FSDP ranks, three steps, a copy at each: the pairs each rank holds, on disk."""
+    """Four FSDP ranks on two nodes of two, three steps, a copy at each: the pairs each rank
+    holds, on disk. The controller's step for the copies' ring is 2, so 0 -> 2, 1 -> 3, 2 -> 0,
+    3 -> 1: each copy on the other node."""
     out = tmp_path_factory.mktemp("copies")
-    before = run_ranks("replica_ranks:train_and_copy", 3, out=str(out), steps=3)
-    assert [b["held"] for b in before] == [[1, 3, 3, [0, 2]], [1, 3, 3, [1, 0]], [1, 3, 3, [2, 1]]]
+    shift = copy_shift(_on("a", "a", "b", "b"))
+    before = run_ranks("replica_ranks:train_and_copy", 4, out=str(out), steps=3, shift=shift)
+    assert [b["held"] for b in before] == [[1, 4, 3, [0, 2]], [1, 4, 3, [1, 3]], [1, 4, 3, [2, 0]], [1, 4, 3, [3, 1]]]
     return out, before
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("world", "survivors"), [(2, [2, 0]), (4, [0, 1, 2])], ids=["shrink_3_to_2", "grow_3_to_4"])
+@pytest.mark.parametrize(("world", "survivors"), [(2, [2, 3]), (5, [0, 1, 2, 3])],
+                         ids=["lose_a_node_4_to_2", "grow_4_to_5"])
 def test_a_group_rebuilds_its_shards_from_the_copies_at_another_world_size(copies, world, survivors):
     out, before = copies
     after = run_ranks("replica_ranks:rebuild", world, out=str(out), survivors=survivors)
@@ -83,6 +110,6 @@ def test_a_group_rebuilds_its_shards_from_the_copies_at_another_world_size(copie
         assert result["full"].keys() == truth.keys()
         for key, values in truth.items():
             assert result["full"][key] == values, f"rank {rank}: {key} differs after the rebuild"
-    # Shrink: old rank 1 was lost; its copy is read from old rank 2 (new rank 0).
-    expected = {2: [1, 0, 0], 4: [0, 1, 2]}[world]
+    # A lost node: old ranks 0 and 1 went with their copies; the other node held them.
+    expected = {2: [0, 1, 0, 1], 5: [0, 1, 2, 3]}[world]
     assert after[0]["holders"] == expected
