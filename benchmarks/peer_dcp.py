@@ -49,7 +49,10 @@ from checkpointing.storage import Storage
 def dcp_writer(url: str, endpoint: str | None):
     if url.startswith("s3://"):
         # Durable on close; DCP's sync_files would os.sync() the whole machine for a remote store.
-        return FsspecWriter(url, sync_files=False, skip_instance_cache=True, endpoint_url=endpoint)
+        # The credentials travel with the writer: DCP's checkpoint process started before the S3
+        # endpoint's variables were set (it serves every store of the run).
+        return FsspecWriter(url, sync_files=False, skip_instance_cache=True, endpoint_url=endpoint,
+                            key=os.environ.get("AWS_ACCESS_KEY_ID"), secret=os.environ.get("AWS_SECRET_ACCESS_KEY"))
     return FileSystemWriter(url)
 
 
