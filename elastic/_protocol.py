@@ -203,23 +203,32 @@ class GenerationPlan:
     copy_shift: int = 1
 
 
+COPY_SHIFTS_TRIED = 64   # the steps copy_shift weighs: a node's replicas, up to this many
+
+
 def copy_shift(infos: list[WorkerInfo | None], replica_size: int = 1) -> int:
     """The step of the copies' ring, in replicas: the smallest s for which every rank's copy
     (at the same place, s replicas on) is held on another node than its own, so that losing one
-    node never loses a shard with its only copy (Gemini, SOSP'23, places them so). Ranks are
-    placed node by node, so the ring's plain step of one keeps a copy on its own node for all but
-    a node's last rank. Where no step places every copy elsewhere (one node, uneven nodes), the
-    step that places the most does (the smallest of those). A member whose node is not known yet
+    node never loses a shard with its only copy (Gemini, SOSP'23, places them so). Where ranks
+    sit node by node (a group that grew onto a new node, a scheduler that packs), the ring's
+    plain step of one keeps every copy but a node's last on its own node; where they alternate
+    between nodes, one is right. Where no step places every copy elsewhere (one node, uneven
+    nodes), the step that places the most does (the smallest of those). Steps up to
+    COPY_SHIFTS_TRIED are weighed, each in one pass over the ranks: the controller computes this
+    at every generation start, at up to 10,000 ranks. A member whose node is not known yet
     counts as a node of its own."""
     nodes = [info.node_id if info is not None else f"?{rank}" for rank, info in enumerate(infos)]
     world = len(nodes)
     replicas = world // replica_size if replica_size > 0 and world % replica_size == 0 else 0
-    if replicas < 2:
-        return 1
-
-    def apart(shift: int) -> int:
-        return sum(nodes[rank] != nodes[(rank + shift * replica_size) % world] for rank in range(world))
-    return max(range(1, replicas), key=lambda shift: (apart(shift), -shift))
+    best, best_apart = 1, -1
+    for shift in range(1, min(replicas, COPY_SHIFTS_TRIED + 1)):
+        step = shift * replica_size
+        apart = sum(nodes[rank] != nodes[(rank + step) % world] for rank in range(world))
+        if apart == world:
+            return shift
+        if apart > best_apart:
+            best, best_apart = shift, apart
+    return best
 
 
 def placement(infos: list[WorkerInfo | None]) -> list[dict[str, int]]:
