@@ -10,6 +10,7 @@ import pytest
 from checkpointing import FencedError, RunConflictError
 from elastic import CheckpointConfig, ElasticTrainer, ScalingConfig
 from elastic._controller.actor import CheckpointView
+from elastic._run_names import RunNames
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -80,6 +81,9 @@ def test_a_live_run_keeps_its_storage_while_its_status_writes_and_listings_stall
     from checkpointing import acquire_run_lease
     monkeypatch.setattr(lease_module, "DEFAULT_STALE_AFTER_S", 4.0)      # A renews every 1 s
     monkeypatch.setattr(controller_actor, "RayMetricsListener", lambda run: object())   # no Ray here
+    # ... nor a run's named workers to look for: the listing would start a local Ray (seconds to
+    # tens of seconds on a loaded machine, past this test's limit).
+    monkeypatch.setattr(RunNames, "workers", lambda self: {})
     released = threading.Event()
 
     def hang(*args):
