@@ -8,11 +8,11 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
 
+from chaos.services import wait_until
 from checkpointing import CheckpointManager
 from checkpointing import manifest as mf
 
@@ -36,13 +36,8 @@ def _alive(pid: int) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def _wait_gone(pid: int, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not _alive(pid):
-            return True
-        time.sleep(0.1)   # polling interval of the condition
-    return False
+def _wait_gone(pid: int, timeout_s: float, what: str) -> None:
+    wait_until(lambda: not _alive(pid), timeout_s, what)
 
 
 def test_the_childs_files_are_the_threads_own_and_commit_and_load_alike(tmp_path):
@@ -71,19 +66,17 @@ def test_the_childs_files_are_the_threads_own_and_commit_and_load_alike(tmp_path
     assert mf.verify_files(child.storage, 2, infos[1].files) == []
     thread.close()
     child.close()
-    assert _wait_gone(pid, 5), "close() left the writer process running"
+    _wait_gone(pid, 5, "close() to end the writer process")
 
 
 def test_a_cancelled_save_stops_the_child_commits_nothing_and_the_next_save_starts_another(tmp_path):
     mgr = CheckpointManager(str(tmp_path / "run"), async_save=True, write_process=True)
     mgr.save(1, _state(1), generation=0)
-    deadline = time.monotonic() + 30
-    while mgr._writer.pid is None and time.monotonic() < deadline:
-        time.sleep(0.01)   # polling interval of the condition: the child is being spawned
+    wait_until(lambda: mgr._writer.pid is not None, 30, "the save to start its writer process", interval_s=0.01)
     first = mgr._writer.pid
     assert first is not None
     mgr.abandon()           # the save's thread sees the cancel within its poll and kills the child
-    assert _wait_gone(first, 10), "the cancelled save left its writer process running"
+    _wait_gone(first, 10, "the cancelled save's writer process to end")
     assert mf.read_manifest(mgr.storage, 1) is None
     mgr.save(2, _state(2), generation=0)
     info = mgr.wait()
@@ -106,4 +99,4 @@ def test_the_child_ends_within_seconds_of_a_sigkilled_parent(tmp_path):
     done = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, timeout=90)
     assert done.returncode == -9, done.stderr[-2000:]
     pid = int(done.stdout.split()[-1])
-    assert _wait_gone(pid, 5), f"writer process {pid} outlived its SIGKILLed parent"
+    _wait_gone(pid, 5, f"writer process {pid} to end after its parent's SIGKILL")
