@@ -152,7 +152,7 @@ class StorageWriter(FileSystemWriter):
         super().__init__(path, single_file_per_rank=True, sync_files=False,
                          thread_count=thread_count, overwrite=True)
         self._storage_fs = _StorageFS(storage, path, cancel=cancel)
-        self._storage, self._cancel, self._process = storage, cancel, process
+        self._process = process
         # DCP takes any FileSystemBase here (torch's FsspecWriter does the same); the base class
         # annotates `fs` with its local FileSystem.
         self.fs = self._storage_fs  # type: ignore[assignment]
@@ -182,12 +182,12 @@ class StorageWriter(FileSystemWriter):
         for number, bucket in enumerate(_split_by_size_and_type(self.thread_count, plan.items)):
             name = f"{plan.storage_data.prefix}{number}{DEFAULT_SUFFIX}"
             files.append((self.fs.concat_path(self.path, name), name, bucket))
-        storage = self._storage
-        results, written = self._process.write(storage.url, storage.storage_options, os.fspath(self.path), files,
+        fs = self._storage_fs
+        results, written = self._process.write(fs.storage.url, fs.storage.storage_options, os.fspath(self.path), files,
                                                resolve(planner, plan.items), self.transforms,
-                                               self.serialization_format, self._cancel)
-        with self._storage_fs._lock:
-            self._storage_fs.written.update(written)
+                                               self.serialization_format, fs.cancel)
+        with fs._lock:
+            fs.written.update(written)
         done = Future()
         done.set_result(results)
         return done

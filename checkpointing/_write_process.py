@@ -23,7 +23,6 @@ stops writing at once, and the next save starts a fresh child.
 from __future__ import annotations
 
 import io
-import logging
 import os
 import sys
 import threading
@@ -31,8 +30,6 @@ import time
 from typing import Any, NamedTuple
 
 from checkpointing.errors import SaveCancelledError, StorageError
-
-log = logging.getLogger("checkpointing")
 
 POLL_S = 0.1   # how often a waiting save looks at its cancel flag and the child's liveness
 
