@@ -84,6 +84,9 @@ def test_a_live_run_keeps_its_storage_while_its_status_writes_and_listings_stall
     # ... nor a run's named workers to look for: the listing would start a local Ray (seconds to
     # tens of seconds on a loaded machine, past this test's limit).
     monkeypatch.setattr(RunNames, "workers", lambda self: {})
+    # ... nor a node of its own: outside an actor, asking Ray for the node id connects to (or
+    # starts) a cluster, which hung past the limit in CI where another test's cluster was going.
+    monkeypatch.setattr(controller_actor, "ray_node_id", lambda: "node-a")
     released = threading.Event()
 
     def hang(*args):
