@@ -42,7 +42,10 @@ class ControllerKiller(threading.Thread):
                 status = read_json(self.run_dir, "status.json") or {}
                 ok = status.get("state") == "running" and status.get("step", 0) >= self.at_step
                 return status if ok and status.get("controller") and status.get("workers") else None
-            wait_for(due, 120, f"the run past step {self.at_step}")
+            # The wait covers the run's start too: in CI's parallel pass on 2 cores, its workers
+            # took 75 s to be ready (startup_wait_s allows 120), and 120 s here ran out as the
+            # ranks reached the step.
+            wait_for(due, 210, f"the run past step {self.at_step}")
             status = due()
             self.workers = sorted(w["pid"] for w in status["workers"])
             self.step_seen, self.killed = status["step"], status["controller"]["pid"]
@@ -74,7 +77,7 @@ def fit(run_dir, killer, steps, strategy="ddp", workers=(2, 2)):
     return result, result.summary
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(330)
 def test_a_killed_controller_is_replaced_and_adopts_the_live_workers_losing_no_step(ray_session, run_dir):
     killer = ControllerKiller(run_dir, at_step=30)
     result, s = fit(run_dir, killer, steps=150)
@@ -89,7 +92,7 @@ def test_a_killed_controller_is_replaced_and_adopts_the_live_workers_losing_no_s
     assert s["checkpoints"][-1] == 150 and s["samples_consumed"] == 150 * 16
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(330)
 def test_an_fsdp_rank_killed_while_no_controller_is_there_is_recovered_once_the_replacement_is_up(
         ray_session, run_dir):
     killer = ControllerKiller(run_dir, at_step=30, and_rank=2)
