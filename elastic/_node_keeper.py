@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable
 from typing import Any
 
 from elastic._run_names import NAMESPACE, RunNames, end_when_orphaned
@@ -69,58 +68,60 @@ class PackedTensor:
     shape: tuple[int, ...]
 
 
-def _walk(value: Any, leaf: Callable[[Any], Any]) -> Any:
-    """`value` with every leaf that `leaf` replaces replaced (it returns its argument to keep it),
-    through dicts, lists, tuples and dataclass instances (a copy's ShardPieces)."""
-    if isinstance(value, PackedTensor):
-        return leaf(value)
-    if isinstance(value, dict):
-        return {k: _walk(v, leaf) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_walk(v, leaf) for v in value]
-    if type(value) is tuple:
-        return tuple(_walk(v, leaf) for v in value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.replace(value, **{f.name: _walk(getattr(value, f.name), leaf)
-                                             for f in dataclasses.fields(value) if f.init})
-    return leaf(value)
+@dataclasses.dataclass(frozen=True)
+class PackedState:
+    """A copy as it travels to and from a keeper: its skeleton (elastic._worker.broadcast's: the
+    structure, with each tensor's place) and its tensors, each plain CPU one as a PackedTensor
+    (any other, a subclass or on another device, as it is: pickled)."""
+
+    skeleton: Any
+    tensors: tuple[Any, ...]
 
 
-def pack_tensors(state: Any) -> Any:
-    """`state` with each plain CPU tensor as a PackedTensor (sharing its memory: Ray copies it
-    when the call is sent). Other tensors (a subclass, another device or layout) go as they are."""
+def pack_tensors(state: Any) -> PackedState:
+    """`state` packed; each PackedTensor shares its tensor's memory (Ray copies it when the call
+    is sent)."""
     import torch
 
-    def pack(value: Any) -> Any:
-        if type(value) is not torch.Tensor or value.device.type != "cpu" or value.layout != torch.strided \
-                or value.is_quantized:
-            return value
-        flat = value.detach().contiguous().reshape(-1)
-        return PackedTensor(flat.view(torch.uint8).numpy(), str(value.dtype).removeprefix("torch."),
-                            tuple(value.shape))
-    return _walk(state, pack)
+    from elastic._worker.broadcast import _split_tree
+
+    def pack(tensor: torch.Tensor) -> Any:
+        if type(tensor) is not torch.Tensor or tensor.device.type != "cpu" or tensor.layout != torch.strided \
+                or tensor.is_quantized:
+            return tensor
+        flat = tensor.contiguous().reshape(-1)
+        return PackedTensor(flat.view(torch.uint8).numpy(), str(tensor.dtype).removeprefix("torch."),
+                            tuple(tensor.shape))
+    tensors: list[torch.Tensor] = []
+    skeleton = _split_tree(state, tensors)
+    return PackedState(skeleton, tuple(pack(t) for t in tensors))
 
 
-def unpack_tensors(state: Any) -> Any:
-    """The inverse of pack_tensors: each PackedTensor as a tensor of its own memory (not the
-    object store's, which Ray maps read-only)."""
+def unpack_tensors(packed: PackedState) -> Any:
+    """The state again, each tensor in memory of its own (not the object store's, which Ray maps
+    read-only)."""
     import numpy as np
     import torch
+
+    from elastic._worker.broadcast import _fill_tree
 
     def unpack(value: Any) -> Any:
         if not isinstance(value, PackedTensor):
             return value
         data = torch.from_numpy(np.array(value.data, copy=True))
         return data.view(getattr(torch, value.dtype)).reshape(value.shape)
-    return _walk(state, unpack)
+    return _fill_tree(packed.skeleton, {i: unpack(t) for i, t in enumerate(packed.tensors)})
 
 
 def _owned(state: Any) -> Any:
-    """`state` with each PackedTensor's bytes copied out of the object store: the keeper holds
-    its copies in its own heap, not pinned in the node's object store."""
+    """A packed copy with its bytes copied out of the object store: the keeper holds its copies
+    in its own heap, not pinned in the node's object store."""
     import numpy as np
-    return _walk(state, lambda v: dataclasses.replace(v, data=np.array(v.data, copy=True))
-                 if isinstance(v, PackedTensor) else v)
+    if not isinstance(state, PackedState):
+        return state
+    return dataclasses.replace(state, tensors=tuple(
+        dataclasses.replace(t, data=np.array(t.data, copy=True)) if isinstance(t, PackedTensor) else t
+        for t in state.tensors))
 
 
 class NodeKeeper:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from elastic._node_keeper import NodeKeeper, PackedTensor, pack_tensors, unpack_tensors
+from elastic._node_keeper import NodeKeeper, PackedState, PackedTensor, pack_tensors, unpack_tensors
 from elastic._worker.replicas import ShardPiece
 
 pytestmark = pytest.mark.timeout(30)
@@ -41,8 +41,10 @@ def _leaves(value) -> list:
 def test_a_packed_copy_holds_no_tensor_and_unpacks_bit_for_bit():
     state = _state()
     packed = pack_tensors(state)
-    assert not any(isinstance(x, torch.Tensor) for x in _leaves(packed))
-    assert isinstance(packed["model"]["piece"].local, PackedTensor) and packed["model"]["piece"].offset == (8, 0)
+    tensors = [x for x in _leaves(state) if isinstance(x, torch.Tensor)]
+    assert isinstance(packed, PackedState) and len(packed.tensors) == len(tensors)
+    assert all(isinstance(t, PackedTensor) for t in packed.tensors)
+    assert packed.skeleton["model"]["piece"].offset == (8, 0) and packed.skeleton["extra"]["step"] == 7
     back = unpack_tensors(packed)
     for got, want in zip(_leaves(back), _leaves(state), strict=True):
         if isinstance(want, torch.Tensor):
@@ -72,7 +74,10 @@ def test_the_keeper_keeps_its_own_bytes_not_the_object_stores():
     readonly = np.frombuffer(bytes(range(16)), dtype=np.uint8)          # as Ray hands an argument over
     assert not readonly.flags.writeable
     keeper = NodeKeeper()
-    keeper.hold(1, 2, 0, 10, {"w": PackedTensor(readonly, "float32", (4,))})
-    kept = keeper.copy(1, 2, 0, 10)["w"]
-    assert kept.data.flags.owndata and kept.data.flags.writeable and bytes(kept.data) == bytes(range(16))
-    assert torch.equal(unpack_tensors(kept), torch.frombuffer(bytearray(range(16)), dtype=torch.float32))
+    skeleton = pack_tensors({"w": torch.zeros(4)}).skeleton
+    keeper.hold(1, 2, 0, 10, PackedState(skeleton, (PackedTensor(readonly, "float32", (4,)),)))
+    kept = keeper.copy(1, 2, 0, 10)
+    (bytes_kept,) = kept.tensors
+    assert bytes_kept.data.flags.owndata and bytes_kept.data.flags.writeable
+    assert bytes(bytes_kept.data) == bytes(range(16))
+    assert torch.equal(unpack_tensors(kept)["w"], torch.frombuffer(bytearray(range(16)), dtype=torch.float32))
