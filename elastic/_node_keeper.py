@@ -242,7 +242,8 @@ def fetch_copy(name: str, generation: int, world_size: int, rank: int, step: int
     """The copy a keeper holds (a worker restoring from it)."""
     import ray
     keeper = ray.get_actor(name, namespace=NAMESPACE)
-    return unpack_tensors(ray.get(keeper.copy.remote(generation, world_size, rank, step), timeout=HANDOVER_TIMEOUT_S))
+    packed: Any = ray.get(keeper.copy.remote(generation, world_size, rank, step), timeout=HANDOVER_TIMEOUT_S)
+    return unpack_tensors(packed)
 
 
 def kept_copies(names: RunNames, timeout_s: float = 10.0) -> list[tuple[str, int, int, int, int]]:
