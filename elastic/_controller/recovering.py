@@ -87,8 +87,11 @@ class RecoveryWatch:
                 self._lost.add(wid)      # a consequence of the failure being handled, not one of its own
                 silent_s = views[wid].silent_s
                 lag = now - silent_s - (self._first_settled_at or now)
+                report = views[wid].report
+                position = report.position if report is not None else None
+                where = f", {position.place} at step {position.step} for {position.age_s:.1f}s" if position else ""
                 tick.kills.append((wid, f"still in the broken collective {lag:.1f}s after its peers left "
-                                        f"(last answer {silent_s:.1f}s ago)"))
+                                        f"(last answer {silent_s:.1f}s ago{where})"))
             tick.cold = True
         for wid in st.evict:
             if wid in settled:

@@ -33,6 +33,9 @@ PREEMPTION_GRACE_S = 60   # a preempted worker leaves by then, even if the contr
 PREVIOUS_THREAD_JOIN_S = 5.0
 ORPHAN_CHECK_S = 5.0      # how often a worker that belongs to its run looks for the run's controller
 ORPHAN_QUIET_S = 10.0     # ... once no poll has come for this long (a controller's restart takes seconds)
+# A training thread still in its generation this long after its group was cut is stuck where no
+# cut reaches: its stack goes to the log before the controller replaces the worker.
+LEAVE_WATCH_S = 10.0
 
 # Backends name themselves in the errors of a broken process group (gloo's come from its
 # transport, e.g. "[.../gloo/transport/tcp/pair.cc:537] Read error ... Connection reset by peer").
@@ -337,6 +340,23 @@ class TrainWorker:
             training = self._thread is not None and self._thread.is_alive()
         if cut_group and training:
             self._membership.cut(sockets)
+            watch = threading.Timer(LEAVE_WATCH_S, self._log_if_still_in, args=(generation, self._thread))
+            watch.daemon = True
+            watch.start()
+
+    def _log_if_still_in(self, generation: int, thread: threading.Thread | None) -> None:
+        """The group of `generation` was cut LEAVE_WATCH_S ago: a training thread still in it is
+        blocked where the cut did not reach (not in a collective of the group's connections).
+        The controller replaces such a worker; its stack says where it was."""
+        import sys
+        with self._lock:
+            still = (thread is not None and thread.is_alive() and self._plan is not None
+                     and self._plan.generation == generation and self._phase == WorkerPhase.RUNNING)
+            rank = self._plan.rank if self._plan is not None else None
+        frame = sys._current_frames().get(thread.ident) if still and thread is not None and thread.ident else None
+        if frame is not None:
+            log.warning("rank %s's training thread is still in generation %d %.0fs after its group was cut, at:\n%s",
+                        rank, generation, LEAVE_WATCH_S, "".join(traceback.format_stack(frame)).rstrip())
 
     def poll(self, hold_s: float = 0.0, acked: int | None = None, wake_s: float | None = None) -> WorkerReport:
         """What this worker is doing. With `hold_s` the answer waits until something the
