@@ -121,6 +121,11 @@ class PositionReport:
     age_s: float               # seconds it has been there
     step_times: tuple[float, ...] = ()   # its steps' durations since its previous answer (see thread_position)
     exchanged: int = 0         # the newest step whose exchange it has collected: every rank entered it
+    # The step in hand follows boundary work (a checkpoint save, a copy to memory), whose
+    # background part (an upload, a keeper's handover) shares the host with it; and the
+    # durations of such steps since the previous answer, kept apart from `step_times`.
+    after_work: bool = False
+    after_work_times: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -600,11 +600,12 @@ class FailureConfig:
     has not moved since they began to wait (a hung kernel, a dead data service, a frozen process:
     found in seconds instead of heartbeat_timeout_s or the collective timeout). "auto": learned
     from the run, HANG_FACTOR (4) x the p99 of the last 200 step times, at least HANG_FLOOR_S
-    (2 s); judged only once 20 step times are known, never on a generation's first 2 steps nor on
-    a rank in a checkpoint save or ctx.restore. A number pins the bound; None turns it off (then
-    heartbeat_timeout_s, the collective timeout and step_timeout_s remain). Work one rank does
-    alone between steps (a rank-0 evaluation) longer than the bound counts as a hang: pin it
-    above that, or None."""
+    (2 s), where the step after a save or a copy to memory (its upload or handover goes on
+    beside it) is learned and judged apart; judged only once 20 step times are known, never on a
+    generation's first 2 steps nor on a rank in a checkpoint save or ctx.restore. A number pins
+    the bound; None turns it off (then heartbeat_timeout_s, the collective timeout and
+    step_timeout_s remain). Work one rank does alone between steps (a rank-0 evaluation) longer
+    than the bound counts as a hang: pin it above that, or None."""
 
     HANG_FACTOR: ClassVar[float] = 4.0
     """hang_timeout_s="auto": the bound is this many p99 step times, and at least HANG_FLOOR_S."""

@@ -89,6 +89,7 @@ class StateKeeper:
                 with _thread_position.waiting(_thread_position.ThreadPlace.EXCHANGE):
                     self._boundary.settle()
             self._copy_to_memory()
+            _thread_position.worked()      # the keeper's handover goes on beside the next step
             self._boundary.checkpoint_stall_s += time.monotonic() - started
         if leaving and not self.stays_in_memory(outcome):
             self._commit_before_leaving()

@@ -197,3 +197,30 @@ def test_a_stuck_rank_stops_moving_once_on_its_rank_only(bound, tmp_path, monkey
         hold_after(5, {STUCK_AT_KEY: (5, 1)})
     with pytest.raises(ConfigError, match="StuckAt.rank"):
         StuckAt(5, rank=-1, marker_file="x")
+
+
+def test_the_step_after_a_save_or_a_copy_is_reported_and_timed_apart(bound):
+    """A save (its CHECKPOINT mark) or a copy (`worked()`) at a boundary tags the next step, whose
+    time goes apart from the ordinary ones: the hang judge learns the two kinds apart."""
+    position, progress, _, clock = bound
+    a_step(position, progress, clock, 0.3, 0.1)               # ordinary
+    position.mark(ThreadPlace.CHECKPOINT)                     # a save at this boundary
+    clock.advance(0.5)
+    position.mark(ThreadPlace.COMPUTING)
+    report = position.report()
+    assert report.after_work and report.step_times == (pytest.approx(0.4),)   # the save follows it
+    clock.advance(1.5)                                         # shares the host with the upload
+    position.mark(ThreadPlace.SYNC)
+    position.mark(ThreadPlace.EXCHANGE)
+    progress.step += 1
+    position.mark(ThreadPlace.BOUNDARY)
+    thread_position.worked()                                   # a copy to memory at this boundary
+    a_step(position, progress, clock, 0.9, 0.1)
+    a_step(position, progress, clock, 0.3, 0.1)                # ordinary again
+    report = position.report()
+    assert not report.after_work
+    assert report.step_times == (pytest.approx(0.4),)
+    assert report.after_work_times == (pytest.approx(1.5), pytest.approx(1.0))
+    position.enter(generation=5)                               # a new generation starts untagged
+    position.mark(ThreadPlace.COMPUTING)
+    assert not position.report().after_work
