@@ -557,15 +557,26 @@ STORAGE_FAULTS = ("storage_stall", "storage_outage")
 def no_false_hang(ev: Evidence) -> Verdict:
     """No rank is judged hung because object storage stalled or refused: storage calls stay off
     the paths that judge the workers. A hang failure detected while a storage fault lasted (or
-    within a heartbeat timeout after it) is a false alarm; no fault of these kinds hangs a rank."""
+    within a heartbeat timeout after it) is a false alarm; no fault of these kinds hangs a rank.
+    Unless another fault explains it: one that hit those very ranks (a kill_node, a partition, a
+    hang) within the heartbeat timeout before the detection and its own duration (G1 found a
+    killed node's rank silent 3.8 s after the kill, inside a stall's window)."""
     windows = [(e["t"], e["t"] + float(e["fault"].get("duration_s") or 0.0) + ev.heartbeat_timeout_s,
                 e["fault"]["kind"]) for e in ev.events("invoke") if e["fault"]["kind"] in STORAGE_FAULTS]
     if not windows:
         return Verdict("no_false_hang", SKIP, "no storage fault was injected")
+    hits = [(e["t"], e["t"] + float(e["fault"].get("duration_s") or 0.0) + ev.heartbeat_timeout_s,
+             set((e.get("detail") or {}).get("ranks") or ()))
+            for e in ev.events("invoke") if e["fault"]["kind"] not in STORAGE_FAULTS]
+
+    def explained(f: dict) -> bool:
+        ranks = set(f.get("ranks") or ())
+        return bool(ranks) and any(ranks <= hit and start <= f["detected_at"] <= end for start, end, hit in hits)
+
     false = [f"rank(s) {f.get('ranks')} judged hung at {f['detected_at']:.1f} during a {kind} "
              f"({start:.1f}-{end:.1f})"
              for r in ev.recoveries() for f in r.get("failures") or []
-             if f.get("cause") == "hang" and f.get("detected_at") is not None
+             if f.get("cause") == "hang" and f.get("detected_at") is not None and not explained(f)
              for start, end, kind in windows if start <= f["detected_at"] <= end]
     return Verdict("no_false_hang", FAIL if false else PASS,
                    "; ".join(false) or f"no hang judged during {len(windows)} storage fault(s)",

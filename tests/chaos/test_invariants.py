@@ -473,3 +473,24 @@ def test_a_hang_judged_while_storage_stalled_is_a_false_hang():
     summary(ev)["recoveries"].append(hang)
     _storage_stall_at(ev, 10.0, 20.0)         # over (and a heartbeat timeout past it) before the hang
     assert verdicts(ev)["no_false_hang"] == PASS
+
+
+def test_a_hang_within_a_storage_stall_of_a_rank_another_fault_hit_is_not_false():
+    """G1: a node killed 3.8 s before its rank was judged hung (silent), inside a stall's window."""
+    hang = {"cause": "hang", "rung": "warm", "detect_s": 3.8, "recover_s": 1.0, "lost_steps": 0,
+            "from_world": 2, "to_world": 2, "step": 90, "generation": 3, "detected_at": 80.0,
+            "recovered_at": 81.0, "failures": [{"cause": "hang", "ranks": [1], "detected_at": 80.0}]}
+
+    def with_kill_node(ranks: list[int], at: float) -> dict:
+        ev = good()
+        summary(ev)["recoveries"].append(hang)
+        _storage_stall_at(ev, 60.0, 15.0)
+        ev["history"].append({"t": at, "type": "invoke", "index": 10,
+                              "fault": {"kind": "kill_node", "duration_s": 0.0, "target": "one"},
+                              "detail": {"nodes": ["n3"], "ranks": ranks}})
+        ev["history"].sort(key=lambda e: e["t"])
+        return ev
+
+    assert verdicts(with_kill_node([1], 76.2))["no_false_hang"] == PASS
+    assert verdicts(with_kill_node([0], 76.2))["no_false_hang"] == FAIL      # another rank was hit
+    assert verdicts(with_kill_node([1], 40.0))["no_false_hang"] == FAIL      # long before: not its cause
