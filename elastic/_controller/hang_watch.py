@@ -52,11 +52,13 @@ the last STEP_TIMES_KEPT step times, as the first member measures them (from the
 of a step to the end of its exchange: checkpoint saves and a generation's first step are not
 in them). Step times are forgotten when the world size changes: a smaller group may take longer
 per step. A number in hang_timeout_s pins the bound; None turns this judge off.
-Two kinds of step are learned apart: a step that follows boundary work (a save, a copy to
-memory: PositionReport.after_work) shares the host with that work's background part and takes
-longer. Mixed in, the few of them set the p99 (G1: a 0.47 s median, a 1.9 s step after each
-save, a bound of 7.6 s). So the ordinary steps' p99 sets the bound, and a front waiting in a
-step after boundary work is judged by the larger of it and the p99 of such steps.
+Two kinds of step are told apart: a step that follows boundary work (a save, a copy to memory:
+PositionReport.after_work) shares the host with that work's background part and takes longer.
+Mixed in, the few of them set the p99 (G1: a 0.47 s median, a 1.9 s step after each save, a
+bound of 7.6 s). So the ordinary steps' p99 sets the bound of an ordinary step, and a front
+waiting in a step after boundary work is judged as every step was before: by the p99 of all the
+steps kept, slow ones included (that kind alone, a few samples, would be judged by its maximum,
+a longer bound than before).
 """
 from __future__ import annotations
 
@@ -126,7 +128,7 @@ class HangWatch:
     def __init__(self, clock: Callable[[], float]):
         self._clock = clock
         self._step_times: deque[float] = deque(maxlen=STEP_TIMES_KEPT)
-        self._after_work_times: deque[float] = deque(maxlen=STEP_TIMES_KEPT)   # steps after a save or copy
+        self._all_times: deque[float] = deque(maxlen=STEP_TIMES_KEPT)     # both kinds, steps after a save or copy too
         self._world: int | None = None
         self._fed: WorkerReport | None = None     # the report whose step times were taken last
         # Seconds between two answers of the first member within one generation (receive times),
@@ -143,7 +145,7 @@ class HangWatch:
         if len(st.members) != self._world:
             self._world = len(st.members)
             self._step_times.clear()
-            self._after_work_times.clear()
+            self._all_times.clear()
         first = views[st.members[0]]
         report = first.report
         if report is None or report is self._fed or report.position is None:
@@ -155,16 +157,20 @@ class HangWatch:
         self._last_answer = (first.wid, report.generation, received_at)
         if report.generation == st.generation:
             self._step_times.extend(report.position.step_times)
-            self._after_work_times.extend(report.position.after_work_times)
+            self._all_times.extend(report.position.step_times)
+            self._all_times.extend(report.position.after_work_times)
 
     def p99_s(self, after_work: bool = False) -> float | None:
-        """The p99 of the ordinary step times kept (None before MIN_STEP_TIMES of them); with
-        `after_work`, the larger of it and the p99 of the steps after boundary work (however
-        few: with one known, its time)."""
-        if len(self._step_times) < MIN_STEP_TIMES:
+        """The p99 of the ordinary step times kept; with `after_work`, or while fewer than
+        MIN_STEP_TIMES of them are kept (copies taken at every step make every step one after
+        boundary work), of every step time kept. None before MIN_STEP_TIMES step times."""
+        if len(self._all_times) < MIN_STEP_TIMES:
             return None
-        p99 = _p99(self._step_times)
-        return max(p99, _p99(self._after_work_times)) if after_work and self._after_work_times else p99
+        every = _p99(self._all_times)
+        if len(self._step_times) < MIN_STEP_TIMES:
+            return every
+        ordinary = _p99(self._step_times)
+        return max(ordinary, every) if after_work else ordinary
 
     def bound(self, failure: FailureConfig, after_work: bool = False) -> float | None:
         """The bound a front waiting in an ordinary step (or, `after_work`, in a step after

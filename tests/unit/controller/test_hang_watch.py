@@ -284,8 +284,8 @@ def test_hang_timeout_s_refuses_what_is_not_seconds_auto_or_none(value):
 
 def test_steps_after_a_save_or_copy_are_learned_apart_and_judge_only_such_a_step():
     """Ordinary steps of 0.1 s and, after each save, steps of 1.9 s: mixed, the slow few set the
-    p99 (a 7.6 s bound for every step); apart, an ordinary step is judged at the floor (2 s)
-    and only a step after a save at 4 x 1.9 s."""
+    p99 (a 7.6 s bound for every step); apart, an ordinary step is judged at the floor (2 s),
+    and only a step after a save by the p99 of all of them (4 x 1.9 s)."""
     clock = FakeClock()
     watch = HangWatch(clock)
     first = PositionReport(generation=GEN, place=COMPUTING, step=40, nth=10, age_s=0.0, step_times=(0.1,) * 40,
@@ -309,3 +309,15 @@ def test_steps_after_a_save_or_copy_are_learned_apart_and_judge_only_such_a_step
     assert judge(watch, front(2.0, after_work=True), view(1, COMPUTING, age=3.0, silent=0.5)) is None
     hung = judge(watch, front(7.6, after_work=True), view(1, COMPUTING, age=8.0, silent=0.5))
     assert hung is not None and "steps after a save or copy" in hung.reason and "bound 7.6s" in hung.reason
+
+
+def test_with_a_copy_at_every_step_the_bound_is_learned_from_those_steps():
+    """in_memory_every_n_steps=1: every step follows a copy; the bound is still learned (from all
+    of them, as before the kinds were told apart), not left off for want of ordinary steps."""
+    watch = HangWatch(FakeClock())
+    first = PositionReport(generation=GEN, place=COMPUTING, step=40, nth=10, age_s=0.0, after_work_times=(0.1,) * 40)
+    report = WorkerReport(phase=WorkerPhase.RUNNING, generation=GEN, rank=0, step=40, has_state=True, records=[],
+                          position=first)
+    st, views = group(WorkerView(wid=0, status=READY, report=report, silent_s=0.2), view(1, COMPUTING, age=0.0))
+    watch.learn(st, views)
+    assert watch.bound(DEFAULT) == watch.bound(DEFAULT, after_work=True) == 2.0
