@@ -246,7 +246,8 @@ class HangWatch:
             return None
         wait = front.answered_at - front.there_since
         p99 = self.p99_s(front.position.after_work)
-        kind = "p99 step time" + (" (steps after a save or copy)" if front.position.after_work else "")
+        kind = "p99 step time" + (" (of all steps: this one follows a save or copy)"
+                                   if front.position.after_work else "")
         learned = f"{failure.HANG_FACTOR:g} x {kind} {p99:.2f}s, at least {failure.HANG_FLOOR_S:g}s" \
             if p99 is not None and failure.hang_timeout_s == "auto" else "pinned"
         return Hung(ranks=tuple(m.rank for m, _, _ in hung), lost=[m.wid for m, _, _ in hung],

@@ -308,7 +308,7 @@ def test_steps_after_a_save_or_copy_are_learned_apart_and_judge_only_such_a_step
     assert hung is not None and hung.ranks == (1,) and "bound 2.0s" in hung.reason
     assert judge(watch, front(2.0, after_work=True), view(1, COMPUTING, age=3.0, silent=0.5)) is None
     hung = judge(watch, front(7.6, after_work=True), view(1, COMPUTING, age=8.0, silent=0.5))
-    assert hung is not None and "steps after a save or copy" in hung.reason and "bound 7.6s" in hung.reason
+    assert hung is not None and "follows a save or copy" in hung.reason and "bound 7.6s" in hung.reason
 
 
 def test_with_a_copy_at_every_step_the_bound_is_learned_from_those_steps():
