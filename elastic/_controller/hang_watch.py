@@ -166,11 +166,11 @@ class HangWatch:
         boundary work), of every step time kept. None before MIN_STEP_TIMES step times."""
         if len(self._all_times) < MIN_STEP_TIMES:
             return None
-        every = _p99(self._all_times)
         if len(self._step_times) < MIN_STEP_TIMES:
-            return every
+            return _p99(self._all_times)
         ordinary = _p99(self._step_times)
-        return max(ordinary, every) if after_work else ordinary
+        # Sorted only when asked: `assess` asks for the ordinary bound at every tick.
+        return max(ordinary, _p99(self._all_times)) if after_work else ordinary
 
     def bound(self, failure: FailureConfig, after_work: bool = False) -> float | None:
         """The bound a front waiting in an ordinary step (or, `after_work`, in a step after
@@ -186,9 +186,15 @@ class HangWatch:
 
     def assess(self, st: Running, views: dict[int, WorkerView], failure: FailureConfig, *,
                hold_s: float | None = None) -> Hung | None:
-        bounds = {kind: self.bound(failure, after_work=kind) for kind in (False, True)}
+        bounds = {False: self.bound(failure)}
         if bounds[False] is None:
             return None
+
+        def bound_for(after_work: bool) -> float:
+            # A step after boundary work's bound (a sort of every step time) only when one is judged.
+            if after_work not in bounds:
+                bounds[after_work] = self.bound(failure, after_work=True)
+            return bounds[after_work] or 0.0
         now = self._clock()
         # Silence is judged against the hold the polls were given (None: the config's, as given while running).
         fresh_s = (failure.poll_hold_s if hold_s is None else hold_s) + SILENCE_MARGIN_S
@@ -204,13 +210,13 @@ class HangWatch:
             member = _Seen(rank, wid, position, answered_at, answered_at - position.age_s, view.silent_s)
             seen.append(member)
             if position.place in WAITING and view.silent_s <= fresh_s and position.nth > FIRST_STEPS \
-                    and position.age_s + WAKE_SLACK_S >= (bounds[position.after_work] or 0.0) \
+                    and position.age_s + WAKE_SLACK_S >= bound_for(position.after_work) \
                     and (front is None or member.place > front.place
                          or (member.place == front.place and member.there_since < front.there_since)):
                 front = member
         if front is None:
             return None
-        bound = bounds[front.position.after_work] or 0.0
+        bound = bound_for(front.position.after_work)
         behind = [m for m in seen if m.place < front.place]
         quiet_limit = self.quiet_limit(bound)
         hung: list[tuple[_Seen, float, str]] = []
