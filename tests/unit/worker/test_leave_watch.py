@@ -5,29 +5,16 @@ import logging
 import threading
 
 import pytest
-from ray import cloudpickle
 
-from elastic._protocol import GenerationPlan, RestorePlan, RunSpec, WorkerPhase
+from elastic._protocol import GenerationPlan, RestorePlan, WorkerPhase
 from elastic._worker import worker as worker_module
-from elastic._worker.worker import TrainWorker
-from elastic.config import CheckpointConfig, FailureConfig, ScalingConfig
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def loop(ctx):
-    pass
-
-
-@pytest.fixture
-def worker(tmp_path, monkeypatch):
+@pytest.fixture(autouse=True)
+def quick_watch(monkeypatch):
     monkeypatch.setattr(worker_module, "LEAVE_WATCH_S", 0.05)
-    spec = RunSpec(user_code=cloudpickle.dumps((loop, None)), total_steps=1, seed=0,
-                   scaling=ScalingConfig(strategy="ddp", use_gpu=False),
-                   checkpoint=CheckpointConfig(storage=str(tmp_path), keep=1,
-                                               async_save=False, max_consecutive_failures=1),
-                   failure=FailureConfig(collective_timeout_s=5.0))
-    return TrainWorker(spec)
 
 
 def in_generation(worker, generation, target):

@@ -4,29 +4,13 @@ import dataclasses
 import threading
 
 import pytest
-from ray import cloudpickle
 
-from elastic._protocol import RunSpec, WorkerPhase
+from elastic._protocol import WorkerPhase
 from elastic._worker.worker import TrainWorker
-from elastic.config import CheckpointConfig, FailureConfig, ScalingConfig
 
 pytestmark = pytest.mark.timeout(60)
 
 HOLD_S = 120.0     # far longer than the joins below wait: an answer within them came from news
-
-
-def loop(ctx):
-    pass
-
-
-@pytest.fixture
-def worker(tmp_path):
-    spec = RunSpec(user_code=cloudpickle.dumps((loop, None)), total_steps=1, seed=0,
-                   scaling=ScalingConfig(strategy="ddp", use_gpu=False),
-                   checkpoint=CheckpointConfig(storage=str(tmp_path), keep=1,
-                                               async_save=False, max_consecutive_failures=1),
-                   failure=FailureConfig(collective_timeout_s=5.0))
-    return TrainWorker(spec)
 
 
 def held_poll(worker):
